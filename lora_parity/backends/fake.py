@@ -1,0 +1,154 @@
+"""Fake trainer and sampler behind the real Protocols, for unit tests: pure Python, milliseconds.
+
+The fake model's logprob of token `tok` after `prev` at position t is a fixed base value plus,
+for each target kind K, (alpha/r) · (B_K · A_K) · feature_K(prev, tok, t). It is linear in B, like
+a LoRA's first-order effect, so deltas, per-target coverage and every fault behave as on the real
+backends. Adapters travel as real PEFT folders (see `adapter_files`), and the fake sampler keeps
+what it loaded under an id unless asked to reload in place, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+from lora_parity import adapter_files as af
+from lora_parity.backends.base import AdapterHandle, Scores, Sequences
+from lora_parity.config import ModelConfig
+from lora_parity.errors import PhaseError
+from lora_parity.perturb import is_lora_b, noise_seed, target_kind
+from lora_parity.receipt import BackendInfo, Perturbation
+
+_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def _module_path(kind: str) -> str:
+    block = "self_attn" if kind in _ATTN else "mlp"
+    return f"base_model.model.model.layers.0.{block}.{kind}"
+
+
+def _base_logprob(prev: int, tok: int) -> float:
+    return -1.0 - ((tok * 31 + prev * 17) % 97) / 16.0
+
+
+def _feature(k: int, prev: int, tok: int, t: int) -> float:
+    return 3.0 * math.sin(1.3 * (k + 1) + 0.7 * prev + 0.11 * tok + 0.05 * t)
+
+
+def _score(sequences: Sequences, coefficients: dict[str, float], kinds: list[str]) -> Scores:
+    out: Scores = []
+    for seq in sequences:
+        row = []
+        for t in range(len(seq) - 1):
+            prev, tok = seq[t], seq[t + 1]
+            value = _base_logprob(prev, tok)
+            for k, kind in enumerate(kinds):
+                value += coefficients.get(kind, 0.0) * _feature(k, prev, tok, t)
+            row.append(value)
+        out.append(row)
+    return out
+
+
+def _coefficients(config: dict, tensors: dict[str, af.Tensor]) -> dict[str, float]:
+    """(alpha/r) · B·A per target kind, from a PEFT adapter's files."""
+    scale = float(config["lora_alpha"]) / float(config["r"])
+    a: dict[str, list[float]] = {}
+    b: dict[str, list[float]] = {}
+    for name, tensor in tensors.items():
+        (b if is_lora_b(name) else a)[target_kind(name)] = tensor.to_floats()
+    return {k: scale * math.fsum(x * y for x, y in zip(a[k], b[k], strict=True)) for k in a if k in b}
+
+
+class FakeTrainer:
+    """A trainer whose model is `_score` over the adapter's B·A per target kind."""
+
+    needs_checkpoint = False
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path | None, seed: int, timings: dict[str, float]) -> None:
+        self.cfg = cfg
+        self.kinds = list(cfg.adapter.targets)
+        r = cfg.adapter.rank
+        rng = random.Random(seed)
+        self.params: dict[str, list[float]] = {}
+        for kind in self.kinds:
+            self.params[f"{_module_path(kind)}.lora_A.default.weight"] = [rng.uniform(-1, 1) for _ in range(r)]
+            self.params[f"{_module_path(kind)}.lora_B.default.weight"] = [0.0] * r
+        self.trainable_base = False
+
+    def _coefficients(self) -> dict[str, float]:
+        scale = self.cfg.adapter.alpha / self.cfg.adapter.rank
+        out = {}
+        for kind in self.kinds:
+            a = self.params[f"{_module_path(kind)}.lora_A.default.weight"]
+            b = self.params[f"{_module_path(kind)}.lora_B.default.weight"]
+            out[kind] = scale * math.fsum(x * y for x, y in zip(a, b, strict=True))
+        return out
+
+    def score(self, sequences: Sequences) -> Scores:
+        return _score(sequences, self._coefficients(), self.kinds)
+
+    def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
+        if self.trainable_base:
+            raise PhaseError("refusing to perturb: a non-adapter parameter is trainable")
+        names = [n for n in self.params if is_lora_b(n) and (only is None or target_kind(n) == only)]
+        for name in names:
+            if any(self.params[name]):
+                raise PhaseError(f"refusing to perturb: {name} is non-zero before the update")
+            rng = random.Random(noise_seed(name, seed))
+            self.params[name] = [rng.gauss(0.0, std) for _ in self.params[name]]
+        return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(names),
+                            num_elements=sum(len(self.params[n]) for n in names), tensors=names)
+
+    def zero_b(self) -> None:
+        for name in self.params:
+            if is_lora_b(name):
+                self.params[name] = [0.0] * len(self.params[name])
+
+    def export_adapter(self, directory: Path) -> Path:
+        r = self.cfg.adapter.rank
+        tensors = {}
+        for name, values in self.params.items():
+            file_name = name.replace(".default.weight", ".weight")
+            shape = [1, r] if is_lora_b(name) else [r, 1]
+            tensors[file_name] = af.Tensor.from_floats("F64", shape, values)
+        config = {"r": r, "lora_alpha": self.cfg.adapter.alpha, "target_modules": sorted(self.kinds),
+                  "peft_type": "LORA", "lora_dropout": 0.0}
+        af.write_adapter(directory, config, tensors)
+        return Path(directory)
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(backend="fake", versions={}, settings={"rank": self.cfg.adapter.rank})
+
+    def close(self) -> None:
+        pass
+
+
+class FakeSampler:
+    """A sampler that scores with the coefficients of the adapter folders it loaded, by id."""
+
+    needs_checkpoint = False
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float]) -> None:
+        self.kinds = list(cfg.adapter.targets)
+        self.loaded: dict[int, dict[str, float]] = {}
+        self.reloads_without_inplace = 0
+
+    def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        coefficients = self.loaded[adapter.adapter_id] if adapter else {}
+        return _score(sequences, coefficients, self.kinds)
+
+    def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
+        if adapter_id not in self.loaded or inplace:
+            config, tensors = af.read_adapter(directory)
+            self.loaded[adapter_id] = _coefficients(config, tensors)
+        return AdapterHandle(name, adapter_id, Path(directory))
+
+    def retire(self, handle: AdapterHandle) -> None:
+        self.loaded.pop(handle.adapter_id, None)
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(backend="fake", versions={}, settings={})
+
+    def close(self) -> None:
+        pass

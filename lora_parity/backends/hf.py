@@ -1,0 +1,175 @@
+"""HF transformers + PEFT: the `hf` trainer, and the `hf` sampler (an independent load, as a reference)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+import transformers
+
+from lora_parity.backends.base import AdapterHandle, Scores, Sequences
+from lora_parity.config import ModelConfig
+from lora_parity.errors import PhaseError
+from lora_parity.perturb import is_lora_b, noise_seed, target_kind
+from lora_parity.receipt import BackendInfo, Perturbation
+
+
+def pick_device() -> torch.device:
+    """CUDA when there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    """Human name of a device, e.g. 'NVIDIA H200' or 'cpu'."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device) -> Any:
+    """The base model from a local HF checkpoint, safetensors only, eval mode."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir),
+        dtype=getattr(torch, cfg.model.dtype),
+        use_safetensors=True,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def score_sequences(model: Any, sequences: Sequences, device: torch.device) -> Scores:
+    """One sequence per forward; log-softmax in fp32; entry t = log p(s[t+1] | s[:t+1])."""
+    out: Scores = []
+    for seq in sequences:
+        ids = torch.tensor([seq], device=device)
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        out.append(logprobs.cpu().tolist())
+    return out
+
+
+def versions() -> dict[str, str]:
+    """Package versions that change HF numbers."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+
+
+class HFTrainer:
+    """transformers + PEFT LoRA: A seeded (PEFT's init under `torch.manual_seed(seed)`), B zero,
+    dropout 0, eval mode."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float]) -> None:
+        self.cfg = cfg
+        self.device = pick_device()
+        start = time.perf_counter()
+        base = load_base(cfg, model_dir, self.device)
+        torch.manual_seed(seed)
+        lora = peft.LoraConfig(
+            r=cfg.adapter.rank,
+            lora_alpha=cfg.adapter.alpha,
+            target_modules=list(cfg.adapter.targets),
+            lora_dropout=0.0,
+            bias="none",
+            init_lora_weights=True,
+        )
+        self.model = peft.get_peft_model(base, lora).to(self.device).eval()
+        timings["trainer.load"] = time.perf_counter() - start
+
+    def score(self, sequences: Sequences) -> Scores:
+        return score_sequences(self.model, sequences, self.device)
+
+    def _lora_b(self, only: str | None = None) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters()
+                if is_lora_b(n) and (only is None or target_kind(n) == only)]
+
+    @torch.no_grad()
+    def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and "lora_" not in n]
+        if trainable:
+            raise PhaseError(f"refusing to perturb: non-adapter parameter {trainable[0]} is trainable")
+        params = self._lora_b(only)
+        if not params:
+            raise PhaseError(f"no LoRA B tensors{' of ' + only if only else ''} to perturb")
+        for name, p in params:
+            if torch.count_nonzero(p).item():
+                raise PhaseError(f"refusing to perturb: {name} is non-zero before the update")
+        for name, p in params:
+            generator = torch.Generator().manual_seed(noise_seed(name, seed))
+            noise = torch.randn(p.shape, generator=generator, dtype=torch.float32) * std
+            p.add_(noise.to(device=p.device, dtype=p.dtype))
+        return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(params),
+                            num_elements=sum(p.numel() for _, p in params), tensors=[n for n, _ in params])
+
+    @torch.no_grad()
+    def zero_b(self) -> None:
+        for _, p in self._lora_b():
+            p.zero_()
+
+    def export_adapter(self, directory: Path) -> Path:
+        self.model.save_pretrained(str(directory), safe_serialization=True)
+        return Path(directory)
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(backend="hf", versions=versions(), settings={
+            "dtype": self.cfg.model.dtype, "device": device_name(self.device), "rank": self.cfg.adapter.rank,
+            "alpha": self.cfg.adapter.alpha, "targets": list(self.cfg.adapter.targets), "dropout": 0.0,
+            "forward": "one sequence per forward, log-softmax in fp32",
+        })
+
+    def close(self) -> None:
+        del self.model
+
+
+class HFSampler:
+    """An independent HF + PEFT load that serves adapters by id like an engine: a known id is not
+    reloaded unless `inplace`."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float]) -> None:
+        self.cfg = cfg
+        self.device = pick_device()
+        start = time.perf_counter()
+        self.model: Any = load_base(cfg, model_dir, self.device)
+        self.names: dict[int, str] = {}
+        timings["sampler.load"] = time.perf_counter() - start
+
+    def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        if adapter is None:
+            if not self.names:
+                return score_sequences(self.model, sequences, self.device)
+            with self.model.disable_adapter():
+                return score_sequences(self.model, sequences, self.device)
+        self.model.set_adapter(self.names[adapter.adapter_id])
+        return score_sequences(self.model, sequences, self.device)
+
+    def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
+        if adapter_id in self.names and not inplace:
+            return AdapterHandle(name, adapter_id, Path(directory))
+        internal = f"a{adapter_id}_{len(self.names)}_{time.monotonic_ns()}"
+        if not self.names:
+            self.model = peft.PeftModel.from_pretrained(self.model, str(directory), adapter_name=internal)
+        else:
+            self.model.load_adapter(str(directory), adapter_name=internal)
+        old = self.names.get(adapter_id)
+        self.names[adapter_id] = internal
+        if old is not None:
+            self.model.set_adapter(internal)
+            self.model.delete_adapter(old)
+        self.model.eval()
+        return AdapterHandle(name, adapter_id, Path(directory))
+
+    def retire(self, handle: AdapterHandle) -> None:
+        name = self.names.get(handle.adapter_id)
+        if name is not None and len(self.names) > 1:
+            self.model.set_adapter(next(v for v in self.names.values() if v != name))
+            self.model.delete_adapter(name)
+            del self.names[handle.adapter_id]
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(backend="hf", versions=versions(), settings={
+            "dtype": self.cfg.model.dtype, "device": device_name(self.device),
+            "forward": "one sequence per forward, log-softmax in fp32",
+        })
+
+    def close(self) -> None:
+        del self.model

@@ -1,0 +1,231 @@
+"""Checks A, B and C, per-target coverage, and the verdict. Pure: scores and budgets in, verdicts out.
+
+The run and `lora-parity verify` both call `evaluate`, so a receipt verifies exactly when its
+recorded comparisons, checks and verdict are what its raw scores and budgets give.
+
+Score phases (keys of `scores`): base, zero, zero_repeat, trainer_zero, trainer_zero_repeat,
+trainer_updated, stale, updated, updated_repeat, and per target kind K: target.K.trainer,
+target.K.sampler. A comparison `b vs a` looks at b - a.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lora_parity import stats
+from lora_parity.receipt import (
+    Budgets,
+    Check,
+    CheckStatus,
+    ComparisonStats,
+    DeltaStats,
+    Verdict,
+)
+
+# name -> (a, b): statistics of scores[b] - scores[a].
+COMPARISONS: dict[str, tuple[str, str]] = {
+    "A.trainer_vs_sampler": ("zero", "trainer_zero"),
+    "A.sampler_base_vs_zero": ("base", "zero"),
+    "A.sampler_repeat": ("zero", "zero_repeat"),
+    "A.trainer_repeat": ("trainer_zero", "trainer_zero_repeat"),
+    "B.stale_vs_zero": ("zero_repeat", "stale"),
+    "B.trainer_updated_vs_stale": ("stale", "trainer_updated"),
+    "C.trainer_vs_sampler": ("updated", "trainer_updated"),
+    "C.sampler_repeat": ("updated", "updated_repeat"),
+    "C.sampler_change": ("zero", "updated"),
+    "C.trainer_change": ("trainer_zero", "trainer_updated"),
+}
+# name -> (sampler_from, sampler_to, trainer_from, trainer_to)
+DELTAS: dict[str, tuple[str, str, str, str]] = {
+    "C.delta": ("zero", "updated", "trainer_zero", "trainer_updated"),
+}
+TARGET_PREFIX = "target."
+
+
+def target_kinds(scores: Mapping[str, object]) -> list[str]:
+    """Target kinds with both per-target score arrays present, in first-seen order."""
+    kinds: list[str] = []
+    for key in scores:
+        if key.startswith(TARGET_PREFIX) and key.endswith(".sampler"):
+            kind = key[len(TARGET_PREFIX) : -len(".sampler")]
+            if f"{TARGET_PREFIX}{kind}.trainer" in scores and kind not in kinds:
+                kinds.append(kind)
+    return kinds
+
+
+def target_delta_spec(kind: str) -> tuple[str, str, str, str]:
+    """Delta definition of one target kind's coverage run: both sides from zero-init to that kind perturbed."""
+    return ("zero", f"{TARGET_PREFIX}{kind}.sampler", "trainer_zero", f"{TARGET_PREFIX}{kind}.trainer")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Everything derived from scores and budgets."""
+
+    comparisons: dict[str, ComparisonStats]
+    deltas: dict[str, DeltaStats]
+    checks: list[Check]
+    verdict: Verdict
+
+
+def compute_comparisons(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets) -> dict[str, ComparisonStats]:
+    """Statistics of every comparison whose two phases were scored."""
+    out: dict[str, ComparisonStats] = {}
+    for name, (a, b) in COMPARISONS.items():
+        if a in scores and b in scores:
+            out[name] = ComparisonStats(a=a, b=b, **stats.summarize(scores[a], scores[b], over=budgets.mean))  # type: ignore[arg-type]
+    return out
+
+
+def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]]) -> dict[str, DeltaStats]:
+    """Delta agreement of C and of every per-target coverage run whose phases were scored."""
+    specs = dict(DELTAS)
+    for kind in target_kinds(scores):
+        specs[f"{TARGET_PREFIX}{kind}"] = target_delta_spec(kind)
+    out: dict[str, DeltaStats] = {}
+    for name, (sf, st, tf, tt) in specs.items():
+        if all(p in scores for p in (sf, st, tf, tt)):
+            d = stats.delta_agreement(scores[sf], scores[st], scores[tf], scores[tt])
+            out[name] = DeltaStats(sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, **d)  # type: ignore[arg-type]
+    return out
+
+
+class _Checker:
+    """Accumulates checks; a missing observation makes a check `not_reached`."""
+
+    def __init__(self) -> None:
+        self.checks: list[Check] = []
+
+    def add(
+        self,
+        id: str,
+        name: str,
+        observed: float | None,
+        op: str,
+        budget: float,
+        fail_reason: str,
+        *,
+        reached: bool = True,
+        failing: CheckStatus = CheckStatus.FAIL,
+    ) -> None:
+        if not reached:
+            status, reason = CheckStatus.NOT_REACHED, "not reached: the phases it needs did not run"
+        elif observed is None:
+            status, reason = failing, f"{fail_reason} (undefined: no change to compare)"
+        else:
+            ok = {"<=": observed <= budget, ">=": observed >= budget, ">": observed > budget}[op]
+            status = CheckStatus.PASS if ok else failing
+            reason = f"{observed:.4g} {op} {budget:.4g}" if ok else f"{fail_reason}: {observed:.4g} not {op} {budget:.4g}"
+        self.checks.append(
+            Check(id=id, name=name, status=status, observed=observed, budget=budget, op=op, reason=reason)  # type: ignore[arg-type]
+        )
+
+
+def _parity(c: _Checker, prefix: str, what: str, cmp: ComparisonStats | None, budgets: Budgets) -> None:
+    for stat, budget in (("mean_abs", budgets.mean), ("p99", budgets.p99), ("max_abs", budgets.max)):
+        short = {"mean_abs": "mean", "p99": "p99", "max_abs": "max"}[stat]
+        c.add(
+            f"{prefix}.parity.{short}",
+            f"{what}: {short} |diff| within budget",
+            getattr(cmp, stat) if cmp else None,
+            "<=",
+            budget,
+            f"{what} disagree",
+            reached=cmp is not None,
+        )
+
+
+def compute_checks(
+    comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats], budgets: Budgets
+) -> list[Check]:
+    """Every check, in order A, B, C, per-target."""
+    c = _Checker()
+    get = comparisons.get
+
+    # A: zero-init parity, and a zero adapter changes nothing on the sampler.
+    _parity(c, "A", "zero-init trainer vs sampler", get("A.trainer_vs_sampler"), budgets)
+    for side, key in (("sampler", "A.sampler_repeat"), ("trainer", "A.trainer_repeat")):
+        cmp = get(key)
+        c.add(f"A.noise.{side}_repeat", f"{side} repeat noise bounded", cmp.max_abs if cmp else None, "<=",
+              budgets.repeat_max, f"{side} scores the same state differently twice", reached=cmp is not None)
+    repeat = get("A.sampler_repeat")
+    noise = max(budgets.noise_factor * repeat.max_abs, budgets.noise_floor) if repeat else budgets.noise_floor
+    cmp = get("A.sampler_base_vs_zero")
+    c.add("A.zero_adapter_noop", "sampler: zero-init adapter changes nothing vs base", cmp.max_abs if cmp else None,
+          "<=", noise, "the zero-init adapter changes the sampler's scores", reached=cmp is not None)
+
+    # B: the unpublished update is invisible, and the update is big enough to be caught.
+    cmp = get("B.stale_vs_zero")
+    c.add("B.withheld", "sampler: unpublished update invisible (stale = zero-init)", cmp.max_abs if cmp else None,
+          "<=", noise, "unpublished update visible to the sampler", reached=cmp is not None)
+    cmp = get("B.trainer_updated_vs_stale")
+    c.add("B.stimulus", "updated trainer vs stale sampler: missing sync detectable", cmp.mean_abs if cmp else None,
+          ">=", budgets.min_stimulus, "stimulus too small to detect a missing sync",
+          reached=cmp is not None, failing=CheckStatus.INCONCLUSIVE)
+    no_stimulus = c.checks[-1].status == CheckStatus.INCONCLUSIVE
+    # Without a stimulus, "did both sides move the same way" has no answer: inconclusive, not fail.
+    moved_failing = CheckStatus.INCONCLUSIVE if no_stimulus else CheckStatus.FAIL
+
+    # C: synced parity, both sides moved, and moved the same way.
+    _parity(c, "C", "updated trainer vs synced sampler", get("C.trainer_vs_sampler"), budgets)
+    cmp = get("C.sampler_repeat")
+    c.add("C.noise.sampler_repeat", "sampler repeat noise bounded after sync", cmp.max_abs if cmp else None, "<=",
+          budgets.repeat_max, "sampler scores the synced adapter differently twice", reached=cmp is not None)
+    for side, key in (("sampler", "C.sampler_change"), ("trainer", "C.trainer_change")):
+        cmp = get(key)
+        c.add(f"C.moved.{side}", f"{side} changed from zero-init to updated (above noise)",
+              cmp.mean_abs if cmp else None, ">", noise, f"{side} did not move", reached=cmp is not None,
+              failing=moved_failing)
+    _delta_checks(c, "C.delta", deltas.get("C.delta"), budgets, moved_failing)
+
+    # Per-target coverage: each target kind alone reaches the sampler with the right sign and scale.
+    for name, delta in deltas.items():
+        if not name.startswith(TARGET_PREFIX):
+            continue
+        kind = name[len(TARGET_PREFIX) :]
+        c.add(f"T.{kind}.moved", f"target {kind}: sampler moved when only {kind} was updated",
+              delta.sampler_norm, ">", noise, f"target {kind} does not reach the sampler")
+        _delta_checks(c, f"T.{kind}", delta, budgets, CheckStatus.FAIL, rel_l2=False)
+    return c.checks
+
+
+def _delta_checks(
+    c: _Checker, prefix: str, delta: DeltaStats | None, budgets: Budgets, failing: CheckStatus, rel_l2: bool = True
+) -> None:
+    reached = delta is not None
+    c.add(f"{prefix}.cosine", "Δsampler points the same way as Δtrainer", delta.cosine if delta else None, ">=",
+          budgets.min_delta_cosine, "sampler moved in another direction", reached=reached, failing=failing)
+    scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
+    c.add(f"{prefix}.scale", "|‖Δsampler‖/‖Δtrainer‖ - 1| within budget", scale_err, "<=",
+          budgets.max_delta_scale_error, "sampler moved by another amount", reached=reached, failing=failing)
+    if rel_l2:
+        c.add(f"{prefix}.rel_l2", "‖Δsampler - Δtrainer‖/‖Δtrainer‖ within budget", delta.rel_l2 if delta else None,
+              "<=", budgets.max_delta_rel_l2, "sampler's change differs from trainer's", reached=reached,
+              failing=failing)
+
+
+def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:
+    """error if the run errored; else fail if any check failed; else inconclusive if any check was
+    inconclusive or not reached; else pass."""
+    if errored:
+        return Verdict.ERROR
+    statuses = {ch.status for ch in checks}
+    if CheckStatus.FAIL in statuses:
+        return Verdict.FAIL
+    if statuses & {CheckStatus.INCONCLUSIVE, CheckStatus.NOT_REACHED} or not checks:
+        return Verdict.INCONCLUSIVE
+    return Verdict.PASS
+
+
+def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, errored: bool) -> Evaluation:
+    """Comparisons, deltas, checks and verdict from raw scores and budgets."""
+    comparisons = compute_comparisons(scores, budgets)
+    deltas = compute_deltas(scores)
+    checks = compute_checks(comparisons, deltas, budgets)
+    return Evaluation(comparisons, deltas, checks, verdict_of(checks, errored))
+
+
+def failed_checks(checks: Sequence[Check]) -> list[Check]:
+    """Checks that did not pass and were reached."""
+    return [ch for ch in checks if ch.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)]

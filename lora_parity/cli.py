@@ -1,0 +1,101 @@
+"""The command line: thin wiring from typer commands to library functions.
+
+Exit codes: 0 pass; 1 fail or inconclusive; 2 bad input, an errored run, or a receipt that does
+not verify.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lora_parity import output
+from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Prove that a LoRA trainer and its inference sampler agree on logprobs, and that sync is not stale.",
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")]
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", help="Config name in configs/, a YAML file, or a local HF checkpoint folder.")
+]
+
+
+def _exit_for(verdict: str) -> int:
+    return EXIT_PASS if verdict == "pass" else EXIT_FAIL if verdict in ("fail", "inconclusive") else EXIT_BAD_INPUT
+
+
+@app.command()
+def run(
+    model: ModelOpt = None,
+    trainer: Annotated[str, typer.Option(help="Trainer backend: hf.")] = "hf",
+    sampler: Annotated[str, typer.Option(help="Sampler backend: vllm or hf.")] = "vllm",
+    probes: Annotated[str, typer.Option(help="Probe set: default or held-out.")] = "default",
+    out: Annotated[Path | None, typer.Option(help="Receipt path (default: receipts/<model>__<trainer>__<sampler>__<UTC>.json).")] = None,
+    revision: Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")] = None,
+    seed: Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")] = 0,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing receipt.")] = False,
+    inject: Annotated[str | None, typer.Option(help="Inject a fault (see `lora-parity selftest`).")] = None,
+    sync: Annotated[str, typer.Option(help="How adapters reach the sampler: new-id or inplace.")] = "new-id",
+    per_target: Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")] = True,
+    json_: JsonOpt = False,
+) -> None:
+    """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
+    from lora_parity.runner import RunOptions, execute
+
+    opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
+                      seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
+                      command=tuple(sys.argv[1:]))
+    result = execute(opts, progress=output.progress)
+    output.result(result.receipt, str(result.path), json_)
+    raise typer.Exit(_exit_for(result.receipt.verdict.value))
+
+
+@app.command()
+def verify(path: Annotated[Path, typer.Argument(help="Receipt JSON file.")], json_: JsonOpt = False) -> None:
+    """Re-check a receipt: 0 intact and passing; 1 intact but not passing; 2 does not verify."""
+    from lora_parity.verify import verify as verify_receipt
+
+    verified = verify_receipt(path)
+    verdict = verified.verdict.value
+    if json_:
+        output.print_json({"receipt": str(path), "intact": True, "verdict": verdict})
+    else:
+        output.out.print(f"{path}: intact; verdict {verdict} reproduces from its raw scores")
+    raise typer.Exit(_exit_for(verdict) if verdict != "error" else EXIT_FAIL)
+
+
+@app.command()
+def models(json_: JsonOpt = False) -> None:
+    """The model configs, one line each."""
+    from lora_parity import config
+
+    rows = [config.config_summary(config.load(str(p))) for p in config.available()]
+    if json_:
+        output.print_json(rows)
+        return
+    for r in rows:
+        output.out.print(f"{r['name']:<16} {r['source']:<12} {r['dtype']:<9} r{r['rank']} x{r['targets']} targets"
+                         f"  {r['description']}")
+
+
+def main() -> None:
+    """Entry point: known errors become one line and exit code 2."""
+    try:
+        app()
+    except LoraParityError as e:
+        output.error(str(e))
+        sys.exit(EXIT_BAD_INPUT)
+    except Exception as e:  # noqa: BLE001 - never a traceback for the user unless asked
+        if os.environ.get("LORA_PARITY_DEBUG"):
+            raise
+        output.error(f"unexpected {type(e).__name__}: {e} (LORA_PARITY_DEBUG=1 shows the traceback)")
+        sys.exit(EXIT_BAD_INPUT)

@@ -1,0 +1,73 @@
+"""All terminal output: rich for people (progress and hints on stderr, results on stdout), JSON for machines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lora_parity.receipt import CheckStatus, Receipt
+
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
+
+_STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "error": "red", "not_reached": "dim",
+          "ok": "green"}
+
+
+def error(message: str) -> None:
+    """One line on stderr."""
+    print(f"lora-parity: error: {message}", file=sys.stderr)
+
+
+def progress(phase: str, status: str, seconds: float) -> None:
+    """One line per finished phase, on stderr."""
+    err.print(f"  [{_STYLE.get(status, '')}]{status:>5}[/] {phase:<28} {seconds:8.2f} s")
+
+
+def _fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def checks_table(receipt: Receipt) -> Table:
+    """The checks with observed values and budgets."""
+    table = Table(title=f"{receipt.model.name}: {receipt.trainer.backend} trainer vs {receipt.sampler.backend} sampler")
+    for col in ("check", "observed", "", "budget", "status"):
+        table.add_column(col, justify="right" if col in ("observed", "budget") else "left", no_wrap=True)
+    for c in receipt.checks:
+        style = _STYLE.get(c.status.value, "")
+        table.add_row(c.id, _fmt(c.observed), c.op, _fmt(c.budget), f"[{style}]{c.status.value}[/]")
+    return table
+
+
+def summary(receipt: Receipt, path: str) -> dict[str, Any]:
+    """The machine-readable summary `--json` prints."""
+    return {
+        "verdict": receipt.verdict.value,
+        "receipt": path,
+        "error": receipt.error,
+        "failed_checks": [c.id for c in receipt.checks if c.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)],
+        "checks": [{"id": c.id, "status": c.status.value, "observed": c.observed, "budget": c.budget, "op": c.op}
+                   for c in receipt.checks],
+        "comparisons": {k: {"mean_abs": v.mean_abs, "p99": v.p99, "max_abs": v.max_abs}
+                        for k, v in receipt.comparisons.items()},
+    }
+
+
+def print_json(data: Any) -> None:
+    """JSON on stdout."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def result(receipt: Receipt, path: str, as_json: bool) -> None:
+    """The outcome of a run: the checks table and verdict, or the JSON summary."""
+    if as_json:
+        print_json(summary(receipt, path))
+        return
+    out.print(checks_table(receipt))
+    style = _STYLE.get(receipt.verdict.value, "")
+    out.print(f"verdict: [{style}]{receipt.verdict.value}[/]" + (f" ({receipt.error})" if receipt.error else ""))
+    err.print(f"receipt: {path}")

@@ -1,0 +1,38 @@
+"""Deterministic, fixed-magnitude perturbation of LoRA B tensors: which tensors, and their seeds."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+_ADAPTER_NAME = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
+_PEFT_PREFIX = "base_model.model."
+
+
+def logical_name(param_name: str) -> str:
+    """A LoRA parameter's name without the PEFT wrapper prefix and adapter name:
+    'base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight' ->
+    'model.layers.0.self_attn.q_proj.lora_B'. Backends with other naming map to the same form."""
+    name = param_name.removeprefix(_PEFT_PREFIX)
+    name = _ADAPTER_NAME.sub(r".lora_\1", name)
+    return name.removesuffix(".weight")
+
+
+def is_lora_b(param_name: str) -> bool:
+    """True for a LoRA B ("up" / `linear_out`) parameter."""
+    return ".lora_B" in param_name or ".adapter.linear_out" in param_name
+
+
+def target_kind(param_name: str) -> str:
+    """The target module a LoRA parameter belongs to: the path component before lora_A/lora_B."""
+    parts = logical_name(param_name).split(".")
+    for i, part in enumerate(parts):
+        if part in ("lora_A", "lora_B", "adapter") and i > 0:
+            return parts[i - 1]
+    raise ValueError(f"{param_name} is not a LoRA parameter")
+
+
+def noise_seed(name: str, seed: int) -> int:
+    """63-bit seed of one tensor's noise: sha256 of its logical name and the run seed."""
+    digest = hashlib.sha256(f"{seed}:{logical_name(name)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)

@@ -1,0 +1,160 @@
+"""The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage.
+
+`run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores,
+adapters and timing. Checks are not made here: `checks.evaluate` derives them from the recorded
+scores afterwards, the same way `lora-parity verify` does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lora_parity import stats
+from lora_parity.backends.base import AdapterHandle, Sampler, Scores, Trainer
+from lora_parity.config import ModelConfig
+from lora_parity.errors import LoraParityError, ScoreError
+from lora_parity.faults import Faults
+from lora_parity.receipt import AdapterVersion, Perturbation, PhaseRecord, PhaseStatus
+
+SYNC_MODES = ("new-id", "inplace")
+
+
+def run_sequence(run: Run) -> None:
+    """Every phase in order; stops at the first phase that raises (recorded as an error)."""
+    run.step("base", lambda: run.sampler_score("base", None))
+    run.step("publish_zero", lambda: run.publish(version=0))
+    run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
+    run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
+    run.step("perturb", run.perturb)
+    run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
+    run.step("stale", run.stale)
+    run.step("sync", run.sync)
+    run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
+    if run.cfg.per_target and run.per_target:
+        for kind in run.cfg.adapter.targets:
+            run.step(f"target.{kind}", lambda kind=kind: run.target_coverage(kind))
+
+
+class StopRun(Exception):
+    """Raised by `Run.step` after recording a failed phase; ends the sequence."""
+
+
+@dataclass
+class Run:
+    """State of one run: backends, probes, and everything recorded so far."""
+
+    cfg: ModelConfig
+    trainer: Trainer
+    sampler: Sampler
+    sequences: list[list[int]]
+    seed: int
+    workdir: Path
+    faults: Faults
+    sync_mode: str = "new-id"
+    per_target: bool = True
+    progress: Callable[[str, str, float], None] = lambda phase, status, seconds: None
+    scores: dict[str, Scores] = field(default_factory=dict)
+    phases: list[PhaseRecord] = field(default_factory=list)
+    adapters: list[AdapterVersion] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    perturbation: Perturbation | None = None
+    handle: AdapterHandle | None = None
+    error: str | None = None
+
+    def step(self, name: str, action: Callable[[], object]) -> None:
+        """Run one phase, timing it; on an exception record it and stop the sequence."""
+        start = time.perf_counter()
+        try:
+            self.faults.on_phase(name)
+            action()
+        except Exception as e:  # noqa: BLE001 - any failure of a phase is recorded in the receipt
+            seconds = time.perf_counter() - start
+            message = str(e) if isinstance(e, LoraParityError) else f"{type(e).__name__}: {e}"
+            self.error = f"phase {name}: {message}"
+            self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=seconds, message=message))
+            self.progress(name, "error", seconds)
+            raise StopRun(self.error) from e
+        seconds = time.perf_counter() - start
+        self.phases.append(PhaseRecord(name=name, status=PhaseStatus.OK, seconds=seconds))
+        self.timings[name] = seconds
+        self.progress(name, "ok", seconds)
+
+    def _record(self, key: str, scores: Scores) -> None:
+        stats.check_finite(scores, key)
+        expected = [len(s) - 1 for s in self.sequences]
+        if [len(s) for s in scores] != expected:
+            raise ScoreError(f"{key}: scored positions {[len(s) for s in scores]}, expected {expected}")
+        self.scores[key] = scores
+
+    def _timed(self, key: str, fn: Callable[[], Scores]) -> Scores:
+        start = time.perf_counter()
+        out = fn()
+        self.timings[f"score.{key}"] = time.perf_counter() - start
+        return out
+
+    def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None:
+        """Sampler scores under `handle` (None: base model), twice with `repeat`."""
+        for k in (key, f"{key}_repeat") if repeat else (key,):
+            raw = self._timed(k, lambda: self.sampler.score(self.sequences, handle))
+            self._record(k, self.faults.sampler_scores(raw))
+
+    def trainer_score(self, key: str, repeat: bool = False) -> None:
+        """Trainer scores of its current state, twice with `repeat`."""
+        for k in (key, f"{key}_repeat") if repeat else (key,):
+            self._record(k, self._timed(k, lambda: self.trainer.score(self.sequences)))
+
+    def publish(self, version: int, label: str = "") -> AdapterHandle:
+        """Export the trainer's adapter to a new folder and load it on the sampler: a new name and
+        id per version (`new-id`), or the same ones reloaded in place (`inplace`)."""
+        start = time.perf_counter()
+        folder = self.trainer.export_adapter(self.workdir / f"adapter-v{version}{label}")
+        self.faults.after_export(version, folder)
+        if self.sync_mode == "inplace" and self.handle is not None:
+            name, adapter_id = self.handle.name, self.handle.adapter_id
+        else:
+            name, adapter_id = f"lora-parity-v{version}", version + 1
+        handle = self.sampler.publish(folder, name, adapter_id, inplace=self.sync_mode == "inplace")
+        seconds = time.perf_counter() - start
+        self.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id,
+                                            mode=self.sync_mode, seconds=seconds))
+        self.timings[f"publish.v{version}"] = seconds
+        previous, self.handle = self.handle, handle
+        if previous is not None and previous.adapter_id != handle.adapter_id:
+            self.sampler.retire(previous)
+        return handle
+
+    def perturb(self) -> None:
+        """The deterministic trainer-only update of the LoRA B tensors (not published)."""
+        if self.faults.is_("frozen-trainer"):
+            return
+        self.perturbation = self.trainer.perturb(self.cfg.perturbation.std, self.seed)
+
+    def stale(self) -> None:
+        """Sampler scores of the published zero-init adapter while the trainer has moved on."""
+        if self.faults.is_("leak"):
+            assert self.handle is not None
+            folder = self.trainer.export_adapter(self.workdir / "adapter-leak")
+            self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=True)
+        self.sampler_score("stale", self.handle)
+
+    def sync(self) -> None:
+        """Publish the updated adapter."""
+        if self.faults.is_("skip-sync"):
+            return
+        if self.faults.is_("reuse-adapter-id"):
+            assert self.handle is not None
+            folder = self.trainer.export_adapter(self.workdir / "adapter-v1")
+            self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=False)
+            return
+        self.publish(version=1)
+
+    def target_coverage(self, kind: str) -> None:
+        """From zero-init, perturb target kind `kind` alone, sync, and score both sides."""
+        self.trainer.zero_b()
+        self.trainer.perturb(self.cfg.perturbation.std, self.seed, only=kind)
+        self.trainer_score(f"target.{kind}.trainer")
+        self.publish(version=len(self.adapters), label=f"-{kind}")
+        self.sampler_score(f"target.{kind}.sampler", self.handle)

@@ -1,0 +1,415 @@
+"""The receipt: a strict, self-describing JSON record of one run, and how it is written and read.
+
+Every model is frozen and forbids extra fields; every field carries a docstring, so that
+`lora-parity schema` documents itself. The digest is the sha256 of the canonical JSON of the
+receipt without its `digest` field (sorted keys, no spaces, ASCII).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lora_parity.errors import ReceiptError, ReceiptExistsError
+
+SCHEMA_VERSION = 1
+MAX_RECEIPT_BYTES = 512 * 1024 * 1024
+JsonScalar = str | int | float | bool | None
+
+
+class Strict(BaseModel):
+    """Base of every receipt model: frozen, no extra fields, documented fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class Verdict(StrEnum):
+    """Outcome of a run."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+    ERROR = "error"
+
+
+class CheckStatus(StrEnum):
+    """Outcome of one check."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+    NOT_REACHED = "not_reached"
+
+
+class PhaseStatus(StrEnum):
+    """Outcome of one phase of the sequence."""
+
+    OK = "ok"
+    ERROR = "error"
+
+
+class Budgets(Strict):
+    """Thresholds the checks apply; copied from the model config into every receipt."""
+
+    mean: float = Field(gt=0)
+    """Largest allowed mean |logprob diff| between trainer and sampler (checks A and C)."""
+    p99: float = Field(gt=0)
+    """Largest allowed 99th percentile of |diff| (checks A and C)."""
+    max: float = Field(gt=0)
+    """Largest allowed single-position |diff|, so one bad token cannot hide in the mean."""
+    min_stimulus: float = Field(gt=0)
+    """Smallest mean |diff| the update must cause between the updated trainer and the stale
+    sampler (check B); below it the run is inconclusive, never a pass."""
+    repeat_max: float = Field(ge=0)
+    """Largest allowed |diff| between two scorings of the same state by the same side."""
+    noise_floor: float = Field(ge=0)
+    """Smallest noise tolerance, used when a side's repeat noise is exactly zero."""
+    noise_factor: float = Field(ge=1)
+    """Noise tolerance = max(noise_factor × observed sampler repeat max, noise_floor)."""
+    min_delta_cosine: float = Field(ge=-1, le=1)
+    """Smallest cosine between the sampler's and the trainer's change from zero-init to updated."""
+    max_delta_scale_error: float = Field(ge=0)
+    """Largest allowed |‖Δsampler‖/‖Δtrainer‖ - 1|."""
+    max_delta_rel_l2: float = Field(ge=0)
+    """Largest allowed ‖Δsampler - Δtrainer‖/‖Δtrainer‖."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Budgets:
+        if not self.mean <= self.p99 <= self.max:
+            raise ValueError("budgets must satisfy mean <= p99 <= max")
+        if self.min_stimulus < self.mean:
+            raise ValueError("min_stimulus must be at least the mean budget, or a stale sampler could pass")
+        return self
+
+
+class Revision(Strict):
+    """The commit under test."""
+
+    commit: str
+    """Commit id, or 'unknown'."""
+    source: Literal["flag", "git", "unknown"]
+    """Where the commit id came from: --revision, git in the working directory, or nowhere."""
+    dirty: bool | None = None
+    """Whether the git working tree had uncommitted changes (None when not from git)."""
+    reason: str | None = None
+    """Why the revision is unknown, when it is."""
+
+
+class ModelInfo(Strict):
+    """The base model both sides load."""
+
+    name: str
+    """Config name (or the checkpoint folder's name)."""
+    source: str
+    """Where the weights came from: 'synthetic:<config>' or a checkpoint folder's name."""
+    config_digest: str
+    """sha256 of the model config as loaded (the YAML's data, canonical JSON)."""
+    weights_digest: str | None = None
+    """sha256 of the checkpoint's safetensors files, when computed."""
+    dtype: str
+    """Weights and compute dtype, e.g. 'float32' or 'bfloat16'."""
+    architecture: str | None = None
+    """The HF architecture class name from config.json."""
+
+
+class BackendInfo(Strict):
+    """One side of the comparison."""
+
+    backend: str
+    """Registered backend name, e.g. 'hf' or 'vllm'."""
+    versions: dict[str, str]
+    """Package versions the backend ran with."""
+    settings: dict[str, JsonScalar | list[str]]
+    """Settings that change numbers (dtype, LoRA rank, alpha, targets, engine options)."""
+
+
+class Environment(Strict):
+    """Where the run ran."""
+
+    python: str
+    """Python version."""
+    platform: str
+    """OS and machine."""
+    torch: str | None = None
+    """torch version, if loaded."""
+    device: str
+    """Compute device, e.g. 'cpu' or 'NVIDIA H200'."""
+    hostname_digest: str | None = None
+    """sha256 prefix of the host name: tells machines apart without naming them."""
+
+
+class Probes(Strict):
+    """The fixed token sequences every phase scores."""
+
+    set: str
+    """Probe set name: 'default' or 'held-out'."""
+    seed: int
+    """Seed the sequences were drawn with."""
+    sequences: list[list[int]]
+    """Token ids per sequence; sequence s yields len(s) - 1 scored positions."""
+    digest: str
+    """sha256 of the canonical JSON of `sequences`."""
+    num_scored_positions: int
+    """Sum over sequences of len(s) - 1."""
+
+
+class Perturbation(Strict):
+    """The deterministic trainer-only update of the LoRA B tensors."""
+
+    kind: Literal["lora_b_noise", "optimizer_step"]
+    """What the update is: seeded Gaussian noise added to B, or one optimizer step."""
+    seed: int
+    """Run seed; each tensor's noise is seeded by sha256(name, seed)."""
+    std: float
+    """Standard deviation of the noise, fixed in the config before the run."""
+    num_tensors: int
+    """Number of B tensors changed."""
+    num_elements: int
+    """Number of elements changed."""
+    tensors: list[str]
+    """Names of the changed tensors."""
+
+
+class AdapterVersion(Strict):
+    """One adapter version published to the sampler."""
+
+    version: int
+    """0 = zero-init, 1 = updated, then per-target versions."""
+    name: str
+    """Adapter name the sampler knows it by."""
+    adapter_id: int
+    """Integer id the sampler knows it by."""
+    mode: str
+    """How it reached the sampler (e.g. 'new-id')."""
+    seconds: float
+    """Time to publish (export + load)."""
+
+
+class PhaseRecord(Strict):
+    """One step of the sequence."""
+
+    name: str
+    """Phase name."""
+    status: PhaseStatus
+    """ok or error."""
+    seconds: float
+    """Wall time of the phase."""
+    message: str | None = None
+    """The error message, when the phase failed."""
+
+
+class ComparisonStats(Strict):
+    """Statistics of diff = b - a for one comparison."""
+
+    a: str
+    """Score phase subtracted (reference)."""
+    b: str
+    """Score phase compared."""
+    n: int
+    """Number of positions."""
+    mean_abs: float
+    """Mean |diff|."""
+    p50: float
+    """Median |diff|."""
+    p99: float
+    """99th percentile of |diff| (linear interpolation)."""
+    max_abs: float
+    """Largest |diff|."""
+    argmax: list[int]
+    """[sequence, position] of the largest |diff|."""
+    frac_over: float
+    """Fraction of positions with |diff| above the mean budget."""
+    k3_kl: float
+    """k3 estimate of KL(a || b): mean of exp(d) - 1 - d."""
+    mult_prob_error: float
+    """Mean of exp(|diff|) (NeMo-RL's token_mult_prob_error)."""
+
+
+class DeltaStats(Strict):
+    """Agreement of the sampler's change with the trainer's change."""
+
+    sampler_from: str
+    """Sampler phase before the change."""
+    sampler_to: str
+    """Sampler phase after the change."""
+    trainer_from: str
+    """Trainer phase before the change."""
+    trainer_to: str
+    """Trainer phase after the change."""
+    cosine: float | None
+    """cosine(Δsampler, Δtrainer); None if either change is exactly zero."""
+    scale: float | None
+    """‖Δsampler‖ / ‖Δtrainer‖; None if the trainer did not change."""
+    rel_l2: float | None
+    """‖Δsampler - Δtrainer‖ / ‖Δtrainer‖; None if the trainer did not change."""
+    sampler_norm: float
+    """‖Δsampler‖."""
+    trainer_norm: float
+    """‖Δtrainer‖."""
+
+
+class Check(Strict):
+    """One check and its outcome."""
+
+    id: str
+    """Stable id, e.g. 'A.parity.max'."""
+    name: str
+    """What is checked, in words."""
+    status: CheckStatus
+    """Outcome."""
+    observed: float | None
+    """Observed value, when reached."""
+    budget: float | None
+    """Threshold it was compared with."""
+    op: Literal["<=", ">=", ">"]
+    """How observed is compared with budget."""
+    reason: str
+    """Why it has its status, in one line."""
+
+
+class Receipt(Strict):
+    """Everything one run did and saw; `lora-parity verify` re-derives every statistic from it."""
+
+    schema_version: Literal[1]
+    """Receipt schema version."""
+    tool_version: str
+    """lora-parity version."""
+    created_at: str
+    """UTC time the run started (ISO 8601)."""
+    command: list[str]
+    """The lora-parity arguments the run was started with."""
+    revision: Revision
+    """The commit under test."""
+    model: ModelInfo
+    """The base model."""
+    trainer: BackendInfo
+    """The trainer side."""
+    sampler: BackendInfo
+    """The sampler side."""
+    environment: Environment
+    """Where it ran."""
+    budgets: Budgets
+    """Thresholds applied."""
+    probes: Probes
+    """Token sequences scored."""
+    perturbation: Perturbation | None
+    """The update applied, once it was."""
+    sync_mode: str
+    """How adapters reach the sampler."""
+    adapters: list[AdapterVersion]
+    """Adapter versions published, in order."""
+    injected_fault: str | None
+    """Fault injected on purpose (`--inject`), else None."""
+    phases: list[PhaseRecord]
+    """Phases run, in order, with status and time."""
+    scores: dict[str, list[list[float]]]
+    """Raw scores per phase: one list per probe sequence, entry t = log p(token t+1 | tokens ≤ t)."""
+    comparisons: dict[str, ComparisonStats]
+    """Statistics per comparison, recomputable from `scores`."""
+    deltas: dict[str, DeltaStats]
+    """Delta agreement per comparison, recomputable from `scores`."""
+    checks: list[Check]
+    """Checks, recomputable from `comparisons`, `deltas` and `budgets`."""
+    verdict: Verdict
+    """pass, fail, inconclusive, or error."""
+    error: str | None
+    """The error that stopped the run, if one did."""
+    timings: dict[str, float]
+    """Seconds per step: phases plus engine start, model load, each scoring pass, sync."""
+    digest: str
+    """sha256 of the canonical JSON of this receipt without `digest`."""
+
+
+def canonical_json(data: Any) -> bytes:
+    """The bytes the digest is computed over: sorted keys, no spaces, ASCII, no NaN."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def sha256_json(data: Any) -> str:
+    """sha256 hex digest of `canonical_json(data)`."""
+    return hashlib.sha256(canonical_json(data)).hexdigest()
+
+
+def compute_digest(receipt_data: dict[str, Any]) -> str:
+    """Digest of a receipt's JSON data, ignoring its `digest` field."""
+    return sha256_json({k: v for k, v in receipt_data.items() if k != "digest"})
+
+
+def seal(fields: dict[str, Any]) -> Receipt:
+    """Validate receipt fields (without digest) and return the receipt with its digest set."""
+    unsealed = Receipt.model_validate({**fields, "digest": "0" * 64}, strict=False)
+    data = unsealed.model_dump(mode="json")
+    return Receipt.model_validate({**data, "digest": compute_digest(data)}, strict=False)
+
+
+def write_atomic(receipt: Receipt, path: Path, force: bool = False) -> Path:
+    """Write the receipt to `path` atomically (temp file, fsync, rename); refuse to overwrite
+    an existing file unless `force`."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise ReceiptExistsError(f"{path} exists; pass --force to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(receipt.model_dump(mode="json"), indent=1, ensure_ascii=True, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if not force and path.exists():
+            raise ReceiptExistsError(f"{path} exists; pass --force to overwrite it")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not allowed in a receipt")
+
+
+def load(path: Path) -> tuple[Receipt, dict[str, Any]]:
+    """Read and validate a receipt; return it and its raw JSON data. Raises `ReceiptError` with a
+    one-line message for an unreadable, non-UTF-8, truncated, malformed or schema-invalid file,
+    and for a digest mismatch."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_RECEIPT_BYTES:
+            raise ReceiptError(f"{path}: {size} bytes is larger than a receipt can be")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ReceiptError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ReceiptError(f"{path}: not UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise ReceiptError(f"{path}: not valid JSON ({str(e)[:120]}); truncated or corrupted?") from None
+    if not isinstance(data, dict):
+        raise ReceiptError(f"{path}: a receipt is a JSON object")
+    try:
+        receipt = Receipt.model_validate_json(text, strict=True)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "(top)"
+        raise ReceiptError(
+            f"{path}: does not match the receipt schema: {where}: {first.get('msg')} "
+            f"({e.error_count()} error(s))"
+        ) from None
+    except (RecursionError, OverflowError) as e:
+        raise ReceiptError(f"{path}: does not match the receipt schema: {type(e).__name__}") from None
+    expected = compute_digest(data)
+    if receipt.digest != expected:
+        raise ReceiptError(f"{path}: digest mismatch (recorded {receipt.digest[:12]}…, computed {expected[:12]}…)")
+    return receipt, data

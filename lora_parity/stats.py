@@ -1,0 +1,117 @@
+"""Statistics of a per-token logprob difference. Pure: lists of floats in, numbers out.
+
+Legend: a *score array* is one list per probe sequence; entry t of sequence s is
+log p(tokens[t+1] | tokens[:t+1]). A comparison `b vs a` looks at diff = b - a, position by
+position, flattened in sequence order. Everything here is plain Python (math.fsum), so that
+`lora-parity verify` recomputes exactly what the run recorded, on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from lora_parity.errors import ScoreError
+
+ScoreArray = Sequence[Sequence[float]]
+
+
+def flatten(scores: ScoreArray) -> list[float]:
+    """Concatenate a per-sequence score array in sequence order."""
+    return [float(x) for seq in scores for x in seq]
+
+
+def check_finite(scores: ScoreArray, what: str) -> None:
+    """Raise `ScoreError` naming the first NaN or infinite entry."""
+    for s, seq in enumerate(scores):
+        for t, x in enumerate(seq):
+            if not math.isfinite(x):
+                raise ScoreError(f"{what}: non-finite score {x!r} at sequence {s}, position {t}")
+
+
+def check_aligned(a: ScoreArray, b: ScoreArray, what: str) -> None:
+    """Raise `ScoreError` unless `a` and `b` have the same number of sequences and positions."""
+    if len(a) != len(b):
+        raise ScoreError(f"{what}: {len(a)} vs {len(b)} sequences")
+    for s, (x, y) in enumerate(zip(a, b, strict=True)):
+        if len(x) != len(y):
+            raise ScoreError(f"{what}: sequence {s} has {len(x)} vs {len(y)} scored positions")
+
+
+def differences(a: ScoreArray, b: ScoreArray) -> list[float]:
+    """b - a, position by position, flattened."""
+    check_aligned(a, b, "comparison")
+    return [y - x for x, y in zip(flatten(a), flatten(b), strict=True)]
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default) of an ascending list."""
+    if not sorted_values:
+        return 0.0
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    frac = pos - lo
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac
+
+
+def locate(scores: ScoreArray, flat_index: int) -> tuple[int, int]:
+    """(sequence, position) of a flat index into a score array."""
+    for s, seq in enumerate(scores):
+        if flat_index < len(seq):
+            return s, flat_index
+        flat_index -= len(seq)
+    raise IndexError("flat index beyond the score array")
+
+
+def l2(values: Sequence[float]) -> float:
+    """Euclidean norm."""
+    return math.sqrt(math.fsum(v * v for v in values))
+
+
+def summarize(a: ScoreArray, b: ScoreArray, over: float) -> dict[str, float | int | list[int]]:
+    """Statistics of diff = b - a.
+
+    Returns n, mean_abs, p50, p99, max_abs, argmax ([sequence, position] of the largest |diff|),
+    frac_over (fraction of positions with |diff| > `over`), k3_kl (mean of exp(d) - 1 - d, the k3
+    estimate of KL(a || b) on tokens drawn from a) and mult_prob_error (mean of exp(|diff|), NeMo-RL's
+    token_mult_prob_error).
+    """
+    diff = differences(a, b)
+    n = len(diff)
+    if n == 0:
+        raise ScoreError("comparison of empty score arrays")
+    absd = [abs(d) for d in diff]
+    ordered = sorted(absd)
+    imax = max(range(n), key=absd.__getitem__)
+    seq, pos = locate(a, imax)
+    return {
+        "n": n,
+        "mean_abs": math.fsum(absd) / n,
+        "p50": quantile(ordered, 0.50),
+        "p99": quantile(ordered, 0.99),
+        "max_abs": ordered[-1],
+        "argmax": [seq, pos],
+        "frac_over": sum(1 for d in absd if d > over) / n,
+        "k3_kl": math.fsum(math.expm1(d) - d for d in diff) / n,
+        "mult_prob_error": math.fsum(math.exp(d) for d in absd) / n,
+    }
+
+
+def delta_agreement(
+    sampler_before: ScoreArray, sampler_after: ScoreArray, trainer_before: ScoreArray, trainer_after: ScoreArray
+) -> dict[str, float | None]:
+    """How the sampler's change agrees with the trainer's.
+
+    Δs = sampler_after - sampler_before and Δt = trainer_after - trainer_before. Returns
+    cosine(Δs, Δt), scale ‖Δs‖/‖Δt‖, rel_l2 ‖Δs - Δt‖/‖Δt‖, and both norms. Where a norm is 0
+    the ratios that need it are None (undefined), never a division by zero.
+    """
+    ds = differences(sampler_before, sampler_after)
+    dt = differences(trainer_before, trainer_after)
+    ns, nt = l2(ds), l2(dt)
+    dot = math.fsum(x * y for x, y in zip(ds, dt, strict=True))
+    cosine = dot / (ns * nt) if ns > 0 and nt > 0 else None
+    scale = ns / nt if nt > 0 else None
+    rel = l2([x - y for x, y in zip(ds, dt, strict=True)]) / nt if nt > 0 else None
+    return {"cosine": cosine, "scale": scale, "rel_l2": rel, "sampler_norm": ns, "trainer_norm": nt}

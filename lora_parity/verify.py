@@ -1,0 +1,83 @@
+"""`lora-parity verify`: re-derive a receipt's statistics, checks and verdict from its raw scores."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lora_parity import checks, stats
+from lora_parity.errors import ReceiptError, ScoreError
+from lora_parity.receipt import PhaseStatus, Receipt, Verdict, load, sha256_json
+
+
+@dataclass(frozen=True)
+class Verified:
+    """An intact receipt and its recomputed verdict."""
+
+    receipt: Receipt
+    verdict: Verdict
+
+
+def _same(recorded: Any, computed: Any) -> bool:
+    """Equal, with floats compared to 1e-12 relative (JSON round trips are exact; this only
+    absorbs a different libm on another machine)."""
+    if isinstance(recorded, float) or isinstance(computed, float):
+        if recorded is None or computed is None:
+            return recorded is computed
+        return math.isclose(recorded, computed, rel_tol=1e-12, abs_tol=1e-300)
+    if isinstance(recorded, dict) and isinstance(computed, dict):
+        return recorded.keys() == computed.keys() and all(_same(recorded[k], computed[k]) for k in recorded)
+    if isinstance(recorded, list) and isinstance(computed, list):
+        return len(recorded) == len(computed) and all(_same(a, b) for a, b in zip(recorded, computed, strict=True))
+    return bool(recorded == computed)
+
+
+def _first_difference(what: str, recorded: dict[str, Any], computed: dict[str, Any]) -> str:
+    for key in sorted(set(recorded) | set(computed)):
+        if key not in recorded:
+            return f"{what} {key} is missing"
+        if key not in computed:
+            return f"{what} {key} is not backed by the raw scores"
+        if not _same(recorded[key], computed[key]):
+            return f"{what} {key} does not reproduce from the raw scores"
+    return f"{what} differ"
+
+
+def verify(path: Path) -> Verified:
+    """Load `path` and check that everything derived in it reproduces; raise `ReceiptError` if not."""
+    receipt, _ = load(path)
+    seqs = receipt.probes.sequences
+    expected = [len(s) - 1 for s in seqs]
+    if receipt.probes.num_scored_positions != sum(expected):
+        raise ReceiptError(f"{path}: probes.num_scored_positions does not match the sequences")
+
+    if receipt.probes.digest != sha256_json(seqs):
+        raise ReceiptError(f"{path}: probes.digest does not match the sequences")
+    for key, scores in receipt.scores.items():
+        if [len(s) for s in scores] != expected:
+            raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")
+        try:
+            stats.check_finite(scores, f"scores.{key}")
+        except ScoreError as e:
+            raise ReceiptError(f"{path}: {e}") from None
+    errored = receipt.error is not None or any(p.status == PhaseStatus.ERROR for p in receipt.phases)
+    if (receipt.error is None) != all(p.status == PhaseStatus.OK for p in receipt.phases):
+        raise ReceiptError(f"{path}: error and phase statuses disagree")
+    ev = checks.evaluate(receipt.scores, receipt.budgets, errored=errored)
+    recorded = {k: v.model_dump(mode="json") for k, v in receipt.comparisons.items()}
+    computed = {k: v.model_dump(mode="json") for k, v in ev.comparisons.items()}
+    if not _same(recorded, computed):
+        raise ReceiptError(f"{path}: {_first_difference('comparison', recorded, computed)}")
+    recorded = {k: v.model_dump(mode="json") for k, v in receipt.deltas.items()}
+    computed = {k: v.model_dump(mode="json") for k, v in ev.deltas.items()}
+    if not _same(recorded, computed):
+        raise ReceiptError(f"{path}: {_first_difference('delta', recorded, computed)}")
+    recorded = {c.id: c.model_dump(mode="json") for c in receipt.checks}
+    computed = {c.id: c.model_dump(mode="json") for c in ev.checks}
+    if not _same(recorded, computed) or len(receipt.checks) != len(ev.checks):
+        raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
+    if receipt.verdict != ev.verdict:
+        raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
+    return Verified(receipt, ev.verdict)
