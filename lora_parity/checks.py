@@ -69,7 +69,9 @@ class Evaluation:
     verdict: Verdict
 
 
-def compute_comparisons(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets) -> dict[str, ComparisonStats]:
+def compute_comparisons(
+    scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets
+) -> dict[str, ComparisonStats]:
     """Statistics of every comparison whose two phases were scored."""
     out: dict[str, ComparisonStats] = {}
     for name, (a, b) in COMPARISONS.items():
@@ -116,7 +118,8 @@ class _Checker:
         else:
             ok = {"<=": observed <= budget, ">=": observed >= budget, ">": observed > budget}[op]
             status = CheckStatus.PASS if ok else failing
-            reason = f"{observed:.4g} {op} {budget:.4g}" if ok else f"{fail_reason}: {observed:.4g} not {op} {budget:.4g}"
+            verdict = f"{observed:.4g} {op} {budget:.4g}"
+            reason = verdict if ok else f"{fail_reason}: {observed:.4g} not {op} {budget:.4g}"
         self.checks.append(
             Check(id=id, name=name, status=status, observed=observed, budget=budget, op=op, reason=reason)  # type: ignore[arg-type]
         )

@@ -39,13 +39,17 @@ def run(
     trainer: Annotated[str, typer.Option(help="Trainer backend: hf.")] = "hf",
     sampler: Annotated[str, typer.Option(help="Sampler backend: vllm or hf.")] = "vllm",
     probes: Annotated[str, typer.Option(help="Probe set: default or held-out.")] = "default",
-    out: Annotated[Path | None, typer.Option(help="Receipt path (default: receipts/<model>__<trainer>__<sampler>__<UTC>.json).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Receipt path (default: receipts/<model>__<trainer>__<sampler>__<UTC>.json).")
+    ] = None,
     revision: Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")] = None,
     seed: Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")] = 0,
     force: Annotated[bool, typer.Option(help="Overwrite an existing receipt.")] = False,
     inject: Annotated[str | None, typer.Option(help="Inject a fault (see `lora-parity selftest`).")] = None,
     sync: Annotated[str, typer.Option(help="How adapters reach the sampler: new-id or inplace.")] = "new-id",
-    per_target: Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")] = True,
+    per_target: Annotated[
+        bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")
+    ] = True,
     json_: JsonOpt = False,
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
@@ -74,6 +78,29 @@ def verify(path: Annotated[Path, typer.Argument(help="Receipt JSON file.")], jso
 
 
 @app.command()
+def selftest(
+    model: ModelOpt = None,
+    trainer: Annotated[str, typer.Option(help="Trainer backend.")] = "hf",
+    sampler: Annotated[str, typer.Option(help="Sampler backend.")] = "vllm",
+    probes: Annotated[str, typer.Option(help="Probe set.")] = "default",
+    seed: Annotated[int, typer.Option(help="Run seed.")] = 0,
+    out_dir: Annotated[Path | None, typer.Option(help="Keep every run's receipt in this folder.")] = None,
+    repeat: Annotated[int, typer.Option(min=1, help="Clean runs to repeat; their scores must be bit-identical.")] = 1,
+    per_target: Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage.")] = True,
+    json_: JsonOpt = False,
+) -> None:
+    """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
+    from lora_parity.runner import RunOptions
+    from lora_parity.selftest import selftest as run_selftest
+
+    opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
+                      per_target=per_target, command=tuple(sys.argv[1:]))
+    result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
+    output.selftest_matrix(result, json_)
+    raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)
+
+
+@app.command()
 def models(json_: JsonOpt = False) -> None:
     """The model configs, one line each."""
     from lora_parity import config
@@ -94,7 +121,7 @@ def main() -> None:
     except LoraParityError as e:
         output.error(str(e))
         sys.exit(EXIT_BAD_INPUT)
-    except Exception as e:  # noqa: BLE001 - never a traceback for the user unless asked
+    except Exception as e:
         if os.environ.get("LORA_PARITY_DEBUG"):
             raise
         output.error(f"unexpected {type(e).__name__}: {e} (LORA_PARITY_DEBUG=1 shows the traceback)")

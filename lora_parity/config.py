@@ -163,10 +163,10 @@ def _from_checkpoint(path: Path) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}/config.json: unreadable: {e}") from None
     base = load(DEFAULT_MODEL)
-    dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        dtype = "float32"
-    model = ModelSpec(path=str(path.resolve()), dtype=dtype)
+    dtype = hf.get("torch_dtype") or hf.get("dtype")
+    model = ModelSpec.model_validate(
+        {"path": str(path.resolve()), "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "float32"}
+    )
     return base.model_copy(update={"name": path.name, "description": f"local checkpoint {path.name}", "model": model})
 
 

@@ -27,6 +27,8 @@ class FaultSpec:
     description: str
     caught_by: tuple[str, ...]
     verdict: str
+    must_pass: tuple[str, ...] = ()
+    """Checks that must still pass: the fault hides from them, which is the point of the tail checks."""
 
 
 FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
@@ -38,7 +40,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("wrong-scale", "the exported adapter's lora_alpha is doubled", ("C.delta.scale",), "fail"),
     FaultSpec("wrong-direction", "the exported B tensors are negated", ("C.delta.cosine",), "fail"),
     FaultSpec("one-token", "one sampler logprob is off (9 nats, or less so the mean stays within budget)",
-              ("A.parity.max",), "fail"),
+              ("A.parity.max",), "fail", must_pass=("A.parity.mean",)),
     FaultSpec("frozen-trainer", "the perturbation is not applied", ("B.stimulus",), "inconclusive"),
     FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail"),
     FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B", ("A.zero_adapter_noop",), "fail"),
@@ -46,6 +48,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("nan", "the sampler returns NaN at one position", (), "error"),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error"),
 )}
+SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name in FAULTS]
 
 
 class Faults:
@@ -71,7 +74,8 @@ class Faults:
         assert self.name is not None
         spec = FAULTS[self.name]
         return FaultSpec(spec.name, spec.description,
-                         tuple(c.format(target=self.dropped_target) for c in spec.caught_by), spec.verdict)
+                         tuple(c.format(target=self.dropped_target) for c in spec.caught_by), spec.verdict,
+                         spec.must_pass)
 
     def is_(self, name: str) -> bool:
         """Whether `name` is the injected fault."""

@@ -20,12 +20,18 @@ _STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "error": "re
 
 def error(message: str) -> None:
     """One line on stderr."""
-    print(f"lora-parity: error: {message}", file=sys.stderr)
+    print(f"lora-parity: error: {' '.join(message.split())}", file=sys.stderr)
 
 
 def progress(phase: str, status: str, seconds: float) -> None:
     """One line per finished phase, on stderr."""
     err.print(f"  [{_STYLE.get(status, '')}]{status:>5}[/] {phase:<28} {seconds:8.2f} s")
+
+
+def quiet_progress(phase: str, status: str, seconds: float) -> None:
+    """Only errors and the backends' start, on stderr (selftest runs many sequences)."""
+    if status != "ok" or phase in ("sampler.start", "trainer.load", "model"):
+        progress(phase, status, seconds)
 
 
 def _fmt(x: float | None) -> str:
@@ -71,3 +77,21 @@ def result(receipt: Receipt, path: str, as_json: bool) -> None:
     style = _STYLE.get(receipt.verdict.value, "")
     out.print(f"verdict: [{style}]{receipt.verdict.value}[/]" + (f" ({receipt.error})" if receipt.error else ""))
     err.print(f"receipt: {path}")
+
+
+def selftest_matrix(result: Any, as_json: bool) -> None:
+    """The fault → expected → observed → caught matrix."""
+    if as_json:
+        print_json({"ok": result.ok, "repeats": result.repeats, "identical_repeats": result.identical_repeats,
+                    "rows": [vars(r) for r in result.rows]})
+        return
+    table = Table(title="lora-parity selftest")
+    for col in ("fault", "expected", "observed", "caught"):
+        table.add_column(col, overflow="fold")
+    for r in result.rows:
+        table.add_row(r.fault, r.expected, r.observed, "[green]yes[/]" if r.caught else "[red]NO[/]")
+    out.print(table)
+    if result.repeats > 1:
+        same = "bit-identical" if result.identical_repeats else "[red]NOT identical[/]"
+        out.print(f"{result.repeats} clean runs: scores {same}")
+    out.print("selftest: " + ("[green]ok[/]" if result.ok else "[red]FAILED[/]"))

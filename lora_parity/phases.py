@@ -7,6 +7,7 @@ scores afterwards, the same way `lora-parity verify` does.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ def run_sequence(run: Run) -> None:
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
     if run.cfg.per_target and run.per_target:
         for kind in run.cfg.adapter.targets:
-            run.step(f"target.{kind}", lambda kind=kind: run.target_coverage(kind))
+            run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
 
 
 class StopRun(Exception):
@@ -63,6 +64,13 @@ class Run:
     perturbation: Perturbation | None = None
     handle: AdapterHandle | None = None
     error: str | None = None
+    first_adapter_id: int = 1
+    """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
+
+    @property
+    def next_adapter_id(self) -> int:
+        """The first id a later run on the same sampler may use."""
+        return self.first_adapter_id + len(self.adapters) + 1
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         """Run one phase, timing it; on an exception record it and stop the sequence."""
@@ -70,7 +78,7 @@ class Run:
         try:
             self.faults.on_phase(name)
             action()
-        except Exception as e:  # noqa: BLE001 - any failure of a phase is recorded in the receipt
+        except Exception as e:
             seconds = time.perf_counter() - start
             message = str(e) if isinstance(e, LoraParityError) else f"{type(e).__name__}: {e}"
             self.error = f"phase {name}: {message}"
@@ -115,7 +123,8 @@ class Run:
         if self.sync_mode == "inplace" and self.handle is not None:
             name, adapter_id = self.handle.name, self.handle.adapter_id
         else:
-            name, adapter_id = f"lora-parity-v{version}", version + 1
+            adapter_id = self.first_adapter_id + version
+            name = f"lora-parity-{adapter_id}-v{version}"
         handle = self.sampler.publish(folder, name, adapter_id, inplace=self.sync_mode == "inplace")
         seconds = time.perf_counter() - start
         self.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id,
@@ -150,6 +159,12 @@ class Run:
             self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=False)
             return
         self.publish(version=1)
+
+    def retire(self) -> None:
+        """Unload the adapter this run left on the sampler."""
+        if self.handle is not None:
+            self.sampler.retire(self.handle)
+            self.handle = None
 
     def target_coverage(self, kind: str) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides."""

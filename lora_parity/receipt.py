@@ -372,6 +372,11 @@ def write_atomic(receipt: Receipt, path: Path, force: bool = False) -> Path:
     return path
 
 
+def _one_line(text: str, limit: int = 160) -> str:
+    """Text from a hostile file, escaped onto one printable line."""
+    return text.encode("unicode_escape").decode("ascii")[:limit]
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not allowed in a receipt")
 
@@ -402,9 +407,9 @@ def load(path: Path) -> tuple[Receipt, dict[str, Any]]:
         receipt = Receipt.model_validate_json(text, strict=True)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "(top)"
+        where = _one_line(".".join(str(p) for p in first.get("loc", ())) or "(top)")
         raise ReceiptError(
-            f"{path}: does not match the receipt schema: {where}: {first.get('msg')} "
+            f"{path}: does not match the receipt schema: {where}: {_one_line(str(first.get('msg')))} "
             f"({e.error_count()} error(s))"
         ) from None
     except (RecursionError, OverflowError) as e:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity import __version__, backends, checks, config, synthetic
-from lora_parity.errors import ConfigError
+from lora_parity.errors import ConfigError, LoraParityError, ReceiptExistsError
 from lora_parity.faults import Faults
 from lora_parity.phases import SYNC_MODES, Run, StopRun, run_sequence
 from lora_parity.receipt import (
@@ -30,9 +30,9 @@ from lora_parity.receipt import (
     BackendInfo,
     Environment,
     ModelInfo,
+    Probes,
     Receipt,
     Revision,
-    Verdict,
     seal,
     write_atomic,
 )
@@ -95,78 +95,121 @@ def _pending_backend(name: str) -> BackendInfo:
 
 @dataclass
 class RunResult:
-    """What `execute` produced."""
+    """What a run produced."""
 
     receipt: Receipt
     path: Path
 
 
-def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None) -> RunResult:
-    """Preflight, run the sequence, write the receipt; return it and its path."""
-    # Preflight: nothing here writes a file.
+@dataclass
+class Plan:
+    """Everything preflight resolved; nothing loaded yet."""
+
+    opts: RunOptions
+    cfg: config.ModelConfig
+    trainer_cls: Any
+    sampler_cls: Any
+    probes: Probes
+    revision: Revision
+    timings: dict[str, float]
+    """Preflight timings (importing the backends' libraries)."""
+
+
+def prepare(opts: RunOptions) -> Plan:
+    """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
     cfg = config.load(opts.model)
     if opts.sync not in SYNC_MODES:
         raise ConfigError(f"unknown sync mode {opts.sync!r}; choose from {', '.join(SYNC_MODES)}")
+    start = time.perf_counter()
     trainer_cls = backends.resolve("trainer", opts.trainer)
     sampler_cls = backends.resolve("sampler", opts.sampler)
+    import_seconds = time.perf_counter() - start
     vocab = cfg.model.synthetic.vocab_size if cfg.model.synthetic else _vocab_of(cfg)
     probes = config.make_probes(cfg.probes, opts.probes, vocab)
-    faults = Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean)
-    when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    out = opts.out or default_out(cfg.name, opts.probes, opts.trainer, opts.sampler, when)
-    if out.exists() and not opts.force:
-        raise ConfigError(f"{out} exists; pass --force to overwrite it")
-    revision = git_revision(opts.revision)
+    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean)
+    return Plan(opts, cfg, trainer_cls, sampler_cls, probes, git_revision(opts.revision),
+                {"backends.import": import_seconds})
 
-    # The run: from here on, every outcome is a receipt.
-    say = progress or (lambda phase, status, seconds: None)
-    timings: dict[str, float] = {}
-    trainer_info, sampler_info = _pending_backend(opts.trainer), _pending_backend(opts.sampler)
-    model_info = ModelInfo(name=cfg.name, source=_source(cfg), config_digest=cfg.digest(), dtype=cfg.model.dtype)
-    workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
-    run: Run | None = None
-    trainer = sampler = None
-    device = "unknown"
-    start = time.perf_counter()
-    error: str | None = None
-    try:
+
+class Backends:
+    """The loaded model, trainer and sampler; reusable across runs (selftest runs every fault on one load)."""
+
+    def __init__(self, plan: Plan, say: Callable[[str, str, float], None]) -> None:
+        cfg, opts = plan.cfg, plan.opts
+        self.timings: dict[str, float] = dict(plan.timings)
+        self.trainer: Any = None
+        self.sampler: Any = None
+        self.trainer_info = _pending_backend(opts.trainer)
+        self.sampler_info = _pending_backend(opts.sampler)
+        self.model_info = ModelInfo(name=cfg.name, source=_source(cfg), config_digest=cfg.digest(),
+                                    dtype=cfg.model.dtype)
+        self.device = "unknown"
+        self.next_adapter_id = 1
+        self.error: str | None = None
+        self._plan, self._say = plan, say
+
+    def open(self) -> None:
+        """Materialize the checkpoint and start both backends; a failure is kept in `error`."""
+        cfg, opts, say, timings = self._plan.cfg, self._plan.opts, self._say, self.timings
+        start = time.perf_counter()
         try:
             model_dir: Path | None = None
-            if any(getattr(cls, "needs_checkpoint", True) for cls in (trainer_cls, sampler_cls)):
+            if any(getattr(cls, "needs_checkpoint", True) for cls in (self._plan.trainer_cls, self._plan.sampler_cls)):
                 t0 = time.perf_counter()
                 model_dir = synthetic.materialize(cfg)
                 timings["model.materialize"] = time.perf_counter() - t0
-                model_info = model_info.model_copy(update={
+                self.model_info = self.model_info.model_copy(update={
                     "weights_digest": synthetic.weights_digest(model_dir), "architecture": _architecture(model_dir)})
                 say("model", "ok", timings["model.materialize"])
-            sampler = sampler_cls(cfg, model_dir, timings)
-            sampler_info = sampler.info()
+            self.sampler = self._plan.sampler_cls(cfg, model_dir, timings)
+            self.sampler_info = self.sampler.info()
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
-            trainer = trainer_cls(cfg, model_dir, opts.seed, timings)
-            trainer_info = trainer.info()
+            self.trainer = self._plan.trainer_cls(cfg, model_dir, opts.seed, timings)
+            self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
-            device = str(trainer_info.settings.get("device", sampler_info.settings.get("device", "cpu")))
-        except Exception as e:  # noqa: BLE001 - a failed start is recorded in the receipt
-            error = f"setup: {type(e).__name__}: {e}" if not isinstance(e, ConfigError) else f"setup: {e}"
+            settings = {**self.sampler_info.settings, **self.trainer_info.settings}
+            self.device = str(settings.get("device", "cpu"))
+        except Exception as e:
+            self.error = f"setup: {e}" if isinstance(e, LoraParityError) else f"setup: {type(e).__name__}: {e}"
             say("setup", "error", time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Free both backends."""
+        for backend in (self.trainer, self.sampler):
+            if backend is not None:
+                backend.close()
+        self.trainer = self.sampler = None
+
+
+def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force: bool,
+             say: Callable[[str, str, float], None]) -> RunResult:
+    """One pass of the sequence on loaded backends, then the receipt, whatever happened."""
+    cfg, opts, probes = plan.cfg, plan.opts, plan.probes
+    when = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean)
+    workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
+    start = time.perf_counter()
+    error = loaded.error
+    run: Run | None = None
+    try:
         if error is None:
-            run = Run(cfg=cfg, trainer=trainer, sampler=sampler, sequences=probes.sequences, seed=opts.seed,
-                      workdir=workdir, faults=faults, sync_mode=opts.sync, per_target=opts.per_target, progress=say)
+            loaded.trainer.zero_b()
+            run = Run(cfg=cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=probes.sequences,
+                      seed=opts.seed, workdir=workdir, faults=faults, sync_mode=opts.sync,
+                      per_target=opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id)
             try:
                 run_sequence(run)
             except StopRun:
                 error = run.error
+            finally:
+                loaded.next_adapter_id = run.next_adapter_id
+                run.retire()
     except KeyboardInterrupt:
         error = "interrupted"
         raise
     finally:
-        for backend in (trainer, sampler):
-            if backend is not None:
-                backend.close()
         shutil.rmtree(workdir, ignore_errors=True)
-        if run is not None:
-            timings.update(run.timings)
-        timings["total"] = time.perf_counter() - start
+        timings = {**loaded.timings, **(run.timings if run else {}), "total": time.perf_counter() - start}
         scores = run.scores if run else {}
         ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)
         receipt = seal({
@@ -174,17 +217,17 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
             "tool_version": __version__,
             "created_at": when.isoformat().replace("+00:00", "Z"),
             "command": list(opts.command),
-            "revision": revision,
-            "model": model_info,
-            "trainer": trainer_info,
-            "sampler": sampler_info,
-            "environment": _environment(device),
+            "revision": plan.revision,
+            "model": loaded.model_info,
+            "trainer": loaded.trainer_info,
+            "sampler": loaded.sampler_info,
+            "environment": _environment(loaded.device),
             "budgets": cfg.budgets,
             "probes": probes,
             "perturbation": run.perturbation if run else None,
             "sync_mode": opts.sync,
             "adapters": run.adapters if run else [],
-            "injected_fault": opts.inject,
+            "injected_fault": inject,
             "phases": run.phases if run else [],
             "scores": scores,
             "comparisons": ev.comparisons,
@@ -194,9 +237,24 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
             "error": error,
             "timings": {k: round(v, 6) for k, v in timings.items()},
         })
-        assert receipt.verdict == Verdict.ERROR or error is None
-        path = write_atomic(receipt, out, force=opts.force)
+        path = write_atomic(receipt, out, force=force)
     return RunResult(receipt, path)
+
+
+def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None) -> RunResult:
+    """Preflight, load, run the sequence once, write the receipt; return it and its path."""
+    say = progress or (lambda phase, status, seconds: None)
+    plan = prepare(opts)
+    when = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    out = opts.out or default_out(plan.cfg.name, opts.probes, opts.trainer, opts.sampler, when)
+    if out.exists() and not opts.force:
+        raise ReceiptExistsError(f"{out} exists; pass --force to overwrite it")
+    loaded = Backends(plan, say)
+    try:
+        loaded.open()
+        return run_once(plan, loaded, opts.inject, out, opts.force, say)
+    finally:
+        loaded.close()
 
 
 def _source(cfg: config.ModelConfig) -> str:

@@ -21,12 +21,20 @@ def flatten(scores: ScoreArray) -> list[float]:
     return [float(x) for seq in scores for x in seq]
 
 
+# A logprob is <= 0; allow rounding above it, nothing more.
+MAX_LOGPROB = 1e-4
+# exp() arguments are clamped here so that a wildly wrong side still yields finite statistics.
+EXP_CLAMP = 600.0
+
+
 def check_finite(scores: ScoreArray, what: str) -> None:
-    """Raise `ScoreError` naming the first NaN or infinite entry."""
+    """Raise `ScoreError` naming the first entry that is NaN, infinite, or not a logprob (> 0)."""
     for s, seq in enumerate(scores):
         for t, x in enumerate(seq):
             if not math.isfinite(x):
                 raise ScoreError(f"{what}: non-finite score {x!r} at sequence {s}, position {t}")
+            if x > MAX_LOGPROB:
+                raise ScoreError(f"{what}: score {x!r} at sequence {s}, position {t} is not a logprob (> 0)")
 
 
 def check_aligned(a: ScoreArray, b: ScoreArray, what: str) -> None:
@@ -75,7 +83,7 @@ def summarize(a: ScoreArray, b: ScoreArray, over: float) -> dict[str, float | in
     Returns n, mean_abs, p50, p99, max_abs, argmax ([sequence, position] of the largest |diff|),
     frac_over (fraction of positions with |diff| > `over`), k3_kl (mean of exp(d) - 1 - d, the k3
     estimate of KL(a || b) on tokens drawn from a) and mult_prob_error (mean of exp(|diff|), NeMo-RL's
-    token_mult_prob_error).
+    token_mult_prob_error); exp arguments are clamped at EXP_CLAMP.
     """
     diff = differences(a, b)
     n = len(diff)
@@ -93,8 +101,8 @@ def summarize(a: ScoreArray, b: ScoreArray, over: float) -> dict[str, float | in
         "max_abs": ordered[-1],
         "argmax": [seq, pos],
         "frac_over": sum(1 for d in absd if d > over) / n,
-        "k3_kl": math.fsum(math.expm1(d) - d for d in diff) / n,
-        "mult_prob_error": math.fsum(math.exp(d) for d in absd) / n,
+        "k3_kl": math.fsum(math.expm1(min(d, EXP_CLAMP)) - d for d in diff) / n,
+        "mult_prob_error": math.fsum(math.exp(min(d, EXP_CLAMP)) for d in absd) / n,
     }
 
 

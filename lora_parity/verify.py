@@ -55,7 +55,10 @@ def verify(path: Path) -> Verified:
 
     if receipt.probes.digest != sha256_json(seqs):
         raise ReceiptError(f"{path}: probes.digest does not match the sequences")
+    known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
     for key, scores in receipt.scores.items():
+        if key not in known and not (key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler"))):
+            raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
         if [len(s) for s in scores] != expected:
             raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")
         try:

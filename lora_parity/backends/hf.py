@@ -35,7 +35,7 @@ def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device) -> Any:
         use_safetensors=True,
         trust_remote_code=cfg.model.trust_remote_code,
     )
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 @torch.inference_mode()
@@ -67,7 +67,7 @@ class HFTrainer:
         torch.manual_seed(seed)
         lora = peft.LoraConfig(
             r=cfg.adapter.rank,
-            lora_alpha=cfg.adapter.alpha,
+            lora_alpha=cfg.adapter.alpha,  # type: ignore[arg-type]  # PEFT accepts a float alpha
             target_modules=list(cfg.adapter.targets),
             lora_dropout=0.0,
             bias="none",

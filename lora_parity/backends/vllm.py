@@ -47,7 +47,11 @@ class VLLMSampler:
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
         else:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if cfg.sampler.tensor_parallel_size == 1 else "1")
+            in_process = cfg.sampler.tensor_parallel_size == 1
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else "1")
+        # vLLM logs at INFO by default, and a harmless chat-template warm-up traceback without a
+        # tokenizer; lora-parity prints its own progress.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         start = time.perf_counter()
         import vllm
         from vllm import LLM, SamplingParams
@@ -95,7 +99,7 @@ class VLLMSampler:
                 got = "None" if plp is None else f"{len(plp)} entries"
                 raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries "
                                  f"starting with None, got {got}")
-            out.append([plp[t][seq[t]].logprob for t in range(1, len(seq))])
+            out.append([plp[t][seq[t]].logprob for t in range(1, len(seq))])  # type: ignore[index]
         return out
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:

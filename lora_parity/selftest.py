@@ -1,0 +1,107 @@
+"""`lora-parity selftest`: a clean run, then every fault, each of which must be caught by its check.
+
+All runs share one load of the trainer and the sampler (the model is loaded once); each run starts
+from zero-init B and uses adapter ids no earlier run used, so runs cannot see each other.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lora_parity.faults import SELFTEST_FAULTS, Faults
+from lora_parity.receipt import CheckStatus, PhaseStatus, Receipt, Verdict
+from lora_parity.runner import Backends, RunOptions, prepare, run_once
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the selftest matrix."""
+
+    fault: str
+    expected: str
+    observed: str
+    caught: bool
+    receipt: str
+
+
+@dataclass
+class SelftestResult:
+    """The matrix, and whether repeated clean runs gave identical scores."""
+
+    rows: list[Row] = field(default_factory=list)
+    repeats: int = 0
+    identical_repeats: bool = True
+
+    @property
+    def ok(self) -> bool:
+        """The clean run passed, every fault was caught, and every repeat was bit-identical."""
+        return all(r.caught for r in self.rows) and self.identical_repeats
+
+
+def _failing(receipt: Receipt) -> list[str]:
+    return [c.id for c in receipt.checks if c.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)]
+
+
+def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_after: set[str],
+          targets: list[str], num_positions: int) -> tuple[str, str, bool]:
+    """(expected, observed, caught) for one run of the matrix."""
+    failing = _failing(receipt)
+    shown = ", ".join(failing[:4]) + (f" (+{len(failing) - 4} more)" if len(failing) > 4 else "")
+    observed = f"{receipt.verdict.value}: {shown or receipt.error or 'all checks pass'}"
+    if fault is None:
+        return "pass", observed, receipt.verdict == Verdict.PASS
+    spec = Faults(fault, targets, num_positions, receipt.budgets.mean).expected()
+    status = {c.id: c.status for c in receipt.checks}
+    expected = f"{spec.verdict}: {', '.join(spec.caught_by) or 'error recorded'}"
+    caught = receipt.verdict.value == spec.verdict
+    caught &= all(status.get(c) in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE) for c in spec.caught_by)
+    caught &= all(status.get(c) == CheckStatus.PASS for c in spec.must_pass)
+    if spec.name == "nan":
+        caught &= "non-finite" in (receipt.error or "")
+    if spec.name == "crash-at":
+        phase = fault.partition("=")[2]
+        done = [p.name for p in receipt.phases if p.status == PhaseStatus.OK]
+        errored = [p.name for p in receipt.phases if p.status == PhaseStatus.ERROR]
+        caught &= errored == [phase] and bool(done) and "injected crash" in (receipt.error or "")
+        # The receipt is the only file the crashed run added.
+        caught &= len(folder_after - folder_before) == 1
+    return expected, observed, caught
+
+
+def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
+             progress: Callable[[str, str, float], None] | None = None) -> SelftestResult:
+    """Run the clean run (`repeat` times) and every fault; write each receipt into `out_dir`."""
+    say = progress or (lambda phase, status, seconds: None)
+    plan = prepare(opts)
+    folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    result = SelftestResult()
+    loaded = Backends(plan, say)
+    targets, n = list(plan.cfg.adapter.targets), plan.probes.num_scored_positions
+    try:
+        loaded.open()
+        first_scores = None
+        for i in range(max(1, repeat)):
+            path = folder / (f"clean-{i:02d}.json" if repeat > 1 else "clean.json")
+            receipt = run_once(plan, loaded, None, path, True, say).receipt
+            expected, observed, caught = judge(None, receipt, set(), set(), targets, n)
+            result.rows.append(Row("none" if repeat == 1 else f"none #{i + 1}", expected, observed, caught, str(path)))
+            if first_scores is None:
+                first_scores = receipt.scores
+            elif receipt.scores != first_scores:
+                result.identical_repeats = False
+        result.repeats = max(1, repeat)
+        for fault in SELFTEST_FAULTS:
+            path = folder / f"fault-{fault.replace('=', '-')}.json"
+            path.unlink(missing_ok=True)
+            before = {p.name for p in folder.iterdir()}
+            receipt = run_once(plan, loaded, fault, path, True, say).receipt
+            after = {p.name for p in folder.iterdir()}
+            expected, observed, caught = judge(fault, receipt, before, after, targets, n)
+            result.rows.append(Row(fault, expected, observed, caught, str(path)))
+    finally:
+        loaded.close()
+    return result

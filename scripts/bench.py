@@ -1,0 +1,70 @@
+"""`make bench`: the embedded default, three fresh processes, median wall time and per-phase times.
+
+Each run is a separate `lora-parity run` process (engine start included), timed from outside;
+per-phase times come from the receipts. "Overhead" is the wall time that is not engine start,
+model load or a scoring pass (forward passes); the target is <= 10 % of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Importing torch, transformers, PEFT and vLLM is part of starting the engine and loading the model.
+ENGINE_AND_LOAD = ("backends.import", "sampler.import", "sampler.start", "sampler.load", "trainer.load",
+                   "model.materialize")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--sync", default="new-id")
+    args = parser.parse_args()
+    walls, receipts = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            out = Path(tmp) / f"bench-{i}.json"
+            cmd = [sys.executable, "-m", "lora_parity", "run", "--out", str(out), "--json", "--sync", args.sync]
+            if args.model:
+                cmd += ["--model", args.model]
+            start = time.perf_counter()
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            walls.append(time.perf_counter() - start)
+            if res.returncode != 0:
+                print(res.stderr[-3000:], file=sys.stderr)
+                print(f"bench: run {i} exited {res.returncode}", file=sys.stderr)
+                return 1
+            receipts.append(json.loads(out.read_text()))
+    med = statistics.median
+    print(f"lora-parity bench: {args.runs} fresh processes, model {receipts[0]['model']['name']}, "
+          f"sampler {receipts[0]['sampler']['backend']} on {receipts[0]['environment']['device']}, sync {args.sync}")
+    print(f"  wall time (process)         median {med(walls):7.2f} s   runs: "
+          + ", ".join(f"{w:.2f}" for w in walls))
+    keys = [k for k in receipts[0]["timings"] if k != "total"]
+    shown = [k for k in keys if k in ENGINE_AND_LOAD or not k.startswith(("score.", "publish.v"))]
+    for key in shown:
+        values = [r["timings"].get(key, 0.0) for r in receipts]
+        print(f"  {key:<28} median {med(values):7.3f} s")
+    score = [sum(v for k, v in r["timings"].items() if k.startswith("score.")) for r in receipts]
+    sync = [r["timings"].get("sync", 0.0) for r in receipts]
+    publish = [statistics.mean([v for k, v in r["timings"].items() if k.startswith("publish.v")]) for r in receipts]
+    engine = [sum(r["timings"].get(k, 0.0) for k in ENGINE_AND_LOAD) for r in receipts]
+    overhead = [w - e - s for w, e, s in zip(walls, engine, score, strict=True)]
+    print(f"  all scoring passes          median {med(score):7.3f} s")
+    print(f"  sync (export + load)        median {med(sync):7.3f} s   mean publish per version {med(publish):.3f} s")
+    print(f"  engine start + model load   median {med(engine):7.3f} s")
+    print(f"  overhead (the rest)         median {med(overhead):7.3f} s = {100 * med(overhead) / med(walls):.1f} % "
+          f"of the wall time (target <= 10 %)")
+    print(f"  verdicts: {', '.join(r['verdict'] for r in receipts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

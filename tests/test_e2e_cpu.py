@@ -1,0 +1,79 @@
+"""The real stack on the CPU: HF+PEFT trainer, vLLM's CPU build as sampler, the tiny synthetic Qwen3.
+
+One vLLM engine serves the whole module: the selftest runs the clean run and every fault on a
+single load, and its receipts are what the assertions read.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lora_parity.faults import SELFTEST_FAULTS
+from lora_parity.receipt import CheckStatus, Verdict, load
+from lora_parity.runner import RunOptions
+from lora_parity.verify import verify
+
+from .conftest import cli
+
+pytestmark = pytest.mark.cpu_e2e
+vllm = pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory):
+    from lora_parity.selftest import selftest
+
+    out = tmp_path_factory.mktemp("selftest")
+    return selftest(RunOptions(), out, repeat=2)
+
+
+def test_clean_run_passes_a_b_c_with_real_backends(matrix) -> None:
+    clean = [r for r in matrix.rows if r.fault.startswith("none")]
+    assert clean and all(r.caught for r in clean)
+    receipt = load(Path(clean[0].receipt))[0]
+    assert receipt.verdict == Verdict.PASS
+    assert receipt.sampler.backend == "vllm" and receipt.trainer.backend == "hf"
+    assert receipt.sampler.versions["vllm"]
+    a = receipt.comparisons["A.trainer_vs_sampler"]
+    stale = receipt.comparisons["B.trainer_updated_vs_stale"]
+    c = receipt.comparisons["C.trainer_vs_sampler"]
+    assert a.n == 192 and a.max_abs <= receipt.budgets.max and c.max_abs <= receipt.budgets.max
+    assert stale.mean_abs >= receipt.budgets.min_stimulus
+    assert receipt.perturbation and receipt.perturbation.num_tensors == 14  # 7 targets x 2 layers
+    assert {c.id for c in receipt.checks if c.id.startswith("T.")} >= {f"T.{k}.moved" for k in
+                                                                       ("q_proj", "v_proj", "down_proj")}
+
+
+def test_repeated_clean_runs_are_bit_identical(matrix) -> None:
+    assert matrix.repeats == 2 and matrix.identical_repeats
+
+
+@pytest.mark.parametrize("fault", SELFTEST_FAULTS)
+def test_every_fault_is_caught_on_real_backends(matrix, fault: str) -> None:
+    (row,) = [r for r in matrix.rows if r.fault == fault]
+    assert row.caught, row
+    verify(Path(row.receipt))
+
+
+def test_drop_target_names_the_module(matrix) -> None:
+    (row,) = [r for r in matrix.rows if r.fault == "drop-target"]
+    receipt = load(Path(row.receipt))[0]
+    status = {c.id: c.status for c in receipt.checks}
+    assert status["T.q_proj.moved"] == CheckStatus.FAIL
+    assert status["T.k_proj.moved"] == CheckStatus.PASS
+
+
+def test_cli_run_with_skipped_sync_fails(tmp_path: Path) -> None:
+    out = tmp_path / "skip.json"
+    res = cli("run", "--inject", "skip-sync", "--no-per-target", "--out", str(out), "--json")
+    assert res.returncode == 1, res.stderr[-2000:]
+    summary = json.loads(res.stdout)
+    assert summary["verdict"] == "fail" and "C.parity.mean" in summary["failed_checks"]
+    assert cli("verify", str(out)).returncode == 1
+
+
+def test_hf_sampler_reference_passes(tmp_path: Path) -> None:
+    res = cli("run", "--sampler", "hf", "--no-per-target", "--out", str(tmp_path / "hf.json"), "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["verdict"] == "pass"

@@ -1,0 +1,101 @@
+"""Every check fires on its injected fault: the whole matrix on the fake backends, in milliseconds."""
+
+from pathlib import Path
+
+import pytest
+
+from lora_parity.faults import FAULTS, SELFTEST_FAULTS
+from lora_parity.receipt import CheckStatus, PhaseStatus, Verdict
+from lora_parity.runner import RunOptions, execute
+from lora_parity.selftest import selftest
+from lora_parity.verify import verify
+
+pytestmark = pytest.mark.unit
+
+FAKE = {"trainer": "fake", "sampler": "fake"}
+
+
+def test_selftest_catches_every_fault_on_fakes(tmp_path: Path) -> None:
+    result = selftest(RunOptions(**FAKE), tmp_path, repeat=3)
+    assert [r.fault for r in result.rows] == ["none #1", "none #2", "none #3", *SELFTEST_FAULTS]
+    assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
+    assert result.identical_repeats and result.ok
+    for row in result.rows:
+        verify(Path(row.receipt))  # every receipt the matrix wrote is intact
+
+
+@pytest.mark.parametrize("fault", [f for f in SELFTEST_FAULTS if not f.startswith("crash-at")])
+def test_each_fault_trips_its_check(fault: str, tmp_path: Path) -> None:
+    receipt = execute(RunOptions(**FAKE, inject=fault, out=tmp_path / "r.json")).receipt
+    spec = FAULTS[fault]
+    assert receipt.verdict.value == spec.verdict
+    assert receipt.injected_fault == fault
+    status = {c.id: c.status for c in receipt.checks}
+    for check in spec.caught_by:
+        check = check.format(target="q_proj")
+        assert status[check] in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE), (check, status[check])
+    for check in spec.must_pass:
+        assert status[check] == CheckStatus.PASS
+
+
+def test_one_token_fault_hides_in_the_mean(tmp_path: Path) -> None:
+    receipt = execute(RunOptions(**FAKE, inject="one-token", out=tmp_path / "r.json")).receipt
+    a = receipt.comparisons["A.trainer_vs_sampler"]
+    assert a.mean_abs <= receipt.budgets.mean < a.max_abs
+    assert a.argmax == [0, 3]
+
+
+def test_clean_run_would_fail_if_the_fault_checks_were_removed(tmp_path: Path) -> None:
+    # The skip-sync fault differs from a clean run only in C: without the C checks it would pass.
+    receipt = execute(RunOptions(**FAKE, inject="skip-sync", out=tmp_path / "r.json")).receipt
+    failing = {c.id for c in receipt.checks if c.status == CheckStatus.FAIL}
+    assert failing and all(c.startswith("C.") for c in failing)
+
+
+@pytest.mark.parametrize("phase", ["base", "publish_zero", "perturb", "stale", "sync", "updated", "target.v_proj"])
+def test_crash_in_any_phase_still_writes_a_receipt(phase: str, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    receipt = execute(RunOptions(**FAKE, inject=f"crash-at={phase}", out=out)).receipt
+    assert receipt.verdict == Verdict.ERROR
+    assert receipt.error == f"phase {phase}: injected crash in phase {phase}"
+    assert receipt.phases[-1].name == phase and receipt.phases[-1].status == PhaseStatus.ERROR
+    assert all(p.status == PhaseStatus.OK for p in receipt.phases[:-1])
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert verify(out).verdict == Verdict.ERROR
+
+
+def test_nan_is_an_error_with_a_clear_message(tmp_path: Path) -> None:
+    receipt = execute(RunOptions(**FAKE, inject="nan", out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == Verdict.ERROR
+    assert "non-finite score nan at sequence 0, position 5" in (receipt.error or "")
+    assert "base" not in receipt.scores  # NaN never reaches the receipt
+
+
+def test_perturbation_refuses_nonzero_b_and_trainable_base() -> None:
+    from lora_parity import config
+    from lora_parity.backends.fake import FakeTrainer
+    from lora_parity.errors import PhaseError
+
+    trainer = FakeTrainer(config.load(None), None, 0, {})
+    first = trainer.perturb(0.01, 0)
+    assert first.num_tensors == 7 and first.num_elements == 7 * 8
+    with pytest.raises(PhaseError, match="non-zero before the update"):
+        trainer.perturb(0.01, 0)
+    trainer.zero_b()
+    trainer.trainable_base = True
+    with pytest.raises(PhaseError, match="non-adapter parameter"):
+        trainer.perturb(0.01, 0)
+
+
+def test_perturbation_is_seeded_per_tensor() -> None:
+    from lora_parity import config
+    from lora_parity.backends.fake import FakeTrainer
+
+    cfg = config.load(None)
+    a, b = FakeTrainer(cfg, None, 0, {}), FakeTrainer(cfg, None, 0, {})
+    a.perturb(0.01, 7)
+    b.perturb(0.01, 7)
+    assert a.params == b.params
+    b.zero_b()
+    b.perturb(0.01, 8)
+    assert a.params != b.params

@@ -1,0 +1,115 @@
+"""Property test: verify answers 2 (or 1 for a consistent failing receipt) on any mutated receipt, never crashes.
+
+500 examples in the normal suite; `make fuzz` sets LORA_PARITY_FUZZ_EXAMPLES=10000.
+"""
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lora_parity import receipt as rc
+from lora_parity.errors import ReceiptError
+from lora_parity.runner import RunOptions, execute
+from lora_parity.verify import verify
+
+pytestmark = pytest.mark.unit
+EXAMPLES = int(os.environ.get("LORA_PARITY_FUZZ_EXAMPLES", "500"))
+# Top-level fields every statistic, check and the verdict are derived from (or recorded in). Budgets
+# are not here: a resealed budget change that no check depends on (noise_factor with zero repeat
+# noise) yields a consistent receipt, which verify rightly accepts.
+DERIVED = {"scores", "comparisons", "deltas", "checks", "verdict", "probes"}
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("hostile") / "valid.json"
+    execute(RunOptions(trainer="fake", sampler="fake", out=out, per_target=False))
+    return json.loads(out.read_text())
+
+
+def paths(node: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix] if prefix else []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += paths(v, (*prefix, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node[:3]) if len(node) > 3 else enumerate(node):
+            out += paths(v, (*prefix, i))
+    return out
+
+
+def get_parent(data: Any, path: tuple) -> tuple[Any, Any]:
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    return node, path[-1]
+
+
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([1e308, -1e308, 5e-324, 10**400]),
+    st.text(max_size=8), st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.sampled_from(["pass", "fail", "inconclusive", "error", "not_reached"]),
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_receipts_never_crash_verify(valid: dict[str, Any], data: st.DataObject, tmp_path: Path) -> None:
+    mutated = copy.deepcopy(valid)
+    kind = data.draw(st.sampled_from(["set", "remove", "add", "score", "truncate", "bytes"]), label="kind")
+    reseal = data.draw(st.booleans(), label="reseal")
+    touched: tuple = ()
+    raw: bytes
+    if kind in ("set", "remove", "add"):
+        touched = data.draw(st.sampled_from(paths(mutated)), label="path")
+        parent, key = get_parent(mutated, touched)
+        if kind == "set":
+            parent[key] = data.draw(VALUES, label="value")
+        elif kind == "remove":
+            del parent[key]
+        else:
+            target = parent if isinstance(parent, dict) else mutated
+            target[data.draw(st.text(min_size=1, max_size=6), label="new key")] = data.draw(VALUES)
+    elif kind == "score":
+        phase = data.draw(st.sampled_from(sorted(mutated["scores"])), label="phase")
+        seq = data.draw(st.integers(0, len(mutated["scores"][phase]) - 1))
+        pos = data.draw(st.integers(0, len(mutated["scores"][phase][seq]) - 1))
+        mutated["scores"][phase][seq][pos] = data.draw(st.floats(-50, 0).filter(lambda x: x != -1e-300))
+        touched = ("scores",)
+    if kind in ("truncate", "bytes"):
+        text = json.dumps(valid).encode()
+        cut = data.draw(st.integers(0, len(text) - 1), label="cut")
+        bad = data.draw(st.sampled_from([b"\xff", b"\xc3\x28"]))
+        raw = text[:cut] if kind == "truncate" else text[:cut] + bad + text[cut:]
+    else:
+        if reseal:
+            mutated["digest"] = rc.compute_digest(mutated) if isinstance(mutated, dict) else "0"
+        try:
+            raw = json.dumps(mutated, allow_nan=False).encode()
+        except (ValueError, OverflowError):
+            return
+    path = tmp_path / "mutated.json"
+    path.write_bytes(raw)
+    def content(d: Any) -> Any:
+        return {k: v for k, v in d.items() if k != "digest"} if isinstance(d, dict) else d
+
+    # 0 and 0.0 are the same number: a mutation that changes only a number's spelling changes nothing.
+    changed = content(json.loads(raw)) != content(valid) if kind not in ("truncate", "bytes") else True
+    try:
+        verified = verify(path)
+    except ReceiptError as e:
+        assert str(e).startswith(str(path)), e
+        assert "\n" not in str(e)
+        return
+    # Verified as intact: only possible for a change that does not touch what the verdict rests on,
+    # resealed with a fresh digest (anyone can re-sign metadata, never scores or verdicts).
+    assert not changed or (reseal and touched and touched[0] not in DERIVED and touched[0] != "digest"), (kind, touched)
+    assert verified.verdict.value == valid["verdict"]
