@@ -44,6 +44,9 @@ class SyntheticSpec(_Cfg):
     rope_theta: float = 1_000_000.0
     lm_head_std: float = Field(gt=0)
     """Std of the output projection: large enough that next-token distributions are far from uniform."""
+    generate_on: Literal["cpu", "cuda"] = "cpu"
+    """Device the weights are drawn on. Same seed, same device kind and torch version: same weights.
+    Big shapes are drawn on the GPU (seconds instead of minutes)."""
 
 
 class ModelSpec(_Cfg):
@@ -190,12 +193,19 @@ def load(name_or_path: str | None) -> ModelConfig:
 
 
 def make_probes(spec: ProbeSpec, set_name: str, vocab_size: int) -> Probes:
-    """Deterministic probe sequences of `set_name`: ids uniform in [0, vocab_size), seeded."""
-    if set_name not in spec.seeds:
-        raise ConfigError(f"unknown probe set {set_name!r}; sets: {', '.join(spec.seeds)}")
-    seed = spec.seeds[set_name]
+    """Deterministic probe sequences of `set_name`: ids uniform in [0, vocab_size), seeded.
+
+    `NAME-xN` (e.g. `default-x10`) is set NAME with N times as many sequences, for benchmarks; its
+    first sequences are NAME's own.
+    """
+    base, _, times = set_name.rpartition("-x")
+    if not (base and times.isdigit() and int(times) >= 1):
+        base, times = set_name, "1"
+    if base not in spec.seeds:
+        raise ConfigError(f"unknown probe set {set_name!r}; sets: {', '.join(spec.seeds)} (or SET-xN)")
+    seed = spec.seeds[base]
     rng = random.Random(seed)
-    sequences = [[rng.randrange(vocab_size) for _ in range(n)] for n in spec.lengths]
+    sequences = [[rng.randrange(vocab_size) for _ in range(n)] for _ in range(int(times)) for n in spec.lengths]
     return Probes(
         set=set_name,
         seed=seed,

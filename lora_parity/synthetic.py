@@ -53,12 +53,16 @@ def generate(spec: SyntheticSpec, dtype: str, folder: Path) -> None:
         eos_token_id=1,
         pad_token_id=None,
     )
+    device = torch.device(spec.generate_on)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{spec.architecture} spec is generated on the GPU (generate_on: cuda); no CUDA here")
     torch.manual_seed(spec.seed)
-    model = getattr(transformers, spec.architecture)(hf_config).to(getattr(torch, dtype))
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(spec.seed + 1)
-        head = model.get_output_embeddings().weight
-        head.copy_(torch.randn(head.shape, generator=generator, dtype=torch.float32) * spec.lm_head_std)
+    with device:
+        model = getattr(transformers, spec.architecture)(hf_config).to(getattr(torch, dtype))
+        with torch.no_grad():
+            generator = torch.Generator(device=device).manual_seed(spec.seed + 1)
+            head = model.get_output_embeddings().weight
+            head.copy_(torch.randn(head.shape, generator=generator, dtype=torch.float32) * spec.lm_head_std)
     model.save_pretrained(folder, safe_serialization=True)
 
 

@@ -26,12 +26,14 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model", default=None)
     parser.add_argument("--sync", default="new-id")
+    parser.add_argument("--probes", default="default", help="probe set, e.g. default-x10 for 10x the tokens")
     args = parser.parse_args()
     walls, receipts = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             out = Path(tmp) / f"bench-{i}.json"
-            cmd = [sys.executable, "-m", "lora_parity", "run", "--out", str(out), "--json", "--sync", args.sync]
+            cmd = [sys.executable, "-m", "lora_parity", "run", "--out", str(out), "--json", "--sync", args.sync,
+                   "--probes", args.probes]
             if args.model:
                 cmd += ["--model", args.model]
             start = time.perf_counter()
@@ -44,7 +46,8 @@ def main() -> int:
             receipts.append(json.loads(out.read_text()))
     med = statistics.median
     print(f"lora-parity bench: {args.runs} fresh processes, model {receipts[0]['model']['name']}, "
-          f"sampler {receipts[0]['sampler']['backend']} on {receipts[0]['environment']['device']}, sync {args.sync}")
+          f"sampler {receipts[0]['sampler']['backend']} on {receipts[0]['environment']['device']}, sync {args.sync}, "
+          f"probes {args.probes} ({receipts[0]['probes']['num_scored_positions']} scored tokens)")
     print(f"  wall time (process)         median {med(walls):7.2f} s   runs: "
           + ", ".join(f"{w:.2f}" for w in walls))
     keys = [k for k in receipts[0]["timings"] if k != "total"]

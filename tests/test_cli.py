@@ -80,7 +80,9 @@ def test_default_receipt_path(tmp_path: Path) -> None:
 def test_models_lists_configs() -> None:
     res = cli("models")
     assert res.returncode == 0
-    assert res.stdout.splitlines()[0].startswith("tiny-qwen3")
+    names = [line.split()[0] for line in res.stdout.splitlines()]
+    assert names == sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    assert "tiny-qwen3" in names
 
 
 def test_revision_from_git_or_unknown(tmp_path: Path) -> None:
