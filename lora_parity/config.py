@@ -98,6 +98,9 @@ class SamplerSpec(_Cfg):
     max_model_len: int = 512
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
+    enable_prefix_caching: bool = False
+    """Off by default: a prompt served partly from cached KV blocks is scored differently from the same
+    prompt computed whole, so repeated scoring of one state stops being exact (seen on the GPU)."""
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
 

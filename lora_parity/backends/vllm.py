@@ -70,6 +70,7 @@ class VLLMSampler:
             "lora_target_modules": list(cfg.adapter.targets),
             "skip_tokenizer_init": True,
             "enforce_eager": cfg.sampler.enforce_eager,
+            "enable_prefix_caching": cfg.sampler.enable_prefix_caching,
             "max_model_len": cfg.sampler.max_model_len,
             "seed": 0,
             "trust_remote_code": cfg.model.trust_remote_code,
