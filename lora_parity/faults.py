@@ -66,8 +66,9 @@ class Faults:
             self.name, self.crash_phase = name, arg or None
         self.dropped_target = targets[0]
         # Off by 9 nats as in the seed's review, or less where the mean budget is tighter, so that
-        # the mean stays within budget and only the tail checks can catch it.
-        self.one_token_offset = min(9.0, 0.9 * mean_budget * num_positions)
+        # the mean stays within budget (with room for the backends' own disagreement) and only the
+        # tail checks can catch it.
+        self.one_token_offset = min(9.0, 0.25 * mean_budget * num_positions)
 
     def expected(self) -> FaultSpec:
         """What must catch this fault."""
