@@ -37,7 +37,7 @@ case "$step" in
     python3 scripts/model-stats.py "${models[@]}" | tee "$out/model-stats.txt" ;;
   evidence)
     rev=${2:?revision}
-    mkdir -p /tmp/ev && rm -f /tmp/ev/*
+    rm -rf /tmp/ev && mkdir -p /tmp/ev
     for m in "${models[@]}"; do
       for p in default held-out; do
         suffix=$([ "$p" = default ] && echo "" || echo ".held-out")
