@@ -5,7 +5,9 @@ recorded comparisons, checks and verdict are what its raw scores and budgets giv
 
 Score phases (keys of `scores`): base, zero, zero_repeat, trainer_zero, trainer_zero_repeat,
 trainer_updated, stale, updated, updated_repeat, and per target kind K: target.K.trainer,
-target.K.sampler. A comparison `b vs a` looks at b - a.
+target.K.sampler; where sampler and trainer share a service (tinker), also stale_after_sync (the
+stale adapter queried again after the synced one) and trainer_after_stale (the trainer after
+that). A comparison `b vs a` looks at b - a.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "C.sampler_repeat": ("updated", "updated_repeat"),
     "C.sampler_change": ("zero", "updated"),
     "C.trainer_change": ("trainer_zero", "trainer_updated"),
+    "S.trainer_after_stale_vs_updated": ("trainer_updated", "trainer_after_stale"),
+    "S.trainer_after_stale_vs_zero": ("trainer_zero", "trainer_after_stale"),
+    "S.stale_after_sync_vs_zero": ("zero", "stale_after_sync"),
 }
 # name -> (sampler_from, sampler_to, trainer_from, trainer_to)
 DELTAS: dict[str, tuple[str, str, str, str]] = {
@@ -190,6 +195,20 @@ def compute_checks(
         c.add(f"T.{kind}.moved", f"target {kind}: sampler moved when only {kind} was updated",
               delta.sampler_norm, ">", noise, f"target {kind} does not reach the sampler")
         _delta_checks(c, f"T.{kind}", delta, budgets, CheckStatus.FAIL, rel_l2=False)
+
+    # S: querying the old sampling client again leaves the trainer's weights alone. Only where
+    # those phases were scored (samplers that share the trainer's service); absent elsewhere.
+    kept = get("S.trainer_after_stale_vs_updated")
+    if kept is not None:
+        repeat = get("A.trainer_repeat")
+        trainer_noise = budgets.noise_floor
+        if repeat is not None:
+            trainer_noise = max(budgets.noise_factor * repeat.max_abs, budgets.noise_floor)
+        back = get("S.trainer_after_stale_vs_zero")
+        reverted = back is not None and back.max_abs <= trainer_noise
+        c.add("S.trainer_kept", "trainer keeps its update after the old sampling client is queried again",
+              kept.max_abs, "<=", trainer_noise,
+              f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights")
     return c.checks
 
 

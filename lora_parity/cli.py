@@ -27,6 +27,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable 
 ModelOpt = Annotated[
     str | None, typer.Option("--model", help="Config name in configs/, a YAML file, or a local HF checkpoint folder.")
 ]
+GithubSummaryOpt = Annotated[
+    bool, typer.Option("--github-summary", help="Also append the markdown report to $GITHUB_STEP_SUMMARY, if set.")
+]
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
 
 
 def _exit_for(verdict: str) -> int:
@@ -36,8 +40,8 @@ def _exit_for(verdict: str) -> int:
 @app.command()
 def run(
     model: ModelOpt = None,
-    trainer: Annotated[str, typer.Option(help="Trainer backend: hf.")] = "hf",
-    sampler: Annotated[str, typer.Option(help="Sampler backend: vllm or hf.")] = "vllm",
+    trainer: Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")] = "hf",
+    sampler: Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")] = "vllm",
     probes: Annotated[str, typer.Option(help="Probe set: default or held-out.")] = "default",
     out: Annotated[
         Path | None, typer.Option(help="Receipt path (default: receipts/<model>__<trainer>__<sampler>__<UTC>.json).")
@@ -50,16 +54,29 @@ def run(
     per_target: Annotated[
         bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")
     ] = True,
+    tinker_url: Annotated[
+        str | None,
+        typer.Option(help="Tinker service URL (--trainer tinker --sampler tinker); API key from TINKER_API_KEY."),
+    ] = None,
+    base_model: Annotated[
+        str | None, typer.Option(help="Base model name on the Tinker service (default: the one it serves).")
+    ] = None,
+    tp: TpOpt = 1,
     json_: JsonOpt = False,
+    github_summary: GithubSummaryOpt = False,
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     from lora_parity.runner import RunOptions, execute
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
-                      command=tuple(sys.argv[1:]))
+                      command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp)
     result = execute(opts, progress=output.progress)
     output.result(result.receipt, str(result.path), json_)
+    if github_summary:
+        from lora_parity.report import report_markdown
+
+        output.github_summary(report_markdown(result.receipt, str(result.path)))
     raise typer.Exit(_exit_for(result.receipt.verdict.value))
 
 
@@ -87,6 +104,7 @@ def selftest(
     out_dir: Annotated[Path | None, typer.Option(help="Keep every run's receipt in this folder.")] = None,
     repeat: Annotated[int, typer.Option(min=1, help="Clean runs to repeat; their scores must be bit-identical.")] = 1,
     per_target: Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage.")] = True,
+    tp: TpOpt = 1,
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
@@ -94,7 +112,7 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]))
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp)
     result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
     output.selftest_matrix(result, json_)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)
@@ -111,7 +129,72 @@ def models(json_: JsonOpt = False) -> None:
         return
     for r in rows:
         output.out.print(f"{r['name']:<16} {r['source']:<12} {r['dtype']:<9} r{r['rank']} x{r['targets']} targets"
-                         f"  {r['description']}")
+                         f"  {r['description']}", soft_wrap=True)
+
+
+@app.command()
+def report(
+    path: Annotated[Path, typer.Argument(help="Receipt JSON file.")],
+    format_: Annotated[str, typer.Option("--format", help="md, text or json.")] = "md",
+    plots: Annotated[Path | None, typer.Option(help="Write PNG plots of |diff| per position here; link them.")] = None,
+    github_summary: GithubSummaryOpt = False,
+) -> None:
+    """A verified receipt for people: verdict, A/B/C table, comparisons, worst positions, provenance."""
+    from lora_parity import report as rp
+    from lora_parity.verify import verify as verify_receipt
+
+    rp.check_format(format_, rp.REPORT_FORMATS)
+    receipt = verify_receipt(path).receipt
+    links: dict[str, str] = {}
+    if plots is not None:
+        from lora_parity.plots import link, write_plots
+
+        links = {name: link(p) for name, p in write_plots(receipt, plots).items()}
+    output.print_text(rp.render_report(receipt, str(path), format_, links))
+    if github_summary:
+        output.github_summary(rp.report_markdown(receipt, str(path), links))
+
+
+@app.command()
+def table(
+    paths: Annotated[list[Path], typer.Argument(help="Receipt JSON files, one row each.")],
+    format_: Annotated[str, typer.Option("--format", help="md (for a README or PR) or rich (a terminal).")] = "md",
+) -> None:
+    """The evidence table: mean |diff| of A, B and C and the result, one row per verified receipt."""
+    from lora_parity import report as rp
+    from lora_parity.verify import verify as verify_receipt
+
+    rp.check_format(format_, rp.TABLE_FORMATS)
+    receipts = [verify_receipt(p).receipt for p in paths]
+    if format_ == "rich":
+        output.evidence_table(rp.table_header(receipts), [rp.evidence_row(r).cells() for r in receipts])
+    else:
+        output.print_text(rp.table_markdown(receipts))
+
+
+@app.command()
+def schema() -> None:
+    """The receipt's JSON Schema, generated from the receipt models (committed as receipts/schema.json)."""
+    from lora_parity.report import schema_json
+
+    output.print_text(schema_json())
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(help="Receipt before (e.g. before a fix).")],
+    b: Annotated[Path, typer.Argument(help="Receipt after.")],
+    json_: JsonOpt = False,
+) -> None:
+    """How two verified receipts differ: statistics side by side, checks that changed, settings."""
+    from lora_parity import report as rp
+    from lora_parity.verify import verify as verify_receipt
+
+    d = rp.diff_receipts(verify_receipt(a).receipt, verify_receipt(b).receipt)
+    if json_:
+        output.print_json(d)
+    else:
+        output.print_text(rp.diff_markdown(d, str(a), str(b)))
 
 
 def _exit_fast(code: int) -> None:

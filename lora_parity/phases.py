@@ -1,4 +1,5 @@
-"""The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage.
+"""The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage
+(and, where sampler and trainer share a service, the stale adapter again and the trainer once more).
 
 `run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores,
 adapters and timing. Checks are not made here: `checks.evaluate` derives them from the recorded
@@ -25,7 +26,8 @@ SYNC_MODES = ("new-id", "inplace")
 
 def run_sequence(run: Run) -> None:
     """Every phase in order; stops at the first phase that raises (recorded as an error)."""
-    run.step("base", lambda: run.sampler_score("base", None))
+    if run.sampler_scores_base:
+        run.step("base", lambda: run.sampler_score("base", None))
     run.step("publish_zero", lambda: run.publish(version=0))
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
@@ -34,7 +36,11 @@ def run_sequence(run: Run) -> None:
     run.step("stale", run.stale)
     run.step("sync", run.sync)
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
-    if run.cfg.per_target and run.per_target:
+    if run.sampler_shares_trainer_state:
+        # The old sampling client again, now that a newer one was used: does the trainer keep its update?
+        run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
+        run.step("trainer_after_stale", lambda: run.trainer_score("trainer_after_stale"))
+    if run.cfg.per_target and run.per_target and run.trainer_has_per_target:
         for kind in run.cfg.adapter.targets:
             run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
 
@@ -63,9 +69,27 @@ class Run:
     timings: dict[str, float] = field(default_factory=dict)
     perturbation: Perturbation | None = None
     handle: AdapterHandle | None = None
+    stale_handle: AdapterHandle | None = None
+    """The adapter the stale phase scored (the one published before the update)."""
     error: str | None = None
     first_adapter_id: int = 1
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
+
+    @property
+    def sampler_scores_base(self) -> bool:
+        """False for a sampler that cannot serve the base model (its info says why)."""
+        return getattr(self.sampler, "base_unavailable", None) is None
+
+    @property
+    def sampler_shares_trainer_state(self) -> bool:
+        """True for a sampler whose adapters are handles on the trainer's own service (Tinker): an old
+        one may serve the trainer's current weights, or write its own back into them."""
+        return bool(getattr(self.sampler, "shares_trainer_state", False))
+
+    @property
+    def trainer_has_per_target(self) -> bool:
+        """False for a trainer that updates every target together (its info says why)."""
+        return getattr(self.trainer, "per_target_unavailable", None) is None
 
     @property
     def next_adapter_id(self) -> int:
@@ -147,6 +171,7 @@ class Run:
             assert self.handle is not None
             folder = self.trainer.export_adapter(self.workdir / "adapter-leak")
             self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=True)
+        self.stale_handle = self.handle
         self.sampler_score("stale", self.handle)
 
     def sync(self) -> None:

@@ -175,6 +175,13 @@ class Perturbation(Strict):
     """Number of elements changed."""
     tensors: list[str]
     """Names of the changed tensors."""
+    learning_rate: float | None = None
+    """Learning rate of the optimizer step (kind optimizer_step), fixed before the run; std is 0 then."""
+    update_tokens: list[int] | None = None
+    """Token ids of the fixed datum the optimizer step trained on (kind optimizer_step)."""
+    scope: str | None = None
+    """What the update changed, in words, where the backend cannot list the tensors (a Tinker service:
+    num_tensors and num_elements are 0 and tensors is empty then)."""
 
 
 class AdapterVersion(Strict):

@@ -54,6 +54,12 @@ class RunOptions:
     sync: str = "new-id"
     per_target: bool = True
     command: tuple[str, ...] = ()
+    tinker_url: str | None = None
+    """URL of the Tinker service (the tinker backends only)."""
+    base_model: str | None = None
+    """Base model name on the Tinker service (default: the one model it serves)."""
+    tp: int = 1
+    """Tensor-parallel size of the trainer (the megatron trainer only)."""
 
 
 def git_revision(explicit: str | None, cwd: Path | None = None) -> Revision:
@@ -124,6 +130,8 @@ def prepare(opts: RunOptions) -> Plan:
     trainer_cls = backends.resolve("trainer", opts.trainer)
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start
+    _service_preflight(opts, trainer_cls, sampler_cls)
+    _tp_preflight(opts, trainer_cls)
     vocab = cfg.model.synthetic.vocab_size if cfg.model.synthetic else _vocab_of(cfg)
     probes = config.make_probes(cfg.probes, opts.probes, vocab)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean)
@@ -161,10 +169,13 @@ class Backends:
                 self.model_info = self.model_info.model_copy(update={
                     "weights_digest": synthetic.weights_digest(model_dir), "architecture": _architecture(model_dir)})
                 say("model", "ok", timings["model.materialize"])
-            self.sampler = self._plan.sampler_cls(cfg, model_dir, timings)
+            self.sampler = self._plan.sampler_cls(cfg, model_dir, timings,
+                                                  **_service_options(self._plan.sampler_cls, opts))
             self.sampler_info = self.sampler.info()
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
-            self.trainer = self._plan.trainer_cls(cfg, model_dir, opts.seed, timings)
+            self.trainer = self._plan.trainer_cls(cfg, model_dir, opts.seed, timings,
+                                                  **_service_options(self._plan.trainer_cls, opts),
+                                                  **_tp_options(self._plan.trainer_cls, opts))
             self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
@@ -216,7 +227,7 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
             "schema_version": SCHEMA_VERSION,
             "tool_version": __version__,
             "created_at": when.isoformat().replace("+00:00", "Z"),
-            "command": list(opts.command),
+            "command": _redacted_command(opts),
             "revision": plan.revision,
             "model": loaded.model_info,
             "trainer": loaded.trainer_info,
@@ -255,6 +266,54 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
         return run_once(plan, loaded, opts.inject, out, opts.force, say)
     finally:
         loaded.close()
+
+
+def redact_url(url: str) -> str:
+    """A service URL without credentials, query or fragment: what a receipt may record."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+def _redacted_command(opts: RunOptions) -> list[str]:
+    """The command line, with the service URL's credentials removed."""
+    if not opts.tinker_url:
+        return list(opts.command)
+    return [arg.replace(opts.tinker_url, redact_url(opts.tinker_url)) for arg in opts.command]
+
+
+def _service_options(cls: Any, opts: RunOptions) -> dict[str, Any]:
+    """Constructor options of a backend that talks to a service (`takes_service_options`): tinker."""
+    if not getattr(cls, "takes_service_options", False):
+        return {}
+    return {"url": opts.tinker_url, "base_model": opts.base_model}
+
+
+def _tp_options(cls: Any, opts: RunOptions) -> dict[str, Any]:
+    """The `tp` keyword, for a trainer that runs tensor parallel (`supports_tp`): megatron."""
+    return {"tp": opts.tp} if getattr(cls, "supports_tp", False) else {}
+
+
+def _tp_preflight(opts: RunOptions, trainer_cls: Any) -> None:
+    """--tp is a positive size, and other than 1 only for a trainer that runs tensor parallel."""
+    if opts.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
+    if opts.tp != 1 and not getattr(trainer_cls, "supports_tp", False):
+        raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
+
+
+def _service_preflight(opts: RunOptions, *classes: Any) -> None:
+    """Service options only where a backend takes them; each backend's own `preflight(opts)` (the
+    tinker backends: the service answers within seconds)."""
+    if (opts.tinker_url or opts.base_model) and not any(getattr(c, "takes_service_options", False) for c in classes):
+        raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
+    for check in dict.fromkeys(getattr(c, "preflight", None) for c in classes):
+        if check is not None:
+            check(opts)
 
 
 def _source(cfg: config.ModelConfig) -> str:

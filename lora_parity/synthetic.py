@@ -29,7 +29,34 @@ def cache_root() -> Path:
 
 def spec_digest(spec: SyntheticSpec, dtype: str) -> str:
     """Cache key of a synthetic checkpoint."""
-    return sha256_json({"spec": spec.model_dump(mode="json"), "dtype": dtype, "generator": 1})[:16]
+    data = spec.model_dump(mode="json")
+    # Optional fields added later are left out while unset, so that existing specs keep their cache key.
+    data = {k: v for k, v in data.items() if not (k in _OPTIONAL_LATER and v is None)}
+    return sha256_json({"spec": data, "dtype": dtype, "generator": 1})[:16]
+
+
+_OPTIONAL_LATER = ("rms_norm_eps", "moe", "mla")
+
+
+def _family_kwargs(spec: SyntheticSpec) -> dict[str, object]:
+    """HF config arguments of the MoE and MLA architectures (none for the dense ones)."""
+    out: dict[str, object] = {} if spec.rms_norm_eps is None else {"rms_norm_eps": spec.rms_norm_eps}
+    moe, mla = spec.moe, spec.mla
+    if moe is not None and spec.architecture == "Qwen3MoeForCausalLM":
+        out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.num_experts_per_tok,
+                   moe_intermediate_size=moe.moe_intermediate_size, norm_topk_prob=moe.norm_topk_prob,
+                   mlp_only_layers=list(range(moe.first_k_dense)))
+    elif moe is not None and mla is not None:  # the GLM family: MLA attention, shared experts, leading dense layers
+        n_dense = moe.first_k_dense
+        out.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.num_experts_per_tok,
+                   moe_intermediate_size=moe.moe_intermediate_size, n_shared_experts=moe.num_shared_experts,
+                   norm_topk_prob=moe.norm_topk_prob, first_k_dense_replace=n_dense,
+                   mlp_layer_types=["dense"] * n_dense + ["sparse"] * (spec.num_hidden_layers - n_dense),
+                   q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+                   qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
+        if mla.index_topk is not None:
+            out.update(index_topk=mla.index_topk, index_head_dim=mla.index_head_dim, index_n_heads=mla.index_n_heads)
+    return out
 
 
 def generate(spec: SyntheticSpec, dtype: str, folder: Path) -> None:
@@ -45,13 +72,15 @@ def generate(spec: SyntheticSpec, dtype: str, folder: Path) -> None:
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         rope_theta=spec.rope_theta,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=None,
+        # MLA models derive their head dims from the mla section (GlmMoeDsa points head_dim at the RoPE slice).
+        **({} if spec.mla is not None else {"head_dim": spec.head_dim}),
+        **_family_kwargs(spec),
     )
     device = torch.device(spec.generate_on)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -107,3 +136,52 @@ def weights_digest(folder: Path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+TOKENIZER_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>")
+"""Ids 0 and 1, the bos and eos ids every synthetic config.json names."""
+
+
+def _tokenizer_corpus(seed: int = 0, num_lines: int = 2000) -> list[str]:
+    """Deterministic pseudo-text: words built from a fixed set of syllables, seeded."""
+    import random
+
+    syllables = ["ka", "lo", "ri", "sen", "ta", "mu", "ve", "dor", "pi", "an", "el", "qu", "zo", "th", "ing", "er",
+                 "st", "ou", "ch", "ly", "x", "9", "2024", " ", ",", ".", "\n", "(", ")", "=", "+", "_"]
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(3, 12))]
+        lines.append(" ".join(words))
+    return lines
+
+
+def add_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """Write a byte-level BPE tokenizer of exactly `vocab_size` tokens (tokenizer.json and
+    tokenizer_config.json) into the checkpoint `folder`, trained with `tokenizers` on a fixed,
+    seeded corpus: deterministic, nothing downloaded. Servers that load a tokenizer with the model
+    (SkyRL's Tinker server does) need one; lora-parity itself only scores token ids.
+
+    Ids 0 and 1 are `<|bos|>` and `<|eos|>`, then the 256 byte symbols, then merges."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    num_special = len(TOKENIZER_SPECIAL_TOKENS)
+    if vocab_size < 256 + num_special:
+        raise ConfigError(f"a byte-level tokenizer needs at least {256 + num_special} tokens, not {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TOKENIZER_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_tokenizer_corpus(), trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ConfigError(f"tokenizer training reached {tokenizer.get_vocab_size()} tokens, not {vocab_size}")
+    folder = Path(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    bos, eos = TOKENIZER_SPECIAL_TOKENS
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "model_max_length": 1 << 16, "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return folder

@@ -26,7 +26,7 @@ def _same(recorded: Any, computed: Any) -> bool:
     if isinstance(recorded, float) or isinstance(computed, float):
         if recorded is None or computed is None:
             return recorded is computed
-        return math.isclose(recorded, computed, rel_tol=1e-12, abs_tol=1e-300)
+        return math.isclose(recorded, computed, rel_tol=1e-12, abs_tol=0.0)
     if isinstance(recorded, dict) and isinstance(computed, dict):
         return recorded.keys() == computed.keys() and all(_same(recorded[k], computed[k]) for k in recorded)
     if isinstance(recorded, list) and isinstance(computed, list):

@@ -10,18 +10,28 @@ from lora_parity.verify import verify
 from .conftest import ROOT
 
 pytestmark = pytest.mark.unit
-RECEIPTS = sorted((ROOT / "receipts").glob("*.json"))
+RECEIPTS = sorted(p for p in (ROOT / "receipts").glob("*.json") if p.name != "schema.json")
 
 
 def test_there_is_committed_evidence() -> None:
     assert any(p.name.startswith("tiny-qwen3__hf__vllm__") for p in RECEIPTS)
 
 
+# Committed evidence of runs that do not pass, and why (see README, "Evidence"). Every other
+# committed receipt must pass.
+EXPECTED_NOT_PASSING = {
+    # bf16 HF+PEFT vs vLLM on the synthetic Qwen3-8B shape disagree beyond the 0.05 mean budget at
+    # zero-init already (mean 0.12-0.13): the finding the tool exists to make legible.
+    "qwen3-8b-synth__hf__vllm__h200.json",
+    "qwen3-8b-synth.held-out__hf__vllm__h200.json",
+}
+
+
 @pytest.mark.parametrize("path", RECEIPTS, ids=lambda p: p.name)
 def test_committed_receipt_verifies(path: Path) -> None:
     verified = verify(path)
-    # Receipts of deliberately faulty runs say so in their name; every other one passes.
-    if "fault-" in path.name:
+    # Receipts of deliberately faulty runs say so in their name.
+    if "fault-" in path.name or path.name in EXPECTED_NOT_PASSING:
         assert verified.verdict != Verdict.PASS
     else:
         assert verified.verdict == Verdict.PASS

@@ -10,14 +10,18 @@ from lora_parity.errors import BackendUnavailableError, ConfigError
 TRAINERS: dict[str, str] = {
     "hf": "lora_parity.backends.hf:HFTrainer",
     "fake": "lora_parity.backends.fake:FakeTrainer",
+    "tinker": "lora_parity.backends.tinker:TinkerTrainer",
+    "megatron": "lora_parity.backends.megatron:MegatronTrainer",
 }
 SAMPLERS: dict[str, str] = {
     "vllm": "lora_parity.backends.vllm:VLLMSampler",
     "hf": "lora_parity.backends.hf:HFSampler",
     "fake": "lora_parity.backends.fake:FakeSampler",
+    "tinker": "lora_parity.backends.tinker:TinkerSampler",
 }
 # The pip extra that provides each backend's packages.
-EXTRAS: dict[str, str] = {"hf": "hf", "vllm": "cpu' (vLLM's CPU build) or 'lora-parity[gpu]"}
+EXTRAS: dict[str, str] = {"hf": "hf", "vllm": "cpu' (vLLM's CPU build) or 'lora-parity[gpu]", "tinker": "tinker",
+                         "megatron": "megatron"}
 
 
 def resolve(kind: str, name: str) -> Any:
