@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 # break `import transformers`; nothing on the text-only path needs them.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[cpu,dev,tinker]"
+	$(PY) -m pip install -q -e ".[cpu,dev,tinker,megatron]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -23,7 +23,7 @@ test: install
 	$(BIN)/pytest -q
 
 selftest: install
-	$(BIN)/lora-parity selftest
+	$(BIN)/lora-parity selftest --repeat 20
 
 fuzz: install
 	LORA_PARITY_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/test_hostile_receipts.py
@@ -36,6 +36,7 @@ typecheck: install
 
 bench: install
 	$(PY) scripts/bench.py
+	@for mode in inplace merged memory; do $(PY) scripts/bench.py --sync $$mode | grep -E "bench:|wall time|sync \("; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

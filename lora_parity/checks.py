@@ -23,6 +23,7 @@ from lora_parity.receipt import (
     ComparisonStats,
     DeltaStats,
     Verdict,
+    WorstPosition,
 )
 
 # name -> (a, b): statistics of scores[b] - scores[a].
@@ -251,3 +252,19 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
 def failed_checks(checks: Sequence[Check]) -> list[Check]:
     """Checks that did not pass and were reached."""
     return [ch for ch in checks if ch.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)]
+
+
+WORST_K = 5
+"""Worst positions kept per comparison in a receipt."""
+
+
+def compute_worst_positions(
+    scores: Mapping[str, Sequence[Sequence[float]]], sequences: Sequence[Sequence[int]], k: int = WORST_K
+) -> dict[str, list[WorstPosition]]:
+    """Per comparison whose two phases were scored, its `k` largest-|diff| positions (see
+    `stats.worst_positions`); the run records them and `lora-parity verify` recomputes them."""
+    out: dict[str, list[WorstPosition]] = {}
+    for name, (a, b) in COMPARISONS.items():
+        if a in scores and b in scores:
+            out[name] = [WorstPosition(**w) for w in stats.worst_positions(scores[a], scores[b], sequences, k)]  # type: ignore[arg-type]
+    return out

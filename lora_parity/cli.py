@@ -50,7 +50,9 @@ def run(
     seed: Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")] = 0,
     force: Annotated[bool, typer.Option(help="Overwrite an existing receipt.")] = False,
     inject: Annotated[str | None, typer.Option(help="Inject a fault (see `lora-parity selftest`).")] = None,
-    sync: Annotated[str, typer.Option(help="How adapters reach the sampler: new-id or inplace.")] = "new-id",
+    sync: Annotated[
+        str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")
+    ] = "new-id",
     per_target: Annotated[
         bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")
     ] = True,
@@ -64,8 +66,17 @@ def run(
     tp: TpOpt = 1,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Print the resources and launch commands the model needs; run nothing.")
+    ] = False,
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
+    if plan:
+        from lora_parity import config
+        from lora_parity.plan import render
+
+        output.out.print(render(config.load(model)), end="", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(0)
     from lora_parity.runner import RunOptions, execute
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
@@ -105,6 +116,7 @@ def selftest(
     repeat: Annotated[int, typer.Option(min=1, help="Clean runs to repeat; their scores must be bit-identical.")] = 1,
     per_target: Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage.")] = True,
     tp: TpOpt = 1,
+    sync: Annotated[str, typer.Option(help="Sync mode: new-id, inplace, merged or memory.")] = "new-id",
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
@@ -112,7 +124,7 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp)
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync)
     result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
     output.selftest_matrix(result, json_)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)

@@ -204,6 +204,9 @@ class SamplerLaunch(_Cfg):
     """Tensor parallel size (GPUs of node 0)."""
     expert_parallel: bool = False
     """vLLM enable_expert_parallel: experts sharded over the TP ranks (EP = TP) instead of each split by TP."""
+    own_node: bool = False
+    """On a node of its own (the one after the trainer's), its workers placed there by Ray
+    (distributed_executor_backend='ray'); else on node 0's GPUs beside the trainer."""
 
 
 class LaunchSpec(_Cfg):
@@ -221,6 +224,8 @@ class LaunchSpec(_Cfg):
     """The sampler's layout."""
     rdzv_port: int = 29500
     """torchrun rendezvous port on the first node."""
+    requires: list[str] = []
+    """What does not exist yet and must before the plan can run; the plan lists it."""
 
     @model_validator(mode="after")
     def _fits(self) -> LaunchSpec:
@@ -269,7 +274,7 @@ def configs_dir() -> Path:
 def available() -> list[Path]:
     """Config files, sorted by name."""
     d = configs_dir()
-    return sorted(d.glob("*.yaml")) if d.is_dir() else []
+    return sorted(d.glob("*.yaml"), key=lambda p: p.stem) if d.is_dir() else []
 
 
 def _load_yaml(path: Path) -> ModelConfig:

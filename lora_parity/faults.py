@@ -29,21 +29,35 @@ class FaultSpec:
     verdict: str
     must_pass: tuple[str, ...] = ()
     """Checks that must still pass: the fault hides from them, which is the point of the tail checks."""
+    modes: tuple[str, ...] = ()
+    """Sync modes the fault applies to (empty: all)."""
+
+
+ADAPTER_MODES = ("new-id", "inplace")
 
 
 FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("skip-sync", "the sync step does nothing", ("C.parity.mean",), "fail"),
     FaultSpec("reuse-adapter-id", "republish under the old name and id without an in-place reload",
-              ("C.parity.mean",), "fail"),
+              ("C.parity.mean",), "fail", modes=("new-id",)),
+    FaultSpec("no-reload-flag", "sync in place under the same name and id, without load_inplace",
+              ("C.parity.mean",), "fail", modes=("inplace",)),
+    FaultSpec("stale-path", "the merged weights are written, but the sampler reloads the previous folder",
+              ("C.parity.mean",), "fail", modes=("merged",)),
+    FaultSpec("stale-tensors", "the sampler is handed weights copied before the update",
+              ("C.parity.mean",), "fail", modes=("memory",)),
     FaultSpec("drop-target", "the exported adapter lacks the first target module's tensors",
-              ("C.parity.mean", "T.{target}.moved"), "fail"),
-    FaultSpec("wrong-scale", "the exported adapter's lora_alpha is doubled", ("C.delta.scale",), "fail"),
-    FaultSpec("wrong-direction", "the exported B tensors are negated", ("C.delta.cosine",), "fail"),
+              ("C.parity.mean", "T.{target}.moved"), "fail", modes=ADAPTER_MODES),
+    FaultSpec("wrong-scale", "the exported adapter's lora_alpha is doubled", ("C.delta.scale",), "fail",
+              modes=ADAPTER_MODES),
+    FaultSpec("wrong-direction", "the exported B tensors are negated", ("C.delta.cosine",), "fail",
+              modes=ADAPTER_MODES),
     FaultSpec("one-token", "one sampler logprob is off (9 nats, or less so the mean stays within budget)",
               ("A.parity.max",), "fail", must_pass=("A.parity.mean",)),
     FaultSpec("frozen-trainer", "the perturbation is not applied", ("B.stimulus",), "inconclusive"),
     FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail"),
-    FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B", ("A.zero_adapter_noop",), "fail"),
+    FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B", ("A.zero_adapter_noop",), "fail",
+              modes=ADAPTER_MODES),
     FaultSpec("misalign", "sampler scores shifted by one position", ("A.parity.mean",), "fail"),
     FaultSpec("nan", "the sampler returns NaN at one position", (), "error"),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error"),
@@ -51,16 +65,26 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
 SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name in FAULTS]
 
 
+def faults_for(sync_mode: str) -> list[str]:
+    """The selftest's faults that apply to `sync_mode`."""
+    return [f for f in SELFTEST_FAULTS if not FAULTS[f.partition("=")[0]].modes
+            or sync_mode in FAULTS[f.partition("=")[0]].modes]
+
+
 class Faults:
     """The injected fault of a run (or none): hooks the sequence calls at each seam."""
 
-    def __init__(self, spec: str | None, targets: list[str], num_positions: int, mean_budget: float) -> None:
+    def __init__(self, spec: str | None, targets: list[str], num_positions: int, mean_budget: float,
+                 sync_mode: str = "new-id") -> None:
         self.name: str | None = None
         self.crash_phase: str | None = None
         if spec:
             name, _, arg = spec.partition("=")
             if name not in FAULTS:
                 raise ConfigError(f"unknown fault {spec!r}; faults: {', '.join(FAULTS)}")
+            if FAULTS[name].modes and sync_mode not in FAULTS[name].modes:
+                raise ConfigError(f"fault {name!r} applies to sync modes {', '.join(FAULTS[name].modes)}, "
+                                  f"not {sync_mode!r}")
             if (name == "crash-at") != bool(arg):
                 raise ConfigError("crash-at needs a phase (crash-at=PHASE); other faults take no argument")
             self.name, self.crash_phase = name, arg or None

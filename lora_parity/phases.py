@@ -21,14 +21,17 @@ from lora_parity.errors import LoraParityError, ScoreError
 from lora_parity.faults import Faults
 from lora_parity.receipt import AdapterVersion, Perturbation, PhaseRecord, PhaseStatus
 
-SYNC_MODES = ("new-id", "inplace")
+SYNC_MODES = ("new-id", "inplace", "merged", "memory")
+# Modes where the trainer merges alpha/r·BA into the base weights and the sampler, running without
+# LoRA, reloads its base weights in place: from a folder (merged) or from tensors in memory (memory).
+MERGED_MODES = ("merged", "memory")
 
 
 def run_sequence(run: Run) -> None:
     """Every phase in order; stops at the first phase that raises (recorded as an error)."""
     if run.sampler_scores_base:
         run.step("base", lambda: run.sampler_score("base", None))
-    run.step("publish_zero", lambda: run.publish(version=0))
+    run.step("publish_zero", run.publish_zero)
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
     run.step("perturb", run.perturb)
@@ -72,6 +75,8 @@ class Run:
     stale_handle: AdapterHandle | None = None
     """The adapter the stale phase scored (the one published before the update)."""
     error: str | None = None
+    zero_tensors: object = None
+    """Merged zero-init weights kept for the stale-tensors fault only."""
     first_adapter_id: int = 1
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
 
@@ -138,9 +143,13 @@ class Run:
         for k in (key, f"{key}_repeat") if repeat else (key,):
             self._record(k, self._timed(k, lambda: self.trainer.score(self.sequences)))
 
-    def publish(self, version: int, label: str = "") -> AdapterHandle:
+    def publish(self, version: int, label: str = "") -> AdapterHandle | None:
         """Export the trainer's adapter to a new folder and load it on the sampler: a new name and
-        id per version (`new-id`), or the same ones reloaded in place (`inplace`)."""
+        id per version (`new-id`), or the same ones reloaded in place (`inplace`); in the merged
+        modes, reload the sampler's base weights with the adapter merged in (no handle)."""
+        if self.sync_mode in MERGED_MODES:
+            self._publish_merged(version, label)
+            return None
         start = time.perf_counter()
         folder = self.trainer.export_adapter(self.workdir / f"adapter-v{version}{label}")
         self.faults.after_export(version, folder)
@@ -149,7 +158,8 @@ class Run:
         else:
             adapter_id = self.first_adapter_id + version
             name = f"lora-parity-{adapter_id}-v{version}"
-        handle = self.sampler.publish(folder, name, adapter_id, inplace=self.sync_mode == "inplace")
+        inplace = self.sync_mode == "inplace" and not self.faults.is_("no-reload-flag")
+        handle = self.sampler.publish(folder, name, adapter_id, inplace=inplace)
         seconds = time.perf_counter() - start
         self.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id,
                                             mode=self.sync_mode, seconds=seconds))
@@ -159,6 +169,24 @@ class Run:
             self.sampler.retire(previous)
         return handle
 
+    def publish_zero(self) -> None:
+        """Publish the zero-init adapter (version 0)."""
+        if self.faults.is_("stale-tensors"):
+            self.zero_tensors = self.trainer.merged_tensors()  # type: ignore[attr-defined]
+        self.publish(version=0)
+
+    def _publish_merged(self, version: int, label: str = "") -> None:
+        start = time.perf_counter()
+        folder = self.workdir / f"merged-v{version}{label}"
+        if self.sync_mode == "merged":
+            self.sampler.reload_base(folder=self.trainer.export_merged(folder))  # type: ignore[attr-defined]
+        else:
+            self.sampler.reload_base(tensors=self.trainer.merged_tensors())  # type: ignore[attr-defined]
+        seconds = time.perf_counter() - start
+        self.adapters.append(AdapterVersion(version=version, name=folder.name, adapter_id=0, mode=self.sync_mode,
+                                            seconds=seconds))
+        self.timings[f"publish.v{version}"] = seconds
+
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
         if self.faults.is_("frozen-trainer"):
@@ -167,7 +195,9 @@ class Run:
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
-        if self.faults.is_("leak"):
+        if self.faults.is_("leak") and self.sync_mode in MERGED_MODES:
+            self._publish_merged(version=len(self.adapters), label="-leak")
+        elif self.faults.is_("leak"):
             assert self.handle is not None
             folder = self.trainer.export_adapter(self.workdir / "adapter-leak")
             self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=True)
@@ -183,10 +213,22 @@ class Run:
             folder = self.trainer.export_adapter(self.workdir / "adapter-v1")
             self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=False)
             return
+        if self.faults.is_("stale-path"):
+            # The updated weights are written, but the sampler reloads from the zero-init folder.
+            self.trainer.export_merged(self.workdir / "merged-v1")  # type: ignore[attr-defined]
+            self.sampler.reload_base(folder=self.workdir / "merged-v0")  # type: ignore[attr-defined]
+            return
+        if self.faults.is_("stale-tensors"):
+            # The sampler is handed a copy of the weights taken before the update.
+            self.sampler.reload_base(tensors=self.zero_tensors)  # type: ignore[attr-defined]
+            return
         self.publish(version=1)
 
     def retire(self) -> None:
-        """Unload the adapter this run left on the sampler."""
+        """Unload the adapter this run left on the sampler; in the merged modes, give the sampler its
+        original base weights back."""
+        if self.sync_mode in MERGED_MODES and self.adapters:
+            self.sampler.reset_base()  # type: ignore[attr-defined]
         if self.handle is not None:
             self.sampler.retire(self.handle)
             self.handle = None

@@ -281,6 +281,44 @@ class Check(Strict):
     """Why it has its status, in one line."""
 
 
+class WorstPosition(Strict):
+    """One of the positions where a comparison's two phases differ most."""
+
+    sequence: int
+    """Probe sequence index."""
+    position: int
+    """Scored position t in that sequence: the logprob of tokens[t+1] given tokens[:t+1]."""
+    token: int
+    """The token id scored there, tokens[t+1]."""
+    abs_diff: float
+    """|b - a| at that position."""
+
+
+class RouterAgreement(Strict):
+    """Whether trainer and sampler route each probe token to the same experts (MoE models only).
+
+    Raw data the run recorded, not recomputable from the scores: `lora-parity verify` checks only
+    that it is well formed.
+    """
+
+    status: Literal["measured", "not_available"]
+    """measured, or not_available when a side does not expose its routing."""
+    reason: str | None = None
+    """Why it is not available (which side, and why), when it is not."""
+    state: str
+    """The model state compared, e.g. the zero-init trainer vs the sampler's base model."""
+    num_layers: int | None = None
+    """MoE layers compared."""
+    top_k: int | None = None
+    """Experts per token."""
+    num_tokens: int | None = None
+    """Probe tokens compared per layer (every token of every sequence)."""
+    agreement: float | None = None
+    """Fraction of (token, layer) pairs whose top-k expert sets are equal on both sides."""
+    per_layer: list[float] | None = None
+    """That fraction per MoE layer, in layer order."""
+
+
 class Receipt(Strict):
     """Everything one run did and saw; `lora-parity verify` re-derives every statistic from it."""
 
@@ -330,6 +368,11 @@ class Receipt(Strict):
     """The error that stopped the run, if one did."""
     timings: dict[str, float]
     """Seconds per step: phases plus engine start, model load, each scoring pass, sync."""
+    worst_positions: dict[str, list[WorstPosition]] | None = None
+    """Per comparison, the positions with the largest |diff| (largest first), recomputable from
+    `scores` and the probes; None in receipts made before it was recorded."""
+    router: RouterAgreement | None = None
+    """Router top-k agreement between trainer and sampler (MoE models); None for dense models."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

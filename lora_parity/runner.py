@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import math
 import platform
 import shutil
 import socket
@@ -21,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, checks, config, synthetic
+from lora_parity import __version__, backends, checks, config, stats, synthetic
 from lora_parity.errors import ConfigError, LoraParityError, ReceiptExistsError
 from lora_parity.faults import Faults
-from lora_parity.phases import SYNC_MODES, Run, StopRun, run_sequence
+from lora_parity.phases import MERGED_MODES, SYNC_MODES, Run, StopRun, run_sequence
 from lora_parity.receipt import (
     SCHEMA_VERSION,
     BackendInfo,
@@ -33,6 +34,7 @@ from lora_parity.receipt import (
     Probes,
     Receipt,
     Revision,
+    RouterAgreement,
     seal,
     write_atomic,
 )
@@ -126,6 +128,10 @@ def prepare(opts: RunOptions) -> Plan:
     cfg = config.load(opts.model)
     if opts.sync not in SYNC_MODES:
         raise ConfigError(f"unknown sync mode {opts.sync!r}; choose from {', '.join(SYNC_MODES)}")
+    # Before any backend import: a run this machine cannot hold stops here, in well under a second.
+    from lora_parity import plan as launch_plan
+
+    launch_plan.preflight(cfg, opts.trainer, opts.sampler)
     start = time.perf_counter()
     trainer_cls = backends.resolve("trainer", opts.trainer)
     sampler_cls = backends.resolve("sampler", opts.sampler)
@@ -134,7 +140,8 @@ def prepare(opts: RunOptions) -> Plan:
     _tp_preflight(opts, trainer_cls)
     vocab = cfg.model.synthetic.vocab_size if cfg.model.synthetic else _vocab_of(cfg)
     probes = config.make_probes(cfg.probes, opts.probes, vocab)
-    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean)
+    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
+    _merged_preflight(opts, trainer_cls, sampler_cls)
     return Plan(opts, cfg, trainer_cls, sampler_cls, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
 
@@ -170,7 +177,8 @@ class Backends:
                     "weights_digest": synthetic.weights_digest(model_dir), "architecture": _architecture(model_dir)})
                 say("model", "ok", timings["model.materialize"])
             self.sampler = self._plan.sampler_cls(cfg, model_dir, timings,
-                                                  **_service_options(self._plan.sampler_cls, opts))
+                                                  **_service_options(self._plan.sampler_cls, opts),
+                                                  **_sampler_options(self._plan.sampler_cls, opts))
             self.sampler_info = self.sampler.info()
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             self.trainer = self._plan.trainer_cls(cfg, model_dir, opts.seed, timings,
@@ -197,14 +205,16 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     """One pass of the sequence on loaded backends, then the receipt, whatever happened."""
     cfg, opts, probes = plan.cfg, plan.opts, plan.probes
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean)
+    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
     start = time.perf_counter()
     error = loaded.error
     run: Run | None = None
+    router: RouterAgreement | None = None
     try:
         if error is None:
             loaded.trainer.zero_b()
+            router = _router_agreement(loaded, probes.sequences)
             run = Run(cfg=cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=probes.sequences,
                       seed=opts.seed, workdir=workdir, faults=faults, sync_mode=opts.sync,
                       per_target=opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id)
@@ -247,9 +257,39 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
             "verdict": ev.verdict,
             "error": error,
             "timings": {k: round(v, 6) for k, v in timings.items()},
+            "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
+            "router": router,
         })
         path = write_atomic(receipt, out, force=force)
     return RunResult(receipt, path)
+
+
+ROUTER_STATE = "zero-init trainer (B = 0) vs the sampler's base model"
+
+
+def _router_agreement(loaded: Backends, sequences: list[list[int]]) -> RouterAgreement | None:
+    """Router top-k agreement at zero-init, for MoE models: a backend exposes its routing with
+    `router_topk(sequences)` ([sequence][token][MoE layer] -> expert ids; None for a dense model).
+    A side that does not expose it makes the record `not_available`, with the reason, never a guess."""
+    trainer_fn = getattr(loaded.trainer, "router_topk", None)
+    sampler_fn = getattr(loaded.sampler, "router_topk", None)
+    try:
+        trainer_routes = trainer_fn(sequences) if trainer_fn is not None else None
+        if trainer_routes is None:
+            return None
+        if sampler_fn is None:
+            reason = getattr(loaded.sampler, "routing_unavailable", None) or "the sampler does not expose its routing"
+            return RouterAgreement(status="not_available", reason=f"{loaded.sampler_info.backend}: {reason}",
+                                   state=ROUTER_STATE)
+        per_layer = stats.topk_agreement(trainer_routes, sampler_fn(sequences))
+    except Exception as e:  # routing is a diagnostic: a capture that fails is recorded, the run goes on
+        return RouterAgreement(status="not_available", reason=f"routing capture failed: {type(e).__name__}: {e}"[:300],
+                               state=ROUTER_STATE)
+    first = trainer_routes[0][0] if trainer_routes and trainer_routes[0] else []
+    return RouterAgreement(status="measured", state=ROUTER_STATE, num_layers=len(per_layer),
+                           top_k=len(first[0]) if first else 0, num_tokens=sum(len(s) for s in sequences),
+                           agreement=math.fsum(per_layer) / len(per_layer) if per_layer else 0.0,
+                           per_layer=per_layer)
 
 
 def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None) -> RunResult:
@@ -293,6 +333,21 @@ def _service_options(cls: Any, opts: RunOptions) -> dict[str, Any]:
     return {"url": opts.tinker_url, "base_model": opts.base_model}
 
 
+def _merged_preflight(opts: RunOptions, trainer_cls: Any, sampler_cls: Any) -> None:
+    """The merged sync modes need a trainer that merges and a sampler that reloads its base weights."""
+    if opts.sync not in MERGED_MODES:
+        return
+    if not hasattr(trainer_cls, "merged_tensors"):
+        raise ConfigError(f"--sync {opts.sync} needs a trainer that can merge its adapter; {opts.trainer!r} cannot")
+    if not hasattr(sampler_cls, "reload_base"):
+        raise ConfigError(f"--sync {opts.sync} needs a sampler that reloads base weights; {opts.sampler!r} cannot")
+
+
+def _sampler_options(cls: Any, opts: RunOptions) -> dict[str, Any]:
+    """`lora=False` for a sampler in a merged sync mode: it serves the merged base weights alone."""
+    return {"lora": False} if opts.sync in MERGED_MODES and hasattr(cls, "reload_base") else {}
+
+
 def _tp_options(cls: Any, opts: RunOptions) -> dict[str, Any]:
     """The `tp` keyword, for a trainer that runs tensor parallel (`supports_tp`): megatron."""
     return {"tp": opts.tp} if getattr(cls, "supports_tp", False) else {}
@@ -327,16 +382,29 @@ def _source(cfg: config.ModelConfig) -> str:
 def _read_hf_config(cfg: config.ModelConfig) -> dict[str, Any]:
     import json
 
-    assert cfg.model.path is not None
-    return json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
+    folder = _local_checkpoint(cfg)
+    assert folder is not None
+    return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+
+
+def _local_checkpoint(cfg: config.ModelConfig) -> Path | None:
+    """The config's checkpoint folder: its path, or its hub id's snapshot in the local HF cache."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    if cfg.model.hf_id is not None:
+        from lora_parity.plan import hub_checkpoint
+
+        return hub_checkpoint(cfg.model.hf_id)
+    return None
 
 
 def _vocab_of(cfg: config.ModelConfig) -> int:
-    if cfg.model.path is None:
+    folder = _local_checkpoint(cfg)
+    if folder is None:
         raise ConfigError(f"{cfg.name}: no local checkpoint to run (hub models are not downloaded)")
     vocab = _read_hf_config(cfg).get("vocab_size")
     if not isinstance(vocab, int) or vocab < 2:
-        raise ConfigError(f"{cfg.model.path}/config.json: no valid vocab_size")
+        raise ConfigError(f"{folder}/config.json: no valid vocab_size")
     return vocab
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_parity.faults import SELFTEST_FAULTS, Faults
+from lora_parity.faults import Faults, faults_for
 from lora_parity.receipt import CheckStatus, PhaseStatus, Receipt, Verdict
 from lora_parity.runner import Backends, RunOptions, prepare, run_once
 
@@ -53,7 +53,7 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
     observed = f"{receipt.verdict.value}: {shown or receipt.error or 'all checks pass'}"
     if fault is None:
         return "pass", observed, receipt.verdict == Verdict.PASS
-    spec = Faults(fault, targets, num_positions, receipt.budgets.mean).expected()
+    spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode).expected()
     status = {c.id: c.status for c in receipt.checks}
     expected = f"{spec.verdict}: {', '.join(spec.caught_by) or 'error recorded'}"
     caught = receipt.verdict.value == spec.verdict
@@ -72,8 +72,10 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
 
 
 def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
-             progress: Callable[[str, str, float], None] | None = None) -> SelftestResult:
-    """Run the clean run (`repeat` times) and every fault; write each receipt into `out_dir`."""
+             progress: Callable[[str, str, float], None] | None = None,
+             faults: list[str] | None = None) -> SelftestResult:
+    """Run the clean run (`repeat` times) and every fault that applies to the sync mode (or only
+    `faults`); write each receipt into `out_dir`."""
     say = progress or (lambda phase, status, seconds: None)
     plan = prepare(opts)
     folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
@@ -94,7 +96,7 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
             elif receipt.scores != first_scores:
                 result.identical_repeats = False
         result.repeats = max(1, repeat)
-        for fault in SELFTEST_FAULTS:
+        for fault in faults if faults is not None else faults_for(opts.sync):
             path = folder / f"fault-{fault.replace('=', '-')}.json"
             path.unlink(missing_ok=True)
             before = {p.name for p in folder.iterdir()}

@@ -123,3 +123,49 @@ def delta_agreement(
     scale = ns / nt if nt > 0 else None
     rel = l2([x - y for x, y in zip(ds, dt, strict=True)]) / nt if nt > 0 else None
     return {"cosine": cosine, "scale": scale, "rel_l2": rel, "sampler_norm": ns, "trainer_norm": nt}
+
+
+def worst_positions(
+    a: ScoreArray, b: ScoreArray, sequences: Sequence[Sequence[int]], k: int
+) -> list[dict[str, int | float]]:
+    """The `k` positions with the largest |b - a|, largest first (ties: earlier position first).
+
+    Each is {sequence, position, token, abs_diff}: position t of sequence s scores tokens[t+1], so
+    `token` is sequences[s][t+1]. Where an MoE disagreement sits (one token, one sequence, spread
+    out) is what localises it.
+    """
+    check_aligned(a, b, "comparison")
+    if [len(s) - 1 for s in sequences] != [len(x) for x in a]:
+        raise ScoreError("worst positions: scores are not aligned with the probe sequences")
+    ranked = sorted(
+        ((abs(y - x), s, t) for s, (xs, ys) in enumerate(zip(a, b, strict=True))
+         for t, (x, y) in enumerate(zip(xs, ys, strict=True))),
+        key=lambda e: (-e[0], e[1], e[2]),
+    )
+    return [{"sequence": s, "position": t, "token": int(sequences[s][t + 1]), "abs_diff": d}
+            for d, s, t in ranked[:k]]
+
+
+def topk_agreement(trainer: Sequence[Sequence[Sequence[Sequence[int]]]],
+                   sampler: Sequence[Sequence[Sequence[Sequence[int]]]]) -> list[float]:
+    """Per layer, the fraction of tokens routed to the same set of experts by both sides.
+
+    Arguments are indexed [sequence][token][layer] -> expert ids (any order); both must have the
+    same shape. Returns one fraction per layer.
+    """
+    if len(trainer) != len(sampler):
+        raise ScoreError(f"routing: {len(trainer)} vs {len(sampler)} sequences")
+    same: list[int] = []
+    total = 0
+    for s, (ts, ss) in enumerate(zip(trainer, sampler, strict=True)):
+        if len(ts) != len(ss):
+            raise ScoreError(f"routing: sequence {s} has {len(ts)} vs {len(ss)} tokens")
+        for tl, sl in zip(ts, ss, strict=True):
+            if len(tl) != len(sl):
+                raise ScoreError(f"routing: {len(tl)} vs {len(sl)} MoE layers")
+            if not same:
+                same = [0] * len(tl)
+            for i, (te, se) in enumerate(zip(tl, sl, strict=True)):
+                same[i] += set(te) == set(se)
+            total += 1
+    return [n / total for n in same] if total else []

@@ -105,6 +105,11 @@ def materialize(cfg: ModelConfig) -> Path:
             raise ConfigError(f"model path {path} not found or has no config.json")
         return path
     if spec.hf_id is not None:
+        from lora_parity.plan import hub_checkpoint
+
+        snapshot = hub_checkpoint(spec.hf_id)
+        if snapshot is not None:  # already in the local Hugging Face cache: used as it is
+            return snapshot
         raise ConfigError(
             f"{cfg.name} names the hub model {spec.hf_id}; lora-parity does not download weights: "
             "download it yourself and pass the folder with --model PATH"

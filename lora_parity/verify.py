@@ -83,4 +83,37 @@ def verify(path: Path) -> Verified:
         raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
+    _verify_moe_fields(path, receipt)
     return Verified(receipt, ev.verdict)
+
+
+def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
+    """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed."""
+    if receipt.worst_positions is not None:
+        k = max((len(v) for v in receipt.worst_positions.values()), default=checks.WORST_K)
+        try:
+            worst = checks.compute_worst_positions(receipt.scores, receipt.probes.sequences, k)
+        except ScoreError as e:
+            raise ReceiptError(f"{path}: worst_positions: {e}") from None
+        recorded = {n: [w.model_dump(mode="json") for w in v] for n, v in receipt.worst_positions.items()}
+        computed = {n: [w.model_dump(mode="json") for w in v] for n, v in worst.items()}
+        if not _same(recorded, computed):
+            raise ReceiptError(f"{path}: {_first_difference('worst_positions', recorded, computed)}")
+    r = receipt.router
+    if r is None:
+        return
+    numbers = (r.num_layers, r.top_k, r.num_tokens, r.agreement, r.per_layer)
+    if r.status == "not_available":
+        if not r.reason or any(x is not None for x in numbers):
+            raise ReceiptError(f"{path}: router: not_available needs a reason and no measurements")
+        return
+    if any(x is None for x in numbers) or r.reason is not None:
+        raise ReceiptError(f"{path}: router: measured needs num_layers, top_k, num_tokens, agreement, per_layer")
+    assert r.per_layer is not None and r.agreement is not None and r.num_layers is not None
+    tokens = sum(len(s) for s in receipt.probes.sequences)
+    if len(r.per_layer) != r.num_layers or r.num_layers < 1 or (r.top_k or 0) < 1 or r.num_tokens != tokens:
+        raise ReceiptError(f"{path}: router: shape does not match its layers and the probe tokens")
+    if not all(0.0 <= x <= 1.0 for x in (*r.per_layer, r.agreement)):
+        raise ReceiptError(f"{path}: router: agreement outside [0, 1]")
+    if not math.isclose(r.agreement, math.fsum(r.per_layer) / len(r.per_layer), rel_tol=1e-12, abs_tol=1e-12):
+        raise ReceiptError(f"{path}: router: agreement is not the mean of per_layer")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.faults import FAULTS, SELFTEST_FAULTS
+from lora_parity.faults import FAULTS, faults_for
 from lora_parity.receipt import CheckStatus, PhaseStatus, Verdict
 from lora_parity.runner import RunOptions, execute
 from lora_parity.selftest import selftest
@@ -17,14 +17,14 @@ FAKE = {"trainer": "fake", "sampler": "fake"}
 
 def test_selftest_catches_every_fault_on_fakes(tmp_path: Path) -> None:
     result = selftest(RunOptions(**FAKE), tmp_path, repeat=3)
-    assert [r.fault for r in result.rows] == ["none #1", "none #2", "none #3", *SELFTEST_FAULTS]
+    assert [r.fault for r in result.rows] == ["none #1", "none #2", "none #3", *faults_for("new-id")]
     assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
     assert result.identical_repeats and result.ok
     for row in result.rows:
         verify(Path(row.receipt))  # every receipt the matrix wrote is intact
 
 
-@pytest.mark.parametrize("fault", [f for f in SELFTEST_FAULTS if not f.startswith("crash-at")])
+@pytest.mark.parametrize("fault", [f for f in faults_for("new-id") if not f.startswith("crash-at")])
 def test_each_fault_trips_its_check(fault: str, tmp_path: Path) -> None:
     receipt = execute(RunOptions(**FAKE, inject=fault, out=tmp_path / "r.json")).receipt
     spec = FAULTS[fault]

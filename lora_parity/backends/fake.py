@@ -9,6 +9,7 @@ what it loaded under an id unless asked to reload in place, as vLLM does.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -117,6 +118,15 @@ class FakeTrainer:
         af.write_adapter(directory, config, tensors)
         return Path(directory)
 
+    def merged_tensors(self) -> dict[str, float]:
+        """The fake model's 'merged weights': its coefficient per target kind."""
+        return self._coefficients()
+
+    def export_merged(self, directory: Path) -> Path:
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "merged.json").write_text(json.dumps(self.merged_tensors()))
+        return Path(directory)
+
     def info(self) -> BackendInfo:
         return BackendInfo(backend="fake", versions={}, settings={"rank": self.cfg.adapter.rank})
 
@@ -129,13 +139,14 @@ class FakeSampler:
 
     needs_checkpoint = False
 
-    def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float]) -> None:
+    def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], lora: bool = True) -> None:
         self.kinds = list(cfg.adapter.targets)
+        self.base: dict[str, float] = {}
         self.loaded: dict[int, dict[str, float]] = {}
         self.reloads_without_inplace = 0
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        coefficients = self.loaded[adapter.adapter_id] if adapter else {}
+        coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
         return _score(sequences, coefficients, self.kinds)
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
@@ -143,6 +154,15 @@ class FakeSampler:
             config, tensors = af.read_adapter(directory)
             self.loaded[adapter_id] = _coefficients(config, tensors)
         return AdapterHandle(name, adapter_id, Path(directory))
+
+    def reload_base(self, folder: Path | None = None, tensors: dict[str, float] | None = None) -> None:
+        if tensors is None:
+            assert folder is not None
+            tensors = json.loads((Path(folder) / "merged.json").read_text())
+        self.base = dict(tensors)
+
+    def reset_base(self) -> None:
+        self.base = {}
 
     def retire(self, handle: AdapterHandle) -> None:
         self.loaded.pop(handle.adapter_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 import transformers
 
 from lora_parity.backends.base import AdapterHandle, Scores, Sequences
+from lora_parity.backends.moe import Routes, hf_router_topk
 from lora_parity.config import ModelConfig
 from lora_parity.errors import PhaseError
 from lora_parity.perturb import is_lora_b, noise_seed, target_kind
@@ -61,6 +63,7 @@ class HFTrainer:
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float]) -> None:
         self.cfg = cfg
+        self.model_dir = Path(model_dir)
         self.device = pick_device()
         start = time.perf_counter()
         base = load_base(cfg, model_dir, self.device)
@@ -78,6 +81,10 @@ class HFTrainer:
 
     def score(self, sequences: Sequences) -> Scores:
         return score_sequences(self.model, sequences, self.device)
+
+    def router_topk(self, sequences: Sequences) -> Routes | None:
+        """Each token's top-k experts per MoE layer under the current adapter (None: dense model)."""
+        return hf_router_topk(self.model, sequences, self.device)
 
     def _lora_b(self, only: str | None = None) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters()
@@ -110,6 +117,34 @@ class HFTrainer:
         self.model.save_pretrained(str(directory), safe_serialization=True)
         return Path(directory)
 
+    @torch.no_grad()
+    def merged_tensors(self) -> dict[str, torch.Tensor]:
+        """The base weights with alpha/r·BA merged into every LoRA target, under the base model's HF
+        names; the merge is computed in fp32 and cast back. The trainer itself stays unmerged."""
+        base = self.model.get_base_model()
+        deltas = {f"{name}.base_layer.weight": module.get_delta_weight("default")  # type: ignore[attr-defined]
+                  for name, module in base.named_modules()
+                  if isinstance(module, peft.tuners.lora.LoraLayer) and "default" in module.lora_A}
+        merged = {}
+        for key, value in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            if key in deltas:
+                value = (value.float() + deltas[key].float()).to(value.dtype)
+            merged[key.replace(".base_layer.", ".")] = value.detach().clone().contiguous()
+        return merged
+
+    def export_merged(self, directory: Path) -> Path:
+        """Write the merged weights as an HF checkpoint folder (config.json + model.safetensors)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True)
+        save_file({k: v.cpu() for k, v in self.merged_tensors().items()}, str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+        shutil.copy(self.model_dir / "config.json", directory / "config.json")
+        return directory
+
     def info(self) -> BackendInfo:
         return BackendInfo(backend="hf", versions=versions(), settings={
             "dtype": self.cfg.model.dtype, "device": device_name(self.device), "rank": self.cfg.adapter.rank,
@@ -125,10 +160,11 @@ class HFSampler:
     """An independent HF + PEFT load that serves adapters by id like an engine: a known id is not
     reloaded unless `inplace`."""
 
-    def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float]) -> None:
+    def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True) -> None:
         self.cfg = cfg
         self.device = pick_device()
         start = time.perf_counter()
+        self.model_dir = Path(model_dir)
         self.model: Any = load_base(cfg, model_dir, self.device)
         self.names: dict[int, str] = {}
         timings["sampler.load"] = time.perf_counter() - start
@@ -141,6 +177,13 @@ class HFSampler:
                 return score_sequences(self.model, sequences, self.device)
         self.model.set_adapter(self.names[adapter.adapter_id])
         return score_sequences(self.model, sequences, self.device)
+
+    def router_topk(self, sequences: Sequences) -> Routes | None:
+        """Each token's top-k experts per MoE layer of the base model (None: dense model)."""
+        if not self.names:
+            return hf_router_topk(self.model, sequences, self.device)
+        with self.model.disable_adapter():
+            return hf_router_topk(self.model, sequences, self.device)
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         if adapter_id in self.names and not inplace:
@@ -157,6 +200,25 @@ class HFSampler:
             self.model.delete_adapter(old)
         self.model.eval()
         return AdapterHandle(name, adapter_id, Path(directory))
+
+    @torch.no_grad()
+    def reload_base(self, folder: Path | None = None, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Replace the base weights in place: from an HF checkpoint folder, or from tensors."""
+        if tensors is None:
+            from safetensors.torch import load_file
+
+            assert folder is not None
+            tensors = load_file(str(Path(folder) / "model.safetensors"))
+        self.model.load_state_dict(tensors, strict=True)
+
+    def reset_base(self) -> None:
+        """Reload the checkpoint's own base weights."""
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        self.model.load_state_dict(tensors, strict=False)
 
     def retire(self, handle: AdapterHandle) -> None:
         name = self.names.get(handle.adapter_id)

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lora_parity.backends import moe
 from lora_parity.backends.base import AdapterHandle, Scores, Sequences
 from lora_parity.config import ModelConfig
-from lora_parity.errors import ScoreError
+from lora_parity.errors import ConfigError, ScoreError
 from lora_parity.receipt import BackendInfo
 
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -41,8 +42,12 @@ def _has_cuda() -> bool:
 class VLLMSampler:
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
-    def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float]) -> None:
+    routing_unavailable = moe.VLLM_ROUTING_UNAVAILABLE
+    """Why router top-k agreement cannot be measured against this sampler."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True) -> None:
         self.cfg = cfg
+        self.model_dir = Path(model_dir)
         self.cuda = _has_cuda()
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
@@ -64,10 +69,7 @@ class VLLMSampler:
         self.engine_args: dict[str, Any] = {
             "model": str(model_dir),
             "dtype": cfg.model.dtype,
-            "enable_lora": True,
-            "max_lora_rank": rank,
-            "max_loras": 1,
-            "lora_target_modules": list(cfg.adapter.targets),
+            "enable_lora": lora,
             "skip_tokenizer_init": True,
             "enforce_eager": cfg.sampler.enforce_eager,
             "enable_prefix_caching": cfg.sampler.enable_prefix_caching,
@@ -75,11 +77,17 @@ class VLLMSampler:
             "seed": 0,
             "trust_remote_code": cfg.model.trust_remote_code,
         }
+        if lora:
+            self.engine_args.update(max_lora_rank=rank, max_loras=1, lora_target_modules=list(cfg.adapter.targets))
         if self.cuda:
             self.engine_args["gpu_memory_utilization"] = cfg.sampler.gpu_memory_utilization
             self.engine_args["tensor_parallel_size"] = cfg.sampler.tensor_parallel_size
+        # MoE / MLA: engine options from the config, and the CPU build's MoE-with-LoRA fallback.
+        self.engine_args.update(moe.vllm_engine_extras(cfg, self.cuda))
+        if not self.cuda and lora:
+            moe.install_cpu_moe_lora_fallback()
         start = time.perf_counter()
-        self.llm = LLM(**self.engine_args)
+        self.llm = LLM(**moe.llm_kwargs(self.engine_args))
         timings["sampler.start"] = time.perf_counter() - start
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
 
@@ -107,6 +115,24 @@ class VLLMSampler:
         handle = AdapterHandle(name, adapter_id, Path(directory))
         self.llm.llm_engine.add_lora(self._request(handle, inplace=inplace))
         return handle
+
+    def reload_base(self, folder: Path | None = None, tensors: dict[str, Any] | None = None) -> None:
+        """Reload the base weights in place (`reload_weights` on every worker): from an HF checkpoint
+        folder, or from tensors handed over in memory (an in-process engine only: the iterator does not
+        cross processes). vLLM's CPU build repacks linear weights, so the older `load_weights` route
+        does not work there; `reload_weights` does."""
+        if folder is not None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        else:
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+                raise ConfigError("--sync memory needs an in-process vLLM engine (tensor_parallel_size 1)")
+            assert tensors is not None
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors.items()))})
+        self.llm.reset_prefix_cache()
+
+    def reset_base(self) -> None:
+        """Reload the checkpoint's own base weights."""
+        self.reload_base(folder=self.model_dir)
 
     def retire(self, handle: AdapterHandle) -> None:
         self.llm.llm_engine.remove_lora(handle.adapter_id)

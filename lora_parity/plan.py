@@ -1,0 +1,246 @@
+"""Launch plans and preflight for models too big for one process (`lora-parity run --plan`).
+
+A config with a `launch` section (configs/glm-5.3.yaml) says how many nodes and GPUs the run needs
+and how the trainer and the sampler are spread over them. `render` turns that into the resources
+and the exact commands, as text, without touching a GPU; `preflight` checks, in well under a second
+and without importing torch, whether this machine can start the run at all, so that a run that
+cannot work stops with one line instead of after minutes of loading.
+
+Everything here is pure except the look-ups `preflight` needs: environment variables, the
+Hugging Face cache folders and `nvidia-smi` (or torch, only once `nvidia-smi` says there are GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from lora_parity.config import LaunchSpec, ModelConfig
+from lora_parity.errors import ConfigError
+
+GIB = 1024**3
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def hub_cache_dirs() -> list[Path]:
+    """Where the Hugging Face hub cache may be: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub."""
+    dirs = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs
+
+
+def hub_checkpoint(hf_id: str) -> Path | None:
+    """The local snapshot folder of hub model `hf_id` (config.json + safetensors), or None.
+
+    Reads the hub cache layout (`models--ORG--NAME/refs/main` -> `snapshots/REV`) without importing
+    huggingface_hub and without any network access; lora-parity never downloads weights.
+    """
+    repo = "models--" + hf_id.replace("/", "--")
+    for root in hub_cache_dirs():
+        base = root / repo
+        snapshots = base / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        ref = base / "refs" / "main"
+        candidates = []
+        if ref.is_file():
+            candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
+        candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
+        for snap in candidates:
+            if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
+                return snap
+    return None
+
+
+def weights_gib(cfg: ModelConfig) -> float:
+    """Size of the base weights in the config's dtype, in GiB."""
+    launch = _launch(cfg)
+    return launch.num_params * _BYTES[cfg.model.dtype] / GIB
+
+
+def trainer_gib_per_gpu(cfg: ModelConfig) -> float:
+    """Base weights per trainer GPU: dense parts split tp x pp ways, experts ep x pp ways; with no
+    split of the two in the config, the smaller of tp and ep bounds it from above."""
+    t = _launch(cfg).trainer
+    return weights_gib(cfg) / (min(t.tp, t.ep) * t.pp)
+
+
+def sampler_gib_per_gpu(cfg: ModelConfig) -> float:
+    """Base weights per sampler GPU: everything split over its tensor-parallel ranks (experts too:
+    with expert parallel they are sharded over the same ranks)."""
+    return weights_gib(cfg) / _launch(cfg).sampler.tp
+
+
+def num_nodes(launch: LaunchSpec) -> int:
+    """Nodes the whole run needs: the trainer's, plus one for a sampler on its own node."""
+    return launch.trainer.nodes + (1 if launch.sampler.own_node else 0)
+
+
+def _launch(cfg: ModelConfig) -> LaunchSpec:
+    if cfg.launch is None:
+        raise ConfigError(f"{cfg.name} has no launch section: it runs in one process (no plan needed)")
+    return cfg.launch
+
+
+def _source(cfg: ModelConfig) -> str:
+    m = cfg.model
+    return m.hf_id or m.path or f"synthetic {m.synthetic.architecture if m.synthetic else ''}"
+
+
+def _engine_kwargs(cfg: ModelConfig) -> list[str]:
+    launch = _launch(cfg)
+    kw = [f"model=<local snapshot of {_source(cfg)}>", f"dtype={cfg.model.dtype}",
+          f"tensor_parallel_size={launch.sampler.tp}"]
+    if launch.sampler.expert_parallel:
+        kw.append("enable_expert_parallel=True")
+    if launch.sampler.own_node:
+        kw.append("distributed_executor_backend='ray'")
+    kw += ["enable_lora=True", f"max_lora_rank={cfg.adapter.rank}", "max_loras=1",
+           f"lora_target_modules={list(cfg.adapter.targets)}", f"max_model_len={cfg.sampler.max_model_len}",
+           "enforce_eager=True", "skip_tokenizer_init=True"]
+    return kw
+
+
+def render(cfg: ModelConfig) -> str:
+    """The plan: resources, memory estimate and launch commands of a config with a launch section
+    (one line for a config that runs in one process)."""
+    if cfg.launch is None:
+        return (f"lora-parity plan: {cfg.name}\n  runs in one process (the CPU or one GPU) on this machine: "
+                f"lora-parity run --model {cfg.name}\n")
+    launch = cfg.launch
+    t, s = launch.trainer, launch.sampler
+    world = t.nodes * launch.gpus_per_node
+    nodes = num_nodes(launch)
+    total, tr, sa = weights_gib(cfg), trainer_gib_per_gpu(cfg), sampler_gib_per_gpu(cfg)
+    fits = "fits" if max(tr, sa) <= launch.gpu_memory_gib else "DOES NOT FIT"
+    trainer_nodes = "node 0" if t.nodes == 1 else f"nodes 0-{t.nodes - 1}"
+    sampler_node = f"node {t.nodes}" if s.own_node else "node 0"
+    ep = f", expert parallel (EP {s.tp})" if s.expert_parallel else ""
+    hf = cfg.model.hf_id
+    lines = [
+        f"lora-parity plan: {cfg.name}",
+        f"  model       {_source(cfg)}, {cfg.model.dtype}, {launch.num_params / 1e9:,.1f}B parameters "
+        f"= {total:,.0f} GiB of weights",
+        f"  adapter     LoRA r{cfg.adapter.rank} alpha {cfg.adapter.alpha:g} on {', '.join(cfg.adapter.targets)}",
+        "",
+        f"resources: {nodes} nodes x {launch.gpus_per_node} GPUs ({nodes * launch.gpus_per_node} GPUs), "
+        f"{launch.gpu_memory_gib:g} GiB each",
+        f"  trainer     {t.backend} on {trainer_nodes}: TP {t.tp} x EP {t.ep} x PP {t.pp} = {world} ranks "
+        f"(data parallel {world // (t.tp * t.pp)}, expert data parallel {world // (t.ep * t.pp)})",
+        f"              about {tr:,.1f} GiB of base weights per GPU",
+        f"  sampler     vllm on {sampler_node}: TP {s.tp}{ep}, one engine driven by trainer rank 0"
+        + (" through Ray" if s.own_node else ""),
+        f"              about {sa:,.1f} GiB of base weights per GPU",
+        f"  memory      {fits}: {max(tr, sa):,.1f} of {launch.gpu_memory_gib:g} GiB per GPU before activations, "
+        "KV cache and adapter",
+    ]
+    if hf:
+        lines.append(f"  checkpoint  {hf} in the Hugging Face cache of nodes 0-{nodes - 1} (HF_HUB_CACHE or HF_HOME); "
+                     "lora-parity never downloads")
+    lines += ["", "launch"]
+    step = 1
+    if hf:
+        lines.append(f"  {step}. every node:  huggingface-cli download {hf}")
+        step += 1
+    if s.own_node:
+        lines.append(f"  {step}. {sampler_node} (sampler):  ray start --head --port 6379 "
+                     f"--num-gpus {launch.gpus_per_node}")
+        lines.append(f"  {step + 1}. node 0:  ray start --address $SAMPLER_ADDR:6379 --num-gpus 0")
+        step += 2
+    who = "node 0" if t.nodes == 1 else f"{trainer_nodes} (NODE_RANK=0..{t.nodes - 1}; MASTER_ADDR = node 0's address)"
+    lines.append(f"  {step}. {who}:")
+    lines.append("     " + trainer_command(cfg))
+    if launch.requires:
+        lines += ["", "not built or not run yet (the plan cannot run until these exist)"]
+        lines += [f"  - {r}" for r in launch.requires]
+    lines += ["", "sampler engine (in trainer rank 0)",
+              "  vllm.LLM(" + ", ".join(_engine_kwargs(cfg)) + ")",
+              "the same engine as a server, to check on its own that it loads",
+              "  " + sampler_command(cfg)]
+    return "\n".join(lines) + "\n"
+
+
+def trainer_command(cfg: ModelConfig) -> str:
+    """The torchrun command every trainer node runs (NODE_RANK and MASTER_ADDR from the environment)."""
+    launch = _launch(cfg)
+    t = launch.trainer
+    return (f"torchrun --nnodes {t.nodes} --nproc-per-node {launch.gpus_per_node} --node-rank $NODE_RANK "
+            f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:{launch.rdzv_port} --rdzv-id lora-parity-{cfg.name} "
+            f"-m {_entry(t.backend)} run --model {cfg.name} --trainer {t.backend} --tp {t.tp} --sampler vllm")
+
+
+def _entry(backend: str) -> str:
+    """torchrun's module: the Megatron backend's own entry point (its rank 0 runs the CLI), else the CLI."""
+    return "lora_parity.backends.megatron" if backend == "megatron" else "lora_parity"
+
+
+def sampler_command(cfg: ModelConfig) -> str:
+    """`vllm serve` with the sampler's engine settings."""
+    launch = _launch(cfg)
+    parts = [f"vllm serve {_source(cfg)}", f"--dtype {cfg.model.dtype}", f"--tensor-parallel-size {launch.sampler.tp}"]
+    if launch.sampler.expert_parallel:
+        parts.append("--enable-expert-parallel")
+    if launch.sampler.own_node:
+        parts.append("--distributed-executor-backend ray")
+    parts += ["--enable-lora", f"--max-lora-rank {cfg.adapter.rank}", "--max-loras 1",
+              f"--max-model-len {cfg.sampler.max_model_len}", "--enforce-eager"]
+    return " ".join(parts)
+
+
+def _visible_gpus() -> tuple[int, str]:
+    """(number of CUDA GPUs this process can use, how it was found), checking the cheap signs first:
+    CUDA_VISIBLE_DEVICES set empty, no `nvidia-smi`, then `nvidia-smi -L`, then torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0, "CUDA_VISIBLE_DEVICES hides every GPU"
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0, "no CUDA GPU (nvidia-smi not found)"
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return 0, "nvidia-smi failed"
+    count = sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU "))
+    if count == 0:
+        return 0, "nvidia-smi lists no GPU"
+    import torch  # only now: CUDA is likely there, and torch's count honours CUDA_VISIBLE_DEVICES
+
+    return torch.cuda.device_count(), "torch.cuda.device_count()"
+
+
+# Backends whose weights live elsewhere (a service) or nowhere (fakes): no local checkpoint needed.
+_NO_LOCAL_WEIGHTS = ("tinker", "fake")
+
+
+def preflight(cfg: ModelConfig, trainer: str, sampler: str) -> None:
+    """Raise a one-line `ConfigError` naming every resource this machine lacks for `cfg`; return if
+    the run can start here. Configs without a launch section and without a hub id need nothing."""
+    missing: list[str] = []
+    launch = cfg.launch
+    hf = cfg.model.hf_id
+    local = not (trainer in _NO_LOCAL_WEIGHTS and sampler in _NO_LOCAL_WEIGHTS)
+    if hf is not None and local and hub_checkpoint(hf) is None:
+        missing.append(f"{hf} is not in the local Hugging Face cache (download it first; lora-parity never downloads)")
+    if launch is not None:
+        gpus, how = _visible_gpus()
+        if gpus < launch.gpus_per_node:
+            missing.append(f"{launch.gpus_per_node} GPUs per node, found {gpus} ({how})")
+        world = os.environ.get("WORLD_SIZE")
+        want = launch.trainer.nodes * launch.gpus_per_node
+        if launch.trainer.nodes > 1 and world != str(want):
+            missing.append(f"a torchrun job of {want} ranks over {launch.trainer.nodes} nodes "
+                           f"(WORLD_SIZE is {world or 'unset'})")
+        if trainer != launch.trainer.backend:
+            missing.append(f"--trainer {launch.trainer.backend} (the plan's trainer; {trainer} cannot hold it)")
+    if missing:
+        nodes = num_nodes(launch) if launch else 1
+        need = f"{cfg.name} needs " + (f"{nodes} nodes x {launch.gpus_per_node} GPUs; " if launch else "")
+        raise ConfigError(f"preflight: {need}missing: {'; '.join(missing)}; see `lora-parity run --model {cfg.name} "
+                          "--plan`")
+
