@@ -82,7 +82,8 @@ def run(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp)
-    result = execute(opts, progress=output.progress)
+    # The CLI leaves right after the receipt is written (see _exit_fast).
+    result = execute(opts, progress=output.progress, process_exiting=True)
     output.result(result.receipt, str(result.path), json_)
     if github_summary:
         from lora_parity.report import report_markdown

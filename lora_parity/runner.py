@@ -192,10 +192,12 @@ class Backends:
             self.error = f"setup: {e}" if isinstance(e, LoraParityError) else f"setup: {type(e).__name__}: {e}"
             say("setup", "error", time.perf_counter() - start)
 
-    def close(self) -> None:
-        """Free both backends."""
+    def close(self, process_exiting: bool = False) -> None:
+        """Free both backends. When the process is about to exit, a backend that holds nothing but
+        this process's own memory (`releases_nothing_at_exit`) is left to the exit: tearing down an
+        in-process vLLM engine takes about a second and frees only what the exit frees anyway."""
         for backend in (self.trainer, self.sampler):
-            if backend is not None:
+            if backend is not None and not (process_exiting and getattr(backend, "releases_nothing_at_exit", False)):
                 backend.close()
         self.trainer = self.sampler = None
 
@@ -292,8 +294,10 @@ def _router_agreement(loaded: Backends, sequences: list[list[int]]) -> RouterAgr
                            per_layer=per_layer)
 
 
-def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None) -> RunResult:
-    """Preflight, load, run the sequence once, write the receipt; return it and its path."""
+def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None,
+            process_exiting: bool = False) -> RunResult:
+    """Preflight, load, run the sequence once, write the receipt; return it and its path.
+    `process_exiting`: the caller exits right after (the CLI), see `Backends.close`."""
     say = progress or (lambda phase, status, seconds: None)
     plan = prepare(opts)
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
@@ -305,7 +309,7 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
         loaded.open()
         return run_once(plan, loaded, opts.inject, out, opts.force, say)
     finally:
-        loaded.close()
+        loaded.close(process_exiting)
 
 
 def redact_url(url: str) -> str:

@@ -148,5 +148,10 @@ class VLLMSampler:
         return BackendInfo(backend="vllm", versions={"vllm": self._vllm.__version__, "torch": torch.__version__},
                            settings=settings)
 
+    @property
+    def releases_nothing_at_exit(self) -> bool:
+        """An in-process engine holds only this process's memory; a multiprocess one owns workers."""
+        return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
     def close(self) -> None:
         del self.llm
