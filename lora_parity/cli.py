@@ -31,6 +31,12 @@ GithubSummaryOpt = Annotated[
     bool, typer.Option("--github-summary", help="Also append the markdown report to $GITHUB_STEP_SUMMARY, if set.")
 ]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
+TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
+SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")]
+ProbesOpt = Annotated[str, typer.Option(help="Probe set: default or held-out (SET-xN: N times the sequences).")]
+SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
+SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
+PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
 
 
 def _exit_for(verdict: str) -> int:
@@ -40,22 +46,18 @@ def _exit_for(verdict: str) -> int:
 @app.command()
 def run(
     model: ModelOpt = None,
-    trainer: Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")] = "hf",
-    sampler: Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")] = "vllm",
-    probes: Annotated[str, typer.Option(help="Probe set: default or held-out.")] = "default",
+    trainer: TrainerOpt = "hf",
+    sampler: SamplerOpt = "vllm",
+    probes: ProbesOpt = "default",
     out: Annotated[
         Path | None, typer.Option(help="Receipt path (default: receipts/<model>__<trainer>__<sampler>__<UTC>.json).")
     ] = None,
     revision: Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")] = None,
-    seed: Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")] = 0,
+    seed: SeedOpt = 0,
     force: Annotated[bool, typer.Option(help="Overwrite an existing receipt.")] = False,
     inject: Annotated[str | None, typer.Option(help="Inject a fault (see `lora-parity selftest`).")] = None,
-    sync: Annotated[
-        str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")
-    ] = "new-id",
-    per_target: Annotated[
-        bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")
-    ] = True,
+    sync: SyncOpt = "new-id",
+    per_target: PerTargetOpt = True,
     tinker_url: Annotated[
         str | None,
         typer.Option(help="Tinker service URL (--trainer tinker --sampler tinker); API key from TINKER_API_KEY."),
@@ -109,15 +111,15 @@ def verify(path: Annotated[Path, typer.Argument(help="Receipt JSON file.")], jso
 @app.command()
 def selftest(
     model: ModelOpt = None,
-    trainer: Annotated[str, typer.Option(help="Trainer backend.")] = "hf",
-    sampler: Annotated[str, typer.Option(help="Sampler backend.")] = "vllm",
-    probes: Annotated[str, typer.Option(help="Probe set.")] = "default",
-    seed: Annotated[int, typer.Option(help="Run seed.")] = 0,
+    trainer: TrainerOpt = "hf",
+    sampler: SamplerOpt = "vllm",
+    probes: ProbesOpt = "default",
+    seed: SeedOpt = 0,
     out_dir: Annotated[Path | None, typer.Option(help="Keep every run's receipt in this folder.")] = None,
     repeat: Annotated[int, typer.Option(min=1, help="Clean runs to repeat; their scores must be bit-identical.")] = 1,
-    per_target: Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage.")] = True,
+    per_target: PerTargetOpt = True,
     tp: TpOpt = 1,
-    sync: Annotated[str, typer.Option(help="Sync mode: new-id, inplace, merged or memory.")] = "new-id",
+    sync: SyncOpt = "new-id",
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import math
 import platform
 import shutil
@@ -384,8 +385,6 @@ def _source(cfg: config.ModelConfig) -> str:
 
 
 def _read_hf_config(cfg: config.ModelConfig) -> dict[str, Any]:
-    import json
-
     folder = _local_checkpoint(cfg)
     assert folder is not None
     return json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -413,8 +412,6 @@ def _vocab_of(cfg: config.ModelConfig) -> int:
 
 
 def _architecture(model_dir: Path) -> str | None:
-    import json
-
     try:
         archs = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("architectures") or []
     except (OSError, ValueError):
