@@ -24,6 +24,7 @@ app = typer.Typer(
 )
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")]
+RevisionOpt = Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")]
 ModelOpt = Annotated[
     str | None, typer.Option("--model", help="Config name in configs/, a YAML file, or a local HF checkpoint folder.")
 ]
@@ -52,7 +53,7 @@ def run(
     out: Annotated[
         Path | None, typer.Option(help="Receipt path (default: receipts/<model>__<trainer>__<sampler>__<UTC>.json).")
     ] = None,
-    revision: Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")] = None,
+    revision: RevisionOpt = None,
     seed: SeedOpt = 0,
     force: Annotated[bool, typer.Option(help="Overwrite an existing receipt.")] = False,
     inject: Annotated[str | None, typer.Option(help="Inject a fault (see `lora-parity selftest`).")] = None,
@@ -120,6 +121,7 @@ def selftest(
     per_target: PerTargetOpt = True,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
+    revision: RevisionOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
@@ -127,7 +129,7 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync)
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision)
     result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
     output.selftest_matrix(result, json_)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)

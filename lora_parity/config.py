@@ -182,6 +182,19 @@ class SamplerSpec(_Cfg):
     0.32's rotary kernel mis-rotates the non-contiguous q/k views MLA hands it."""
 
 
+class ScoringSpec(_Cfg):
+    """How sequences are grouped into forwards (HF trainer and sampler) and requests (vLLM sampler).
+
+    Every phase scores the same way, so batching never mixes two groupings in one comparison; it
+    does change the numbers a little (kernels pick other tilings for other batch shapes), which is
+    why it is recorded in the receipt. MoE checkpoints keep 1: expert routing of one token can
+    depend on what else is in the batch (capacity, kernel choice)."""
+
+    batch_size: int = Field(default=1, gt=0)
+    """Sequences per HF forward (right-padded; causal attention never looks at the padding) and
+    per vLLM `generate` call. The megatron and tinker backends score one sequence at a time."""
+
+
 class TrainerLaunch(_Cfg):
     """How the trainer is spread: one torchrun job over `nodes` nodes."""
 
@@ -251,11 +264,19 @@ class ModelConfig(_Cfg):
     probes: ProbeSpec
     budgets: Budgets
     sampler: SamplerSpec = SamplerSpec()
+    scoring: ScoringSpec = ScoringSpec()
     per_target: bool = True
     """Run per-target coverage after C (on by default for small models)."""
     launch: LaunchSpec | None = None
     """Resources and parallel layout a model too big for one process needs (see `lora-parity run --plan`);
     None: runs in one process, on the CPU or one GPU."""
+
+    @model_validator(mode="after")
+    def _moe_unbatched(self) -> ModelConfig:
+        synthetic = self.model.synthetic
+        if self.scoring.batch_size > 1 and synthetic is not None and synthetic.moe is not None:
+            raise ValueError("scoring.batch_size must be 1 for MoE checkpoints (routing depends on the batch)")
+        return self
 
     def digest(self) -> str:
         """sha256 of the config's canonical JSON."""

@@ -15,39 +15,34 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # Importing torch, transformers, PEFT and vLLM is part of starting the engine and loading the model.
 ENGINE_AND_LOAD = ("backends.import", "sampler.import", "sampler.start", "sampler.load", "trainer.load",
                    "model.materialize")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--sync", default="new-id")
-    parser.add_argument("--probes", default="default", help="probe set, e.g. default-x10 for 10x the tokens")
-    args = parser.parse_args()
-    walls, receipts = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.runs):
-            out = Path(tmp) / f"bench-{i}.json"
-            cmd = [sys.executable, "-m", "lora_parity", "run", "--out", str(out), "--json", "--sync", args.sync,
-                   "--probes", args.probes]
-            if args.model:
-                cmd += ["--model", args.model]
-            start = time.perf_counter()
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            walls.append(time.perf_counter() - start)
-            if res.returncode != 0:
-                print(res.stderr[-3000:], file=sys.stderr)
-                print(f"bench: run {i} exited {res.returncode}", file=sys.stderr)
-                return 1
-            receipts.append(json.loads(out.read_text()))
+def _run(args: argparse.Namespace, probes: str, out: Path) -> tuple[float, dict[str, Any]] | None:
+    cmd = [sys.executable, "-m", "lora_parity", "run", "--out", str(out), "--json", "--sync", args.sync,
+           "--probes", probes]
+    if args.model:
+        cmd += ["--model", args.model]
+    start = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if res.returncode not in (0, 1) or not out.is_file():  # 1: a verdict other than pass, still timed
+        print(res.stderr[-3000:], file=sys.stderr)
+        print(f"bench: {probes} exited {res.returncode}", file=sys.stderr)
+        return None
+    receipt: dict[str, Any] = json.loads(out.read_text())
+    return wall, receipt
+
+
+def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts: list[dict[str, Any]]) -> None:
     med = statistics.median
     print(f"lora-parity bench: {args.runs} fresh processes, model {receipts[0]['model']['name']}, "
           f"sampler {receipts[0]['sampler']['backend']} on {receipts[0]['environment']['device']}, sync {args.sync}, "
-          f"probes {args.probes} ({receipts[0]['probes']['num_scored_positions']} scored tokens)")
+          f"probes {probes} ({receipts[0]['probes']['num_scored_positions']} scored tokens)")
     print(f"  wall time (process)         median {med(walls):7.2f} s   runs: "
           + ", ".join(f"{w:.2f}" for w in walls))
     keys = [k for k in receipts[0]["timings"] if k != "total"]
@@ -65,7 +60,37 @@ def main() -> int:
     print(f"  engine start + model load   median {med(engine):7.3f} s")
     print(f"  overhead (the rest)         median {med(overhead):7.3f} s = {100 * med(overhead) / med(walls):.1f} % "
           f"of the wall time (target <= 10 %)")
+    print(f"  scoring: {receipts[0]['sampler']['settings'].get('scoring')}; "
+          f"trainer: {receipts[0]['trainer']['settings'].get('forward', 'one sequence per forward')}")
     print(f"  verdicts: {', '.join(r['verdict'] for r in receipts)}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--sync", default="new-id")
+    parser.add_argument("--probes", default="default",
+                        help="probe sets, comma-separated, e.g. default,default-x10: runs alternate between them "
+                             "and the median wall time of each is compared with the first's")
+    args = parser.parse_args()
+    sets = args.probes.split(",")
+    walls: dict[str, list[float]] = {p: [] for p in sets}
+    receipts: dict[str, list[dict[str, Any]]] = {p: [] for p in sets}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            for probes in sets:  # alternating, so that drift on a noisy machine hits every set alike
+                result = _run(args, probes, Path(tmp) / f"bench-{probes}-{i}.json")
+                if result is None:
+                    return 1
+                walls[probes].append(result[0])
+                receipts[probes].append(result[1])
+    for probes in sets:
+        _report(args, probes, walls[probes], receipts[probes])
+    med = statistics.median
+    for probes in sets[1:]:
+        print(f"wall time {probes} / {sets[0]}: {med(walls[probes]) / med(walls[sets[0]]):.2f}x "
+              f"(medians of {args.runs}, same invocation)")
     return 0
 
 

@@ -5,11 +5,16 @@
 #   stash N        copy the wheel folder .gpu-wheels/cN (carried along) to /tmp/w
 #   install        assemble and install vLLM 0.26.0 and its extra wheels into /tmp/site
 #   calibrate      generate the synthetic checkpoints; one run per model, printed as JSON
-#   evidence REV   default and held-out runs per model + selftest: receipts into $OUT/evidence.tgz
-#   bench          per-phase times, sync latency, 10x probe tokens: $OUT/bench.txt
+#   evidence REV MODEL TRAINER[:TP] ...
+#                  default and held-out runs of MODEL per trainer (e.g. hf megatron megatron:2),
+#                  vLLM sampler: receipts into $OUT, named model__trainer__vllm__h200.json
+#   selftest REV   every fault on the Qwen3-0.6B-shaped model: $OUT/selftest/
+#   glm REV        the GLM-5.3 architecture, tiny (tiny-glm-dsa): vLLM sampler and the HF reference
+#   bench [RUNS]   per-phase times, sync latency, 1x and 10x probe tokens alternating: $OUT/bench.txt
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
-# torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. Nothing is downloaded there.
+# torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. The megatron-core wheel (pure Python,
+# needs only torch, numpy and packaging) travels in the last folder. Nothing is downloaded there.
 set -euo pipefail
 step=${1:?usage: gpu-evidence.sh STEP [ARG]}
 out=${OUT:-$PWD/gpu-out}
@@ -28,7 +33,7 @@ case "$step" in
       cat vllm-*.part* > vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm vllm-*.part*
     fi
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl
-    python3 -c "import vllm, pydantic, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))" ;;
+    python3 -c "import vllm, pydantic, torch, megatron.core as m; print('vllm', vllm.__version__, 'megatron-core', m.__version__, 'torch', torch.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))" ;;
   calibrate)
     for m in "${models[@]}"; do
       python3 -m lora_parity run --model "$m" --out "$out/calibrate-$m.json" --revision calibration --json \
@@ -36,21 +41,36 @@ case "$step" in
     done
     python3 scripts/model-stats.py "${models[@]}" | tee "$out/model-stats.txt" ;;
   evidence)
-    rev=${2:?revision}
-    rm -rf /tmp/ev && mkdir -p /tmp/ev
-    for m in "${models[@]}"; do
+    # evidence REV MODEL TRAINER[:TP] ...: default and held-out probes per trainer; receipts into $OUT
+    rev=${2:?revision}; m=${3:?model}; shift 3
+    for t in "$@"; do
+      trainer=${t%%:*}; tp=1; [ "$t" != "$trainer" ] && tp=${t#*:}
+      name=$trainer; [ "$tp" != 1 ] && name="$trainer-tp$tp"
       for p in default held-out; do
         suffix=$([ "$p" = default ] && echo "" || echo ".held-out")
-        python3 -m lora_parity run --model "$m" --probes "$p" --revision "$rev" \
-          --out "/tmp/ev/${m}${suffix}__hf__vllm__${device}.json" --json > "/tmp/ev/${m}${suffix}.summary.json" || true
+        receipt="$out/${m}${suffix}__${name}__vllm__${device}.json"
+        python3 -m lora_parity run --model "$m" --trainer "$trainer" --tp "$tp" --probes "$p" --revision "$rev" \
+          --out "$receipt" --json > "$out/${m}${suffix}__${name}.summary.json" || true
+        python3 -m lora_parity verify "$receipt" | tail -1 || true
       done
     done
-    python3 -m lora_parity selftest --model qwen3-0.6b-synth --out-dir /tmp/ev/selftest --json > /tmp/ev/selftest-qwen3-0.6b-synth.json || true
-    tar czf "$out/evidence.tgz" -C /tmp/ev . && ls -la /tmp/ev ;;
+    ls -la "$out" ;;
+  selftest)
+    rev=${2:?revision}
+    python3 -m lora_parity selftest --model qwen3-0.6b-synth --revision "$rev" --out-dir "$out/selftest" --json \
+      > "$out/selftest-qwen3-0.6b-synth.json" || true
+    tail -c 3000 "$out/selftest-qwen3-0.6b-synth.json" ;;
+  glm)
+    # the GLM-5.3 architecture (GlmMoeDsaForCausalLM) at tiny scale: vLLM sampler, then the HF reference
+    rev=${2:?revision}
+    for s in vllm hf; do
+      python3 -m lora_parity run --model tiny-glm-dsa --sampler "$s" --revision "$rev" \
+        --out "$out/tiny-glm-dsa__hf__${s}__${device}.json" --json > "$out/tiny-glm-dsa__hf__${s}.summary.json" || true
+      cat "$out/tiny-glm-dsa__hf__${s}.summary.json" | head -c 1500; echo
+    done ;;
   bench)
     {
-      python3 scripts/bench.py --model qwen3-0.6b-synth --runs 3
-      python3 scripts/bench.py --model qwen3-0.6b-synth --runs 3 --probes default-x10
+      python3 scripts/bench.py --model qwen3-0.6b-synth --runs "${2:-3}" --probes default,default-x10
     } 2>&1 | tee "$out/bench.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

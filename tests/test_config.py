@@ -47,3 +47,13 @@ def test_hub_ids_are_not_downloaded() -> None:
     hub = cfg.model_copy(update={"model": config.ModelSpec(hf_id="some-org/some-model")})
     with pytest.raises(ConfigError, match="does not download"):
         synthetic.materialize(hub)
+
+
+def test_moe_checkpoints_refuse_batched_scoring(tmp_path: Path) -> None:
+    text = (ROOT / "configs" / "tiny-qwen3-moe.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "moe-batched.yaml"
+    path.write_text(text + "scoring:\n  batch_size: 4\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="batch_size must be 1 for MoE"):
+        config.load(str(path))
+    path.write_text(text + "scoring:\n  batch_size: 1\n", encoding="utf-8")
+    assert config.load(str(path)).scoring.batch_size == 1

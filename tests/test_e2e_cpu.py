@@ -77,3 +77,46 @@ def test_hf_sampler_reference_passes(tmp_path: Path) -> None:
     res = cli("run", "--sampler", "hf", "--no-per-target", "--out", str(tmp_path / "hf.json"), "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["verdict"] == "pass"
+
+
+def _batched_config(tmp_path: Path, batch_size: int) -> Path:
+    from lora_parity.config import configs_dir
+
+    text = (configs_dir() / "tiny-qwen3.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "tiny-qwen3-batched.yaml"
+    path.write_text(text.replace("name: tiny-qwen3", "name: tiny-qwen3-batched")
+                    + f"scoring:\n  batch_size: {batch_size}\n", encoding="utf-8")
+    return path
+
+
+def test_hf_batched_forward_equals_one_sequence_per_forward() -> None:
+    import torch
+
+    from lora_parity.backends.hf import load_base, score_sequences
+    from lora_parity.config import load as load_config
+    from lora_parity.config import make_probes
+    from lora_parity.synthetic import materialize
+
+    cfg = load_config("tiny-qwen3")
+    assert cfg.model.synthetic is not None
+    sequences = make_probes(cfg.probes, "default-x2", cfg.model.synthetic.vocab_size).sequences
+    assert len({len(s) for s in sequences}) > 1  # the padding is exercised
+    model = load_base(cfg, materialize(cfg), torch.device("cpu"))
+    one = score_sequences(model, sequences, torch.device("cpu"))
+    batched = score_sequences(model, sequences, torch.device("cpu"), batch_size=3)
+    assert [len(s) for s in batched] == [len(s) - 1 for s in sequences]
+    assert max(abs(a - b) for x, y in zip(one, batched, strict=True) for a, b in zip(x, y, strict=True)) < 1e-4
+
+
+def test_batched_scoring_run_passes_and_matches_unbatched(matrix, tmp_path: Path) -> None:
+    out = tmp_path / "batched.json"
+    res = cli("run", "--model", str(_batched_config(tmp_path, 8)), "--no-per-target", "--out", str(out), "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    batched = load(out)[0]
+    assert batched.sampler.settings["scoring"].startswith("8 sequences per generate call")
+    assert batched.trainer.settings["forward"].startswith("8 sequences per forward")
+    clean = [r for r in matrix.rows if r.fault.startswith("none")]
+    unbatched = load(Path(clean[0].receipt))[0]
+    for phase in ("base", "trainer_zero", "updated"):
+        pairs = zip(batched.scores[phase], unbatched.scores[phase], strict=True)
+        assert max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True)) < 1e-4, phase

