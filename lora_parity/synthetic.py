@@ -55,7 +55,11 @@ def _family_kwargs(spec: SyntheticSpec) -> dict[str, object]:
                    q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
                    qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
         if mla.index_topk is not None:
-            out.update(index_topk=mla.index_topk, index_head_dim=mla.index_head_dim, index_n_heads=mla.index_n_heads)
+            # GLM-5 routes with sigmoid scores and a learned correction bias, as HF's model always does;
+            # vLLM reads both from config.json (without them it routes with softmax, and loading fails
+            # on the e_score_correction_bias it then has no parameter for).
+            out.update(index_topk=mla.index_topk, index_head_dim=mla.index_head_dim, index_n_heads=mla.index_n_heads,
+                       scoring_func="sigmoid", topk_method="noaux_tc")
     return out
 
 
