@@ -146,9 +146,11 @@ def _parity(c: _Checker, prefix: str, what: str, cmp: ComparisonStats | None, bu
 
 
 def compute_checks(
-    comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats], budgets: Budgets
+    comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats], budgets: Budgets,
+    zero_init_l2: float | None = None,
 ) -> list[Check]:
-    """Every check, in order A, B, C, per-target."""
+    """Every check, in order A, B, C, per-target. `zero_init_l2` is ‖trainer_zero - zero‖ (L2 over all
+    positions), the noise per-target direction is judged against (`budgets.min_target_snr`)."""
     c = _Checker()
     get = comparisons.get
 
@@ -195,7 +197,12 @@ def compute_checks(
         kind = name[len(TARGET_PREFIX) :]
         c.add(f"T.{kind}.moved", f"target {kind}: sampler moved when only {kind} was updated",
               delta.sampler_norm, ">", noise, f"target {kind} does not reach the sampler")
-        _delta_checks(c, f"T.{kind}", delta, budgets, CheckStatus.FAIL, rel_l2=False)
+        snr, why = budgets.min_target_snr, None
+        if snr is not None and zero_init_l2 is not None and delta.trainer_norm < snr * zero_init_l2:
+            why = (f"target {kind}'s own effect (‖Δtrainer‖ {delta.trainer_norm:.3g}) is below {snr:g}x the "
+                   f"zero-init disagreement ({zero_init_l2:.3g}), so its direction is lost in the noise")
+        _delta_checks(c, f"T.{kind}", delta, budgets, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
+                      rel_l2=False, why=why)
 
     # S: querying the old sampling client again leaves the trainer's weights alone. Only where
     # those phases were scored (samplers that share the trainer's service); absent elsewhere.
@@ -214,14 +221,16 @@ def compute_checks(
 
 
 def _delta_checks(
-    c: _Checker, prefix: str, delta: DeltaStats | None, budgets: Budgets, failing: CheckStatus, rel_l2: bool = True
+    c: _Checker, prefix: str, delta: DeltaStats | None, budgets: Budgets, failing: CheckStatus, rel_l2: bool = True,
+    why: str | None = None,
 ) -> None:
+    """Direction, scale (and rel_l2) of Δsampler vs Δtrainer; `why` replaces the failure reason."""
     reached = delta is not None
     c.add(f"{prefix}.cosine", "Δsampler points the same way as Δtrainer", delta.cosine if delta else None, ">=",
-          budgets.min_delta_cosine, "sampler moved in another direction", reached=reached, failing=failing)
+          budgets.min_delta_cosine, why or "sampler moved in another direction", reached=reached, failing=failing)
     scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
     c.add(f"{prefix}.scale", "|‖Δsampler‖/‖Δtrainer‖ - 1| within budget", scale_err, "<=",
-          budgets.max_delta_scale_error, "sampler moved by another amount", reached=reached, failing=failing)
+          budgets.max_delta_scale_error, why or "sampler moved by another amount", reached=reached, failing=failing)
     if rel_l2:
         c.add(f"{prefix}.rel_l2", "‖Δsampler - Δtrainer‖/‖Δtrainer‖ within budget", delta.rel_l2 if delta else None,
               "<=", budgets.max_delta_rel_l2, "sampler's change differs from trainer's", reached=reached,
@@ -245,7 +254,10 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     """Comparisons, deltas, checks and verdict from raw scores and budgets."""
     comparisons = compute_comparisons(scores, budgets)
     deltas = compute_deltas(scores)
-    checks = compute_checks(comparisons, deltas, budgets)
+    zero_init_l2 = None
+    if "trainer_zero" in scores and "zero" in scores:
+        zero_init_l2 = stats.l2(stats.differences(scores["trainer_zero"], scores["zero"]))
+    checks = compute_checks(comparisons, deltas, budgets, zero_init_l2)
     return Evaluation(comparisons, deltas, checks, verdict_of(checks, errored))
 
 

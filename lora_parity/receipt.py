@@ -79,6 +79,11 @@ class Budgets(Strict):
     """Largest allowed |‖Δsampler‖/‖Δtrainer‖ - 1|."""
     max_delta_rel_l2: float = Field(ge=0)
     """Largest allowed ‖Δsampler - Δtrainer‖/‖Δtrainer‖."""
+    min_target_snr: float | None = Field(default=None, gt=0)
+    """Per-target direction and scale (T.*.cosine, T.*.scale) are decided only where the trainer's
+    change under that target alone is at least this many times ‖trainer - sampler‖ at zero-init (the
+    two sides' own disagreement, L2 over all positions); below it they are inconclusive: the change
+    is lost in the noise. Absent (receipts made before this budget existed): always decided."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Budgets:

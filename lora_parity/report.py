@@ -18,7 +18,7 @@ from typing import Any
 
 from lora_parity import checks as checks_mod
 from lora_parity.errors import ConfigError
-from lora_parity.receipt import Check, CheckStatus, ComparisonStats, Receipt, Verdict
+from lora_parity.receipt import BackendInfo, Check, CheckStatus, ComparisonStats, Receipt, Verdict
 
 REPORT_FORMATS = ("md", "text", "json")
 TABLE_FORMATS = ("md", "rich")
@@ -412,7 +412,7 @@ def report_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None =
             f"device {code(e.device)}",
             f"probes: {code(receipt.probes.set)}, seed {receipt.probes.seed}, "
             f"sha256 {code(receipt.probes.digest[:12])}",
-            "budgets: " + ", ".join(f"{k} {_budget(v)}" for k, v in b.model_dump().items()),
+            "budgets: " + ", ".join(f"{k} {_budget(v)}" for k, v in b.model_dump().items() if v is not None),
         ]),
         Details("Backend settings", [_settings_table(receipt)]),
         Heading("Timings"),
@@ -509,8 +509,13 @@ def model_input(receipt: Receipt) -> str:
         parts.append(receipt.probes.set)
     if receipt.injected_fault:
         parts.append(f"injected {receipt.injected_fault}")
-    return (f"{', '.join(parts)} ({receipt.trainer.backend} → {receipt.sampler.backend}, "
-            f"{receipt.environment.device})")
+    return f"{', '.join(parts)} ({_side(receipt.trainer)} → {_side(receipt.sampler)}, {receipt.environment.device})"
+
+
+def _side(info: BackendInfo) -> str:
+    """'megatron TP2': the backend, with its tensor-parallel size when above 1."""
+    tp = info.settings.get("tensor_parallel", info.settings.get("tensor_parallel_size", 1))
+    return f"{info.backend} TP{tp}" if isinstance(tp, int) and tp > 1 else info.backend
 
 
 def _mean_cell(cmp: ComparisonStats | None) -> str:

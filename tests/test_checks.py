@@ -109,6 +109,60 @@ def test_per_target_checks_name_the_module() -> None:
     assert ev.verdict == Verdict.FAIL
 
 
+def _per_target_with_noise(trainer_effect: float, wrong_way: bool) -> dict[str, list[list[float]]]:
+    """Trainer and sampler disagree by ±0.02 per position, in one pattern at zero-init and another
+    after target q_proj alone moved the trainer by `trainer_effect` per position (the sampler the
+    same way, or the opposite way)."""
+    s = clean_scores()
+    n = len(s["zero"][0])
+    s["trainer_zero"] = [[-2.0 + (0.02 if i % 2 else -0.02) for i in range(n)]]
+    s["trainer_zero_repeat"] = [list(s["trainer_zero"][0])]
+    pattern = [((i % 5) - 2) / 2 for i in range(n)]
+    sign = -1.0 if wrong_way else 1.0
+    s["target.q_proj.trainer"] = [[t + trainer_effect * p for t, p in zip(s["trainer_zero"][0], pattern, strict=True)]]
+    s["target.q_proj.sampler"] = [[-2.0 + sign * trainer_effect * p + (0.02 if i % 3 else -0.02)
+                                   for i, p in enumerate(pattern)]]
+    return s
+
+
+@pytest.mark.parametrize("snr", [None, 3.0])
+def test_per_target_direction_lost_in_noise_is_inconclusive_not_fail(snr: float | None) -> None:
+    budgets = SEED_BUDGETS.model_copy(update={"mean": 0.05, "min_target_snr": snr})
+    # Effect 0.01 per position under a 0.02 disagreement: the direction cannot be told.
+    status = by_id(checks.evaluate(_per_target_with_noise(0.01, wrong_way=False), budgets, errored=False))
+    assert status["T.q_proj.moved"] == CheckStatus.PASS
+    expected = CheckStatus.FAIL if snr is None else CheckStatus.INCONCLUSIVE  # None: receipts before the budget
+    assert status["T.q_proj.cosine"] == expected
+
+
+def test_per_target_wrong_direction_above_noise_still_fails() -> None:
+    budgets = SEED_BUDGETS.model_copy(update={"min_target_snr": 3.0})
+    ev = checks.evaluate(_per_target_with_noise(0.5, wrong_way=True), budgets, errored=False)
+    status = by_id(ev)
+    assert status["T.q_proj.cosine"] == CheckStatus.FAIL and ev.verdict == Verdict.FAIL
+    ev = checks.evaluate(_per_target_with_noise(0.5, wrong_way=False), budgets, errored=False)
+    assert by_id(ev)["T.q_proj.cosine"] == CheckStatus.PASS
+
+
+def test_the_gpu_glm_receipts_query_targets_are_within_noise() -> None:
+    """The committed GLM-5.3-architecture GPU receipt fails T.q_a_proj / T.q_b_proj on direction
+    (recorded before min_target_snr existed); under the SNR budget those become inconclusive, and
+    the targets with a clear effect (kv_a_proj_with_mqa, o_proj) still pass."""
+    from lora_parity.receipt import load
+
+    from .conftest import ROOT
+
+    receipt = load(ROOT / "receipts" / "tiny-glm-dsa__hf__vllm__h200.json")[0]
+    recorded = {c.id: c.status for c in receipt.checks}
+    assert recorded["T.q_a_proj.cosine"] == CheckStatus.FAIL
+    budgets = receipt.budgets.model_copy(update={"min_target_snr": 3.0})
+    status = by_id(checks.evaluate(receipt.scores, budgets, errored=False))
+    for kind in ("q_a_proj", "q_b_proj"):
+        assert status[f"T.{kind}.cosine"] == CheckStatus.INCONCLUSIVE
+    for kind in ("kv_a_proj_with_mqa", "o_proj"):
+        assert status[f"T.{kind}.cosine"] == CheckStatus.PASS and status[f"T.{kind}.scale"] == CheckStatus.PASS
+
+
 def test_budgets_must_be_ordered() -> None:
     with pytest.raises(ValueError, match="mean <= p99 <= max"):
         Budgets(**{**SEED_BUDGETS.model_dump(), "max": 0.01})

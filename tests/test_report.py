@@ -211,6 +211,14 @@ def test_table_rows_for_every_outcome(fake_receipts: dict[str, Path]) -> None:
     assert crashed.result == "Error: phase perturb: injected crash in phase perturb"
 
 
+def test_table_names_the_trainers_tensor_parallel_size(fake_receipts: dict[str, Path]) -> None:
+    receipt = load(fake_receipts["clean"])
+    for tp, label in ((1, "fake → fake"), (2, "fake TP2 → fake")):
+        trainer = receipt.trainer.model_copy(update={"settings": {**receipt.trainer.settings, "tensor_parallel": tp}})
+        row = rp.evidence_row(receipt.model_copy(update={"trainer": trainer}))
+        assert row.model_input == f"tiny-qwen3 ({label}, cpu)"
+
+
 def test_table_cli_markdown_and_rich(fake_receipts: dict[str, Path], tmp_path: Path) -> None:
     paths = [str(fake_receipts[n]) for n in ("clean", "crash-at=perturb")]
     md = run_cli("table", *paths, str(TINY))
