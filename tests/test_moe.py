@@ -224,3 +224,20 @@ def test_vllm_mla_drops_kv_b_proj_lora_and_per_target_names_it(tmp_path: Path) -
     assert status["T.o_proj.moved"] == rc.CheckStatus.PASS and status["T.o_proj.cosine"] == rc.CheckStatus.PASS
     assert status["C.parity.mean"] == rc.CheckStatus.FAIL
     assert status["A.parity.mean"] == rc.CheckStatus.PASS
+
+
+@cpu_e2e
+def test_glm53_architecture_checkpoint_routes_as_vllm_needs_and_runs_on_hf(tmp_path: Path) -> None:
+    # GLM-5.3's own architecture runs on the GPU build of vLLM only; here its synthetic checkpoint is
+    # made, loaded by the HF trainer and the HF reference sampler (bf16 on the CPU), and checked for
+    # the routing fields vLLM reads (without them it routes with softmax, or fails to load).
+    from lora_parity import config, synthetic
+
+    cfg = config.load("tiny-glm-dsa")
+    hf_config = json.loads((synthetic.materialize(cfg) / "config.json").read_text())
+    assert hf_config["architectures"] == ["GlmMoeDsaForCausalLM"]
+    assert (hf_config["scoring_func"], hf_config["topk_method"]) == ("sigmoid", "noaux_tc")
+    assert hf_config["index_topk"] >= cfg.sampler.max_model_len  # every key kept: HF and vLLM select alike
+    r = _real_run(tmp_path, "tiny-glm-dsa", sampler="hf", per_target=False)
+    assert r.verdict == rc.Verdict.PASS and r.model.architecture == "GlmMoeDsaForCausalLM"
+    assert r.comparisons["B.trainer_updated_vs_stale"].mean_abs >= r.budgets.min_stimulus
