@@ -149,6 +149,11 @@ class PerturbationSpec(_Cfg):
     """The trainer-only B update: Gaussian noise of a fixed std, seeded per tensor."""
 
     std: float = Field(gt=0)
+    """Std of the noise added to every LoRA B tensor (trainers that expose their tensors)."""
+    learning_rate: float = Field(default=1e-2, gt=0)
+    """Learning rate of the one Adam step of trainers that update only through an optimizer (tinker);
+    the noise trainers ignore it. 1e-2 moves the tiny synthetic Qwen3's probe logprobs by about
+    1.8 nats on SkyRL's Tinker server."""
 
 
 class ProbeSpec(_Cfg):

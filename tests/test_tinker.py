@@ -199,6 +199,35 @@ def test_sampler_alignment_is_detected_and_anything_else_refused() -> None:
             align_sampler_logprobs(bad, 3, "s")
 
 
+def test_the_update_uses_the_configs_learning_rate() -> None:
+    pytest.importorskip("tinker", reason="the tinker SDK (the 'tinker' extra) is not installed")
+    from lora_parity.backends.tinker import TinkerTrainer
+
+    class Done:
+        def result(self, timeout: float | None = None) -> None:
+            return None
+
+    class Client:
+        def __init__(self) -> None:
+            self.steps: list[Any] = []
+
+        def forward_backward(self, data: Any, loss: str) -> Done:
+            return Done()
+
+        def optim_step(self, adam: Any) -> Done:
+            self.steps.append(adam)
+            return Done()
+
+    base = config.load("tiny-qwen3")
+    cfg = base.model_copy(update={"perturbation": base.perturbation.model_copy(update={"learning_rate": 3e-3})})
+    trainer = TinkerTrainer.__new__(TinkerTrainer)  # no service: only the update is exercised
+    client = Client()
+    trainer.cfg, trainer.client, trainer.model_id, trainer.vocab_size, trainer.updated = cfg, client, "m", 512, False
+    p = trainer.perturb(std=0.0, seed=0)
+    assert [a.learning_rate for a in client.steps] == [3e-3] and p.learning_rate == 3e-3
+    assert base.perturbation.learning_rate == 1e-2  # the default the real-server tests run with
+
+
 @pytest.mark.tinker
 def test_unreachable_service_is_one_line_exit_2_within_seconds(tmp_path: Path) -> None:
     pytest.importorskip("tinker", reason="the tinker SDK (the 'tinker' extra) is not installed")

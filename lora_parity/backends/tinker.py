@@ -53,9 +53,6 @@ from lora_parity.errors import ConfigError, PhaseError, ScoreError
 from lora_parity.receipt import BackendInfo, Perturbation
 from lora_parity.runner import RunOptions, redact_url
 
-UPDATE_LEARNING_RATE = 1e-2
-"""Adam learning rate of the fixed update. On the tiny synthetic Qwen3 (SkyRL's server) it moves the
-trainer's probe logprobs by 1.8 nats on average: far above any stimulus budget."""
 UPDATE_NUM_TOKENS = 64
 """Length of the fixed datum the update trains on."""
 CALL_TIMEOUT_S = 600.0
@@ -222,21 +219,23 @@ class TinkerTrainer:
         return out
 
     def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
-        """`forward_backward` (cross-entropy) on the fixed datum of `seed`, then one Adam step at
-        `UPDATE_LEARNING_RATE`; `std` does not apply. Refuses a second update without a fresh client."""
+        """`forward_backward` (cross-entropy) on the fixed datum of `seed`, then one Adam step at the
+        config's `perturbation.learning_rate`; `std` does not apply. Refuses a second update without
+        a fresh client."""
         if only is not None:
             raise PhaseError(f"per-target update of {only}: {PER_TARGET_UNAVAILABLE}")
         if self.updated:
             raise PhaseError("refusing to update: the training client was already updated (not at zero-init)")
         tokens = update_tokens(seed, self.vocab_size)
-        adam = types.AdamParams(learning_rate=UPDATE_LEARNING_RATE, beta1=0.9, beta2=0.95, eps=1e-12,
+        lr = self.cfg.perturbation.learning_rate
+        adam = types.AdamParams(learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-12,
                                 weight_decay=0.0, grad_clip_norm=0.0)
         self.client.forward_backward([_datum(tokens)], "cross_entropy").result(timeout=CALL_TIMEOUT_S)
         self.client.optim_step(adam).result(timeout=CALL_TIMEOUT_S)
         self.updated = True
         return Perturbation(
             kind="optimizer_step", seed=seed, std=0.0, num_tensors=0, num_elements=0, tensors=[],
-            learning_rate=UPDATE_LEARNING_RATE, update_tokens=tokens,
+            learning_rate=lr, update_tokens=tokens,
             scope=(f"every LoRA tensor of training client {self.model_id} (rank {self.cfg.adapter.rank}); the "
                    "service does not list them. forward_backward(cross_entropy) on update_tokens (input [:-1], "
                    "targets [1:]), then optim_step(Adam, beta1 0.9, beta2 0.95, eps 1e-12, no weight decay, "
@@ -265,7 +264,7 @@ class TinkerTrainer:
         settings.update(seed=self.seed, training_client=self.model_id,
                         forward="forward(cross_entropy), one datum per call, input [:-1], targets [1:]",
                         update=f"forward_backward(cross_entropy) on a fixed datum + optim_step(Adam, "
-                               f"lr {UPDATE_LEARNING_RATE})",
+                               f"lr {self.cfg.perturbation.learning_rate})",
                         publish="save_weights_and_get_sampling_client")
         return BackendInfo(backend="tinker", versions={"tinker": tinker.__version__}, settings=settings)
 
