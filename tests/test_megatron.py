@@ -181,6 +181,21 @@ def test_fp32_logits_equal_hf_at_tp1(cfg: config.ModelConfig) -> None:
 
 
 @requires_megatron
+def test_bf16_model_holds_every_parameter_in_bf16_as_float16module_does() -> None:
+    import torch
+
+    base = config.load(None)
+    cfg = base.model_copy(update={"name": "mg-bf16", "model": base.model.model_copy(update={"dtype": "bfloat16"})})
+    shard = _shard(cfg)
+    try:
+        dtypes = {name: p.dtype for name, p in shard.model.named_parameters()}
+        assert any("layernorm" in name or "norm" in name for name in dtypes)  # the torch norms are there
+        assert {n: d for n, d in dtypes.items() if d != torch.bfloat16} == {}
+    finally:
+        shard.close()
+
+
+@requires_megatron
 def test_same_update_as_hf_trainer_and_export_round_trip(tmp_path: Path) -> None:
     from lora_parity.backends.hf import HFSampler, HFTrainer
     from lora_parity.backends.megatron import MegatronTrainer

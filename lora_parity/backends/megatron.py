@@ -397,6 +397,11 @@ class Shard:
             rotary_base=s.rope_theta,  # type: ignore[arg-type,unused-ignore]  # a float works; hinted int
             share_embeddings_and_output_weights=s.tied_embeddings, parallel_output=True,
         ).to(self.device)
+        # The local spec's torch norms are built without a dtype (fp32); Megatron's bf16/fp16
+        # training runs the model under Float16Module, which casts every parameter to that dtype.
+        for module in self.model.modules():
+            if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                module.to(self.dtype)
         self._load_base(model_dir)
         for p in self.model.parameters():
             p.requires_grad_(False)
