@@ -7,7 +7,9 @@ Score phases (keys of `scores`): base, zero, zero_repeat, trainer_zero, trainer_
 trainer_updated, stale, updated, updated_repeat, and per target kind K: target.K.trainer,
 target.K.sampler; where sampler and trainer share a service (tinker), also stale_after_sync (the
 stale adapter queried again after the synced one) and trainer_after_stale (the trainer after
-that). A comparison `b vs a` looks at b - a.
+that). With `--reference fp32`, also reference_fp32: the base model scored in fp32 by HF, which
+both sides approximate at zero-init (informational comparisons R.*, no checks). A comparison
+`b vs a` looks at b - a.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "S.trainer_after_stale_vs_updated": ("trainer_updated", "trainer_after_stale"),
     "S.trainer_after_stale_vs_zero": ("trainer_zero", "trainer_after_stale"),
     "S.stale_after_sync_vs_zero": ("zero", "stale_after_sync"),
+    "R.trainer_vs_fp32": ("reference_fp32", "trainer_zero"),
+    "R.sampler_vs_fp32": ("reference_fp32", "zero"),
 }
 # name -> (sampler_from, sampler_to, trainer_from, trainer_to)
 DELTAS: dict[str, tuple[str, str, str, str]] = {

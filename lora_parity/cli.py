@@ -67,6 +67,11 @@ def run(
         str | None, typer.Option(help="Base model name on the Tinker service (default: the one it serves).")
     ] = None,
     tp: TpOpt = 1,
+    reference: Annotated[
+        str | None,
+        typer.Option(help="'fp32': also score the base model in fp32 with HF, to show how far each side's "
+                          "zero-init scores are from it (comparisons R.*, no checks)."),
+    ] = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
     plan: Annotated[
@@ -84,7 +89,8 @@ def run(
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
-                      command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp)
+                      command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
+                      reference=reference)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = execute(opts, progress=output.progress, process_exiting=True)
     output.result(result.receipt, str(result.path), json_)

@@ -34,6 +34,8 @@ def run_sequence(run: Run) -> None:
     run.step("publish_zero", run.publish_zero)
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
+    if run.reference is not None:
+        run.step("reference_fp32", run.reference_score)
     run.step("perturb", run.perturb)
     run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
     run.step("stale", run.stale)
@@ -79,6 +81,8 @@ class Run:
     """Merged zero-init weights kept for the stale-tensors fault only."""
     first_adapter_id: int = 1
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
+    reference: Callable[[list[list[int]]], Scores] | None = None
+    """Scores the base model in fp32 (`--reference fp32`): what both sides approximate at zero-init."""
 
     @property
     def sampler_scores_base(self) -> bool:
@@ -131,6 +135,12 @@ class Run:
         out = fn()
         self.timings[f"score.{key}"] = time.perf_counter() - start
         return out
+
+    def reference_score(self) -> None:
+        """The fp32 reference scores (informational: comparisons R.*, no checks)."""
+        assert self.reference is not None
+        reference = self.reference
+        self._record("reference_fp32", self._timed("reference_fp32", lambda: reference(self.sequences)))
 
     def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None:
         """Sampler scores under `handle` (None: base model), twice with `repeat`."""

@@ -366,6 +366,9 @@ def report_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None =
     bad = not_passing(receipt)
     if bad:
         blocks += [Heading("Checks that did not pass"), _checks_table(bad)]
+    reference = _reference_line(receipt)
+    if reference:
+        blocks += [Heading("fp32 reference"), Para(reference)]
     if plots:
         blocks.append(Heading("Plots: |diff| per position"))
         blocks += [Image(f"{name}: absolute diff per position", link) for name, link in plots.items()]
@@ -499,6 +502,20 @@ class EvidenceRow:
     def cells(self) -> list[str]:
         """The row's cells in TABLE_HEADER order."""
         return [self.model_input, self.a, self.b, self.c, self.result]
+
+
+def _reference_line(receipt: Receipt) -> str | None:
+    """With `--reference fp32`: each side's distance from the fp32 base model next to their distance
+    from each other, the numbers that tell precision noise from a real disagreement."""
+    get = receipt.comparisons.get
+    trainer, sampler, both = get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"), get("A.trainer_vs_sampler")
+    if trainer is None or sampler is None or both is None:
+        return None
+    return (f"Base model scored in fp32 by HF, mean / max |diff| at zero-init: trainer {trainer.mean_abs:.4g} / "
+            f"{trainer.max_abs:.4g}, sampler {sampler.mean_abs:.4g} / {sampler.max_abs:.4g}; trainer vs sampler "
+            f"{both.mean_abs:.4g} / {both.max_abs:.4g}. Where both sides are about as far from fp32 as from each "
+            "other, their disagreement is the model's precision noise in this dtype; a side much farther from "
+            "fp32 than the other is the one to look at.")
 
 
 def model_input(receipt: Receipt) -> str:

@@ -63,6 +63,8 @@ class RunOptions:
     """Base model name on the Tinker service (default: the one model it serves)."""
     tp: int = 1
     """Tensor-parallel size of the trainer (the megatron trainer only)."""
+    reference: str | None = None
+    """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
 
 
 def git_revision(explicit: str | None, cwd: Path | None = None) -> Revision:
@@ -143,8 +145,21 @@ def prepare(opts: RunOptions) -> Plan:
     probes = config.make_probes(cfg.probes, opts.probes, vocab)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
     _merged_preflight(opts, trainer_cls, sampler_cls)
+    _reference_preflight(opts, trainer_cls, sampler_cls)
     return Plan(opts, cfg, trainer_cls, sampler_cls, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
+
+
+REFERENCES = ("fp32",)
+
+
+def _reference_preflight(opts: RunOptions, trainer_cls: type, sampler_cls: type) -> None:
+    if opts.reference is None:
+        return
+    if opts.reference not in REFERENCES:
+        raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
+    if not any(getattr(cls, "needs_checkpoint", True) for cls in (trainer_cls, sampler_cls)):
+        raise ConfigError("--reference fp32 loads the checkpoint with HF; these backends use none")
 
 
 class Backends:
@@ -162,6 +177,7 @@ class Backends:
         self.device = "unknown"
         self.next_adapter_id = 1
         self.error: str | None = None
+        self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
     def open(self) -> None:
@@ -172,7 +188,7 @@ class Backends:
             model_dir: Path | None = None
             if any(getattr(cls, "needs_checkpoint", True) for cls in (self._plan.trainer_cls, self._plan.sampler_cls)):
                 t0 = time.perf_counter()
-                model_dir = synthetic.materialize(cfg)
+                model_dir = self.model_dir = synthetic.materialize(cfg)
                 timings["model.materialize"] = time.perf_counter() - t0
                 self.model_info = self.model_info.model_copy(update={
                     "weights_digest": synthetic.weights_digest(model_dir), "architecture": _architecture(model_dir)})
@@ -220,7 +236,8 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
             router = _router_agreement(loaded, probes.sequences)
             run = Run(cfg=cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=probes.sequences,
                       seed=opts.seed, workdir=workdir, faults=faults, sync_mode=opts.sync,
-                      per_target=opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id)
+                      per_target=opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id,
+                      reference=_reference(plan, loaded))
             try:
                 run_sequence(run)
             except StopRun:
@@ -268,6 +285,14 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
 
 
 ROUTER_STATE = "zero-init trainer (B = 0) vs the sampler's base model"
+
+
+def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any] | None:
+    if plan.opts.reference is None or loaded.model_dir is None:
+        return None
+    from lora_parity.backends.hf import fp32_reference
+
+    return fp32_reference(plan.cfg, loaded.model_dir)
 
 
 def _router_agreement(loaded: Backends, sequences: list[list[int]]) -> RouterAgreement | None:

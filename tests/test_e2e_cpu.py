@@ -120,3 +120,43 @@ def test_batched_scoring_run_passes_and_matches_unbatched(matrix, tmp_path: Path
     for phase in ("base", "trainer_zero", "updated"):
         pairs = zip(batched.scores[phase], unbatched.scores[phase], strict=True)
         assert max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True)) < 1e-4, phase
+
+
+def test_fp32_reference_is_exact_in_fp32_and_shows_each_sides_bf16_drift(tmp_path: Path) -> None:
+    from lora_parity.report import report_markdown
+
+    # fp32 config: the HF trainer at zero-init is the fp32 base model, so the reference equals it.
+    out = tmp_path / "fp32.json"
+    res = cli("run", "--sampler", "hf", "--no-per-target", "--reference", "fp32", "--out", str(out), "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    receipt = verify(out).receipt
+    assert receipt.comparisons["R.trainer_vs_fp32"].max_abs == 0.0
+    assert receipt.comparisons["R.sampler_vs_fp32"].max_abs == 0.0
+    assert [p.name for p in receipt.phases].index("reference_fp32") == [p.name for p in receipt.phases].index(
+        "trainer_zero") + 1
+    # bf16 config: both sides drift from fp32 by bf16 rounding, and the report puts that beside A.
+    from lora_parity.config import configs_dir
+
+    bf16 = tmp_path / "tiny-qwen3-bf16.yaml"
+    bf16.write_text((configs_dir() / "tiny-qwen3.yaml").read_text(encoding="utf-8")
+                    .replace("name: tiny-qwen3", "name: tiny-qwen3-bf16").replace("dtype: float32", "dtype: bfloat16"),
+                    encoding="utf-8")
+    out = tmp_path / "bf16.json"
+    res = cli("run", "--model", str(bf16), "--sampler", "hf", "--no-per-target", "--reference", "fp32",
+              "--out", str(out), "--json")
+    assert res.returncode in (0, 1), res.stderr[-2000:]
+    receipt = verify(out).receipt
+    assert receipt.model.dtype == "bfloat16"
+    drift = receipt.comparisons["R.trainer_vs_fp32"]
+    assert 1e-3 < drift.mean_abs < receipt.budgets.min_stimulus
+    assert "fp32 reference" in report_markdown(receipt, str(out))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--reference", "fp64"), "unknown reference 'fp64'"),
+    (("--trainer", "fake", "--sampler", "fake", "--reference", "fp32"), "loads the checkpoint with HF"),
+])
+def test_bad_reference_is_a_one_line_error(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
+    res = cli("run", *args, "--out", str(tmp_path / "r.json"))
+    assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "r.json").exists()

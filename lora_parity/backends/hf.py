@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,12 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device) -> Any:
-    """The base model from a local HF checkpoint, safetensors only, eval mode."""
+def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: str | None = None) -> Any:
+    """The base model from a local HF checkpoint (in the config's dtype unless `dtype`), safetensors
+    only, eval mode."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir),
-        dtype=getattr(torch, cfg.model.dtype),
+        dtype=getattr(torch, dtype or cfg.model.dtype),
         use_safetensors=True,
         trust_remote_code=cfg.model.trust_remote_code,
     )
@@ -67,6 +69,23 @@ def forward_description(cfg: ModelConfig) -> str:
     n = cfg.scoring.batch_size
     grouping = "one sequence per forward" if n == 1 else f"{n} sequences per forward, right-padded"
     return f"{grouping}, log-softmax in fp32"
+
+
+def fp32_reference(cfg: ModelConfig, model_dir: Path) -> Callable[[Sequences], Scores]:
+    """A scorer of the base model in fp32 (no adapter: at zero-init both sides equal the base model),
+    loaded when called and freed afterwards, so it holds memory only while it scores."""
+
+    def score(sequences: Sequences) -> Scores:
+        device = pick_device()
+        model = load_base(cfg, model_dir, device, dtype="float32")
+        try:
+            return score_sequences(model, sequences, device, cfg.scoring.batch_size)
+        finally:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    return score
 
 
 def versions() -> dict[str, str]:
