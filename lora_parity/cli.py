@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -77,6 +77,10 @@ def run(
     plan: Annotated[
         bool, typer.Option("--plan", help="Print the resources and launch commands the model needs; run nothing.")
     ] = False,
+    sign: Annotated[
+        Path | None, typer.Option(help="Sign the receipt with this ed25519 private key (PEM): it is written as a "
+                                       "DSSE envelope (see `lora-parity keygen`).")
+    ] = None,
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
@@ -87,32 +91,66 @@ def run(
         raise typer.Exit(0)
     from lora_parity.runner import RunOptions, execute
 
+    key = _signing().load_private_key(sign) if sign is not None else None
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = execute(opts, progress=output.progress, process_exiting=True)
-    output.result(result.receipt, str(result.path), json_)
+    path = _signing().sign_file(result.path, key) if key is not None else result.path
+    output.result(result.receipt, str(path), json_)
     if github_summary:
         from lora_parity.report import report_markdown
 
-        output.github_summary(report_markdown(result.receipt, str(result.path)))
+        output.github_summary(report_markdown(result.receipt, str(path)))
     raise typer.Exit(_exit_for(result.receipt.verdict.value))
 
 
+def _signing() -> Any:
+    from lora_parity import signing
+
+    return signing
+
+
 @app.command()
-def verify(path: Annotated[Path, typer.Argument(help="Receipt JSON file.")], json_: JsonOpt = False) -> None:
-    """Re-check a receipt: 0 intact and passing; 1 intact but not passing; 2 does not verify."""
+def verify(
+    path: Annotated[Path, typer.Argument(help="Receipt JSON file, or a signed envelope (run --sign).")],
+    public_key: Annotated[
+        Path | None, typer.Option(help="Check the envelope's ed25519 signature with this public key (PEM).")
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Re-check a receipt: 0 intact and passing; 1 intact but not passing; 2 does not verify.
+
+    Intact means internally consistent (every statistic, check and the verdict reproduce from the raw
+    scores and budgets) and not accidentally corrupted (the sha256 digest matches). It does not say
+    who made the receipt: anyone can edit one and recompute the digest. For that, sign runs
+    (run --sign KEY) and check with --public-key KEY.pub: a bad signature exits 2.
+    """
+    from lora_parity.verify import PROVES
     from lora_parity.verify import verify as verify_receipt
 
-    verified = verify_receipt(path)
+    verified = verify_receipt(path, public_key)
     verdict = verified.verdict.value
     if json_:
-        output.print_json({"receipt": str(path), "intact": True, "verdict": verdict})
+        output.print_json({"receipt": str(path), "intact": True, "verdict": verdict,
+                           "signature": verified.signature})
     else:
-        output.out.print(f"{path}: intact; verdict {verdict} reproduces from its raw scores")
+        output.line(f"{path}: intact; verdict {verdict} reproduces from its raw scores; "
+                    f"signature: {verified.signature}")
+        output.hint(PROVES)
     raise typer.Exit(_exit_for(verdict) if verdict != "error" else EXIT_FAIL)
+
+
+@app.command()
+def keygen(
+    path: Annotated[Path, typer.Argument(help="Private key file to write (PEM); the public key goes to PATH.pub.")],
+    force: Annotated[bool, typer.Option(help="Overwrite existing key files.")] = False,
+) -> None:
+    """Make an ed25519 keypair for run --sign and verify --public-key (needs the `sign` extra)."""
+    private, public = _signing().keygen(path, force)
+    output.line(f"private key: {private} (keep it secret)\npublic key:  {public}")
 
 
 @app.command()
@@ -152,7 +190,7 @@ def models(json_: JsonOpt = False) -> None:
         return
     for r in rows:
         output.out.print(f"{r['name']:<16} {r['source']:<12} {r['dtype']:<9} r{r['rank']} x{r['targets']} targets"
-                         f"  {r['description']}", soft_wrap=True)
+                         f"  {r['description']}", soft_wrap=True, markup=False)
 
 
 @app.command()

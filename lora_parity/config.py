@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import Budgets, Probes, sha256_json
+from lora_parity.receipt_io import nonfinite_field
 
 DEFAULT_MODEL = "tiny-qwen3"
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -314,6 +315,9 @@ def _load_yaml(path: Path) -> ModelConfig:
         raise ConfigError(f"{path}: malformed YAML{where}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config is a YAML mapping")
+    bad = nonfinite_field(data)  # .inf / .nan would pass the bounds below and break the receipt
+    if bad is not None:
+        raise ConfigError(f"{path}: invalid config: {bad}: not a finite number")
     try:
         return ModelConfig.model_validate(data)
     except ValidationError as e:

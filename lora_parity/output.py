@@ -1,4 +1,8 @@
-"""All terminal output: rich for people (progress and hints on stderr, results on stdout), JSON for machines."""
+"""All terminal output: rich for people (progress and hints on stderr, results on stdout), JSON for machines.
+
+Paths and user text (config names, error messages, target names) are printed literally: they go
+through `escape` (or `markup=False`), so `[/b]` or `c[red]` in a path is never read as rich markup.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ def error(message: str) -> None:
 
 def progress(phase: str, status: str, seconds: float) -> None:
     """One line per finished phase, on stderr."""
-    err.print(f"  [{_STYLE.get(status, '')}]{status:>5}[/] {phase:<28} {seconds:8.2f} s")
+    err.print(f"  [{_STYLE.get(status, '')}]{status:>5}[/] {escape(f'{phase:<28}')} {seconds:8.2f} s")
 
 
 def quiet_progress(phase: str, status: str, seconds: float) -> None:
@@ -43,12 +47,13 @@ def _fmt(x: float | None) -> str:
 
 def checks_table(receipt: Receipt) -> Table:
     """The checks with observed values and budgets."""
-    table = Table(title=f"{receipt.model.name}: {receipt.trainer.backend} trainer vs {receipt.sampler.backend} sampler")
+    table = Table(title=escape(f"{receipt.model.name}: {receipt.trainer.backend} trainer vs "
+                               f"{receipt.sampler.backend} sampler"))
     for col in ("check", "observed", "", "budget", "status"):
         table.add_column(col, justify="right" if col in ("observed", "budget") else "left", no_wrap=True)
     for c in receipt.checks:
         style = _STYLE.get(c.status.value, "")
-        table.add_row(c.id, _fmt(c.observed), c.op, _fmt(c.budget), f"[{style}]{c.status.value}[/]")
+        table.add_row(escape(c.id), _fmt(c.observed), c.op, _fmt(c.budget), f"[{style}]{c.status.value}[/]")
     return table
 
 
@@ -78,8 +83,9 @@ def result(receipt: Receipt, path: str, as_json: bool) -> None:
         return
     out.print(checks_table(receipt))
     style = _STYLE.get(receipt.verdict.value, "")
-    out.print(f"verdict: [{style}]{receipt.verdict.value}[/]" + (f" ({receipt.error})" if receipt.error else ""))
-    err.print(f"receipt: {path}")
+    error = f" ({escape(receipt.error)})" if receipt.error else ""
+    out.print(f"verdict: [{style}]{receipt.verdict.value}[/]{error}")
+    err.print(f"receipt: {path}", markup=False)
 
 
 def selftest_matrix(result: Any, as_json: bool) -> None:
@@ -92,7 +98,8 @@ def selftest_matrix(result: Any, as_json: bool) -> None:
     for col in ("fault", "expected", "observed", "caught"):
         table.add_column(col, overflow="fold")
     for r in result.rows:
-        table.add_row(r.fault, r.expected, r.observed, "[green]yes[/]" if r.caught else "[red]NO[/]")
+        table.add_row(escape(r.fault), escape(r.expected), escape(r.observed),
+                      "[green]yes[/]" if r.caught else "[red]NO[/]")
     out.print(table)
     if result.repeats > 1:
         same = "bit-identical" if result.identical_repeats else "[red]NOT identical[/]"
@@ -109,6 +116,11 @@ def print_text(text: str) -> None:
     sys.stdout.flush()
     buffer.write(text.encode("utf-8"))
     buffer.flush()
+
+
+def line(text: str) -> None:
+    """Text on stdout, printed literally (no rich markup)."""
+    out.print(text, markup=False, soft_wrap=True)
 
 
 def hint(message: str) -> None:

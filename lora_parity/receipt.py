@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lora_parity.errors import ReceiptError, ReceiptExistsError
+from lora_parity.errors import ReceiptError
+from lora_parity.receipt_io import MAX_RECEIPT_BYTES as MAX_RECEIPT_BYTES
+from lora_parity.receipt_io import one_line, parse_json, read_bounded, write_text_atomic
 
 SCHEMA_VERSION = 1
-MAX_RECEIPT_BYTES = 512 * 1024 * 1024
 JsonScalar = str | int | float | bool | None
 
 
@@ -329,6 +328,14 @@ class Receipt(Strict):
 
     schema_version: Literal[1]
     """Receipt schema version."""
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _integer_version(cls, value: Any) -> Any:
+        # Literal[1] alone accepts true and 1.0 (they compare equal to 1).
+        if type(value) is not int:
+            raise ValueError("schema_version must be the integer 1")
+        return value
     tool_version: str
     """lora-parity version."""
     created_at: str
@@ -405,71 +412,35 @@ def seal(fields: dict[str, Any]) -> Receipt:
 
 
 def write_atomic(receipt: Receipt, path: Path, force: bool = False) -> Path:
-    """Write the receipt to `path` atomically (temp file, fsync, rename); refuse to overwrite
-    an existing file unless `force`."""
-    path = Path(path)
-    if path.exists() and not force:
-        raise ReceiptExistsError(f"{path} exists; pass --force to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the receipt to `path` atomically; refuse to overwrite an existing file unless `force`.
+    If the write fails, the receipt goes to a fallback path, printed on stderr; returns the path
+    written (see `receipt_io.write_text_atomic`)."""
     text = json.dumps(receipt.model_dump(mode="json"), indent=1, ensure_ascii=True, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if not force and path.exists():
-            raise ReceiptExistsError(f"{path} exists; pass --force to overwrite it")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _one_line(text: str, limit: int = 160) -> str:
-    """Text from a hostile file, escaped onto one printable line."""
-    return text.encode("unicode_escape").decode("ascii")[:limit]
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-finite number {name} is not allowed in a receipt")
+    return write_text_atomic(text, Path(path), force)
 
 
 def load(path: Path) -> tuple[Receipt, dict[str, Any]]:
-    """Read and validate a receipt; return it and its raw JSON data. Raises `ReceiptError` with a
-    one-line message for an unreadable, non-UTF-8, truncated, malformed or schema-invalid file,
-    and for a digest mismatch."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_RECEIPT_BYTES:
-            raise ReceiptError(f"{path}: {size} bytes is larger than a receipt can be")
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ReceiptError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ReceiptError(f"{path}: not UTF-8 (byte {e.start})") from None
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise ReceiptError(f"{path}: not valid JSON ({str(e)[:120]}); truncated or corrupted?") from None
-    if not isinstance(data, dict):
-        raise ReceiptError(f"{path}: a receipt is a JSON object")
+    """Read and validate a receipt file (a regular file of at most `MAX_RECEIPT_BYTES`); return it
+    and its raw JSON data. Raises `ReceiptError` with a one-line message otherwise (see `parse`)."""
+    return parse(read_bounded(Path(path)), str(path))
+
+
+def parse(raw: bytes, name: str) -> tuple[Receipt, dict[str, Any]]:
+    """Validate receipt bytes; raise `ReceiptError` with a one-line message for non-UTF-8, truncated,
+    malformed (duplicate keys, non-finite numbers) or schema-invalid data, and a digest mismatch."""
+    text, data = parse_json(raw, name)
     try:
         receipt = Receipt.model_validate_json(text, strict=True)
     except ValidationError as e:
         first = e.errors()[0]
-        where = _one_line(".".join(str(p) for p in first.get("loc", ())) or "(top)")
+        where = one_line(".".join(str(p) for p in first.get("loc", ())) or "(top)")
         raise ReceiptError(
-            f"{path}: does not match the receipt schema: {where}: {_one_line(str(first.get('msg')))} "
+            f"{name}: does not match the receipt schema: {where}: {one_line(str(first.get('msg')))} "
             f"({e.error_count()} error(s))"
         ) from None
     except (RecursionError, OverflowError) as e:
-        raise ReceiptError(f"{path}: does not match the receipt schema: {type(e).__name__}") from None
+        raise ReceiptError(f"{name}: does not match the receipt schema: {type(e).__name__}") from None
     expected = compute_digest(data)
     if receipt.digest != expected:
-        raise ReceiptError(f"{path}: digest mismatch (recorded {receipt.digest[:12]}…, computed {expected[:12]}…)")
+        raise ReceiptError(f"{name}: digest mismatch (recorded {receipt.digest[:12]}…, computed {expected[:12]}…)")
     return receipt, data

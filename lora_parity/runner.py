@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, checks, config, stats, synthetic
-from lora_parity.errors import ConfigError, LoraParityError, ReceiptExistsError
+from lora_parity import __version__, backends, checks, config, outpath, stats, synthetic
+from lora_parity.errors import ConfigError, LoraParityError
 from lora_parity.faults import Faults
 from lora_parity.phases import MERGED_MODES, SYNC_MODES, Run, StopRun, run_sequence
 from lora_parity.receipt import (
@@ -328,14 +328,14 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
     plan = prepare(opts)
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     out = opts.out or default_out(plan.cfg.name, opts.probes, opts.trainer, opts.sampler, when)
-    if out.exists() and not opts.force:
-        raise ReceiptExistsError(f"{out} exists; pass --force to overwrite it")
+    lock = outpath.claim(out, opts.force)  # writable, not a folder, not taken by another run
     loaded = Backends(plan, say)
     try:
         loaded.open()
         return run_once(plan, loaded, opts.inject, out, opts.force, say)
     finally:
         loaded.close(process_exiting)
+        lock.release()
 
 
 def redact_url(url: str) -> str:

@@ -1,4 +1,10 @@
-"""`lora-parity verify`: re-derive a receipt's statistics, checks and verdict from its raw scores."""
+"""`lora-parity verify`: re-derive a receipt's statistics, checks and verdict from its raw scores.
+
+What it proves: the receipt is internally consistent (every statistic, check and the verdict follow
+from its raw scores and budgets) and not accidentally corrupted (its sha256 digest matches). It does
+not prove who made the receipt: anyone can edit one and recompute the digest. A signed receipt (a DSSE
+envelope, see `signing.py`) checked with `--public-key` also proves that the key's holder made it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,12 @@ from typing import Any
 
 from lora_parity import checks, stats
 from lora_parity.errors import ReceiptError, ScoreError
-from lora_parity.receipt import PhaseStatus, Receipt, Verdict, load, sha256_json
+from lora_parity.receipt import PhaseStatus, Receipt, Verdict, parse, sha256_json
+from lora_parity.receipt_io import parse_json, read_bounded
+
+PROVES = ("intact means internally consistent and not accidentally corrupted, "
+          "not who made the receipt (sign it for that: run --sign, verify --public-key)")
+"""What `verify` proves, in the words its output uses."""
 
 
 @dataclass(frozen=True)
@@ -18,6 +29,23 @@ class Verified:
 
     receipt: Receipt
     verdict: Verdict
+    signature: str = "unsigned"
+    """'unsigned' (a bare receipt), 'not checked' (an envelope, no key given) or 'valid (keyid …)'."""
+
+
+def _load(path: Path, public_key: Path | None) -> tuple[Receipt, str]:
+    """The receipt in a bare receipt file or a signed envelope, and the signature status."""
+    raw = read_bounded(path)
+    _, data = parse_json(raw, str(path))
+    from lora_parity import signing
+
+    if not signing.is_envelope(data):
+        if public_key is not None:
+            raise ReceiptError(f"{path}: not signed (a bare receipt), but --public-key asks for a signature")
+        return parse(raw, str(path))[0], "unsigned"
+    key = signing.load_public_key(public_key) if public_key is not None else None
+    payload, status = signing.open_envelope(data, str(path), key)
+    return parse(payload, f"{path} (payload)")[0], status
 
 
 def _same(recorded: Any, computed: Any) -> bool:
@@ -45,9 +73,10 @@ def _first_difference(what: str, recorded: dict[str, Any], computed: dict[str, A
     return f"{what} differ"
 
 
-def verify(path: Path) -> Verified:
-    """Load `path` and check that everything derived in it reproduces; raise `ReceiptError` if not."""
-    receipt, _ = load(path)
+def verify(path: Path, public_key: Path | None = None) -> Verified:
+    """Load `path` (a receipt, or a signed envelope: its signature is checked when `public_key` is
+    given) and check that everything derived in it reproduces; raise `ReceiptError` if not."""
+    receipt, signature = _load(Path(path), public_key)
     seqs = receipt.probes.sequences
     expected = [len(s) - 1 for s in seqs]
     if receipt.probes.num_scored_positions != sum(expected):
@@ -65,8 +94,11 @@ def verify(path: Path) -> Verified:
             stats.check_finite(scores, f"scores.{key}")
         except ScoreError as e:
             raise ReceiptError(f"{path}: {e}") from None
-    errored = receipt.error is not None or any(p.status == PhaseStatus.ERROR for p in receipt.phases)
-    if (receipt.error is None) != all(p.status == PhaseStatus.OK for p in receipt.phases):
+    phase_failed = any(p.status == PhaseStatus.ERROR for p in receipt.phases)
+    errored = receipt.error is not None or phase_failed
+    # A failed phase must have stopped the run with an error; an error with no failed phase is a run
+    # that stopped outside the phases (setup, a truncated checkpoint: no phase ran at all).
+    if receipt.error is None and phase_failed:
         raise ReceiptError(f"{path}: error and phase statuses disagree")
     ev = checks.evaluate(receipt.scores, receipt.budgets, errored=errored)
     recorded = {k: v.model_dump(mode="json") for k, v in receipt.comparisons.items()}
@@ -84,7 +116,7 @@ def verify(path: Path) -> Verified:
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
     _verify_moe_fields(path, receipt)
-    return Verified(receipt, ev.verdict)
+    return Verified(receipt, ev.verdict, signature)
 
 
 def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
