@@ -113,7 +113,16 @@ def _signing() -> Any:
     return signing
 
 
-@app.command()
+VERIFY_HELP = (
+    "Re-check a receipt: 0 intact and passing; 1 intact but not passing; 2 does not verify.\n\n"
+    "Intact means internally consistent (every statistic, check and the verdict reproduce from the raw "
+    "scores and budgets) and not accidentally corrupted (the sha256 digest matches); it does not prove who "
+    "made the receipt: anyone can edit one and recompute the digest. For that, sign runs (run --sign KEY) "
+    "and check with --public-key KEY.pub: a bad signature exits 2. Only regular files of at most 64 MiB are read."
+)
+
+
+@app.command(help=VERIFY_HELP)
 def verify(
     path: Annotated[Path, typer.Argument(help="Receipt JSON file, or a signed envelope (run --sign).")],
     public_key: Annotated[
@@ -121,13 +130,7 @@ def verify(
     ] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Re-check a receipt: 0 intact and passing; 1 intact but not passing; 2 does not verify.
-
-    Intact means internally consistent (every statistic, check and the verdict reproduce from the raw
-    scores and budgets) and not accidentally corrupted (the sha256 digest matches). It does not say
-    who made the receipt: anyone can edit one and recompute the digest. For that, sign runs
-    (run --sign KEY) and check with --public-key KEY.pub: a bad signature exits 2.
-    """
+    """Re-check a receipt (see VERIFY_HELP)."""
     from lora_parity.verify import PROVES
     from lora_parity.verify import verify as verify_receipt
 

@@ -85,7 +85,7 @@ def result(receipt: Receipt, path: str, as_json: bool) -> None:
     style = _STYLE.get(receipt.verdict.value, "")
     error = f" ({escape(receipt.error)})" if receipt.error else ""
     out.print(f"verdict: [{style}]{receipt.verdict.value}[/]{error}")
-    err.print(f"receipt: {path}", markup=False)
+    err.print(f"receipt: {path}", markup=False, soft_wrap=True)
 
 
 def selftest_matrix(result: Any, as_json: bool) -> None:

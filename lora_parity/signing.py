@@ -55,6 +55,10 @@ def keyid(public_key: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+def _first_sentence(e: Exception) -> str:
+    return str(e).split(". ")[0][:100]
+
+
 def _read_key(path: Path) -> bytes:
     try:
         return read_bounded(Path(path), MAX_KEY_BYTES)
@@ -66,10 +70,11 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     """An unencrypted ed25519 private key from a PEM file; `ConfigError` (one line) otherwise."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    pem = _read_key(path)
     try:
-        key = _crypto().load_pem_private_key(_read_key(path), password=None)
+        key = _crypto().load_pem_private_key(pem, password=None)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{path}: not an unencrypted PEM private key ({str(e).splitlines()[0][:100]})") from None
+        raise ConfigError(f"{path}: not an unencrypted PEM private key ({_first_sentence(e)})") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise ConfigError(f"{path}: not an ed25519 key (make one with `lora-parity keygen`)")
     return key
@@ -79,10 +84,11 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     """An ed25519 public key from a PEM file; `ConfigError` (one line) otherwise."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    pem = _read_key(path)
     try:
-        key = _crypto().load_pem_public_key(_read_key(path))
+        key = _crypto().load_pem_public_key(pem)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{path}: not a PEM public key ({str(e).splitlines()[0][:100]})") from None
+        raise ConfigError(f"{path}: not a PEM public key ({_first_sentence(e)})") from None
     if not isinstance(key, Ed25519PublicKey):
         raise ConfigError(f"{path}: not an ed25519 public key")
     return key

@@ -77,6 +77,15 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     """Load `path` (a receipt, or a signed envelope: its signature is checked when `public_key` is
     given) and check that everything derived in it reproduces; raise `ReceiptError` if not."""
     receipt, signature = _load(Path(path), public_key)
+    _verify_probes_and_scores(path, receipt)
+    verdict = _verify_derived(path, receipt)
+    _verify_worst_positions(path, receipt)
+    _verify_router(path, receipt)
+    return Verified(receipt, verdict, signature)
+
+
+def _verify_probes_and_scores(path: Path, receipt: Receipt) -> None:
+    """Probe count and digest match the sequences; every score list is a known phase, aligned, finite."""
     seqs = receipt.probes.sequences
     expected = [len(s) - 1 for s in seqs]
     if receipt.probes.num_scored_positions != sum(expected):
@@ -94,6 +103,10 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
             stats.check_finite(scores, f"scores.{key}")
         except ScoreError as e:
             raise ReceiptError(f"{path}: {e}") from None
+
+
+def _verify_derived(path: Path, receipt: Receipt) -> Verdict:
+    """Comparisons, deltas, checks and the verdict must reproduce; return the verdict."""
     phase_failed = any(p.status == PhaseStatus.ERROR for p in receipt.phases)
     errored = receipt.error is not None or phase_failed
     # A failed phase must have stopped the run with an error; an error with no failed phase is a run
@@ -115,12 +128,11 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
         raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
-    _verify_moe_fields(path, receipt)
-    return Verified(receipt, ev.verdict, signature)
+    return ev.verdict
 
 
-def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
-    """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed."""
+def _verify_worst_positions(path: Path, receipt: Receipt) -> None:
+    """Worst positions must reproduce from the scores."""
     if receipt.worst_positions is not None:
         k = max((len(v) for v in receipt.worst_positions.values()), default=checks.WORST_K)
         try:
@@ -131,6 +143,10 @@ def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
         computed = {n: [w.model_dump(mode="json") for w in v] for n, v in worst.items()}
         if not _same(recorded, computed):
             raise ReceiptError(f"{path}: {_first_difference('worst_positions', recorded, computed)}")
+
+
+def _verify_router(path: Path, receipt: Receipt) -> None:
+    """Router agreement (raw data, MoE models) must be well formed."""
     r = receipt.router
     if r is None:
         return

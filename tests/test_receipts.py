@@ -94,4 +94,4 @@ def test_verify_exit_codes(fake_receipt: Path, tmp_path: Path) -> None:
 def test_verify_json_output(fake_receipt: Path) -> None:
     res = cli("verify", str(fake_receipt), "--json")
     assert json.loads(res.stdout) == {"receipt": str(fake_receipt), "intact": True, "verdict": "pass",
-                                                 "signature": "unsigned"}
+                                      "signature": "unsigned"}
