@@ -106,6 +106,7 @@ def test_real_setup_error_receipt_verifies_as_error(case: str, tmp_path: Path) -
     assert res.returncode == 2, res.stderr
     data = json.loads(out.read_text())
     assert data["verdict"] == "error" and data["error"].startswith("setup:") and data["phases"] == []
+    assert case != "truncated-safetensors" or "SafetensorError" in data["error"]
     res = cli("verify", str(out))
     assert res.returncode == 1, res.stderr
     assert "intact; verdict error" in res.stdout
