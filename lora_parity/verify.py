@@ -55,16 +55,7 @@ def verify(path: Path) -> Verified:
 
     if receipt.probes.digest != sha256_json(seqs):
         raise ReceiptError(f"{path}: probes.digest does not match the sequences")
-    known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
-    for key, scores in receipt.scores.items():
-        if key not in known and not (key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler"))):
-            raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
-        if [len(s) for s in scores] != expected:
-            raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")
-        try:
-            stats.check_finite(scores, f"scores.{key}")
-        except ScoreError as e:
-            raise ReceiptError(f"{path}: {e}") from None
+    _verify_scores(path, receipt, expected)
     errored = receipt.error is not None or any(p.status == PhaseStatus.ERROR for p in receipt.phases)
     if (receipt.error is None) != all(p.status == PhaseStatus.OK for p in receipt.phases):
         raise ReceiptError(f"{path}: error and phase statuses disagree")
@@ -87,18 +78,38 @@ def verify(path: Path) -> Verified:
     return Verified(receipt, ev.verdict)
 
 
+def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:
+    """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs."""
+    known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
+    for key, scores in receipt.scores.items():
+        if key not in known and not (key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler"))):
+            raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
+        if [len(s) for s in scores] != expected:
+            raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")
+        try:
+            stats.check_finite(scores, f"scores.{key}")
+        except ScoreError as e:
+            raise ReceiptError(f"{path}: {e}") from None
+
+
+def _verify_worst_positions(path: Path, receipt: Receipt) -> None:
+    """Recorded worst positions must reproduce from the scores."""
+    if receipt.worst_positions is None:
+        return
+    k = max((len(v) for v in receipt.worst_positions.values()), default=checks.WORST_K)
+    try:
+        worst = checks.compute_worst_positions(receipt.scores, receipt.probes.sequences, k)
+    except ScoreError as e:
+        raise ReceiptError(f"{path}: worst_positions: {e}") from None
+    recorded = {n: [w.model_dump(mode="json") for w in v] for n, v in receipt.worst_positions.items()}
+    computed = {n: [w.model_dump(mode="json") for w in v] for n, v in worst.items()}
+    if not _same(recorded, computed):
+        raise ReceiptError(f"{path}: {_first_difference('worst_positions', recorded, computed)}")
+
+
 def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
     """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed."""
-    if receipt.worst_positions is not None:
-        k = max((len(v) for v in receipt.worst_positions.values()), default=checks.WORST_K)
-        try:
-            worst = checks.compute_worst_positions(receipt.scores, receipt.probes.sequences, k)
-        except ScoreError as e:
-            raise ReceiptError(f"{path}: worst_positions: {e}") from None
-        recorded = {n: [w.model_dump(mode="json") for w in v] for n, v in receipt.worst_positions.items()}
-        computed = {n: [w.model_dump(mode="json") for w in v] for n, v in worst.items()}
-        if not _same(recorded, computed):
-            raise ReceiptError(f"{path}: {_first_difference('worst_positions', recorded, computed)}")
+    _verify_worst_positions(path, receipt)
     r = receipt.router
     if r is None:
         return
