@@ -14,7 +14,7 @@ both sides approximate at zero-init (informational comparisons R.*, no checks). 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lora_parity import stats
@@ -265,9 +265,11 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     return Evaluation(comparisons, deltas, checks, verdict_of(checks, errored))
 
 
-def failed_checks(checks: Sequence[Check]) -> list[Check]:
-    """Checks that did not pass and were reached."""
-    return [ch for ch in checks if ch.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)]
+def not_passing(checks: Iterable[Check], *, reached: bool = False) -> list[Check]:
+    """The checks whose status is not pass (fail, inconclusive, not reached), in order; with
+    `reached=True`, only those that were reached (fail, inconclusive)."""
+    skip = {CheckStatus.PASS, CheckStatus.NOT_REACHED} if reached else {CheckStatus.PASS}
+    return [ch for ch in checks if ch.status not in skip]
 
 
 WORST_K = 5

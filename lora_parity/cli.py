@@ -211,7 +211,7 @@ def report(
     receipt = verify_receipt(path).receipt
     links: dict[str, str] = {}
     if plots is not None:
-        from lora_parity.plots import link, write_plots
+        from lora_parity.report.plots import link, write_plots
 
         links = {name: link(p) for name, p in write_plots(receipt, plots).items()}
     output.print_text(rp.render_report(receipt, str(path), format_, links))

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from lora_parity.checks import not_passing
 from lora_parity.errors import ConfigError
-from lora_parity.receipt import CheckStatus, Receipt
+from lora_parity.receipt import Receipt
 
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
@@ -63,7 +64,7 @@ def summary(receipt: Receipt, path: str) -> dict[str, Any]:
         "verdict": receipt.verdict.value,
         "receipt": path,
         "error": receipt.error,
-        "failed_checks": [c.id for c in receipt.checks if c.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)],
+        "failed_checks": [c.id for c in not_passing(receipt.checks, reached=True)],
         "checks": [{"id": c.id, "status": c.status.value, "observed": c.observed, "budget": c.budget, "op": c.op}
                    for c in receipt.checks],
         "comparisons": {k: {"mean_abs": v.mean_abs, "p99": v.p99, "max_abs": v.max_abs}

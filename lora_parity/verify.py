@@ -77,15 +77,6 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     """Load `path` (a receipt, or a signed envelope: its signature is checked when `public_key` is
     given) and check that everything derived in it reproduces; raise `ReceiptError` if not."""
     receipt, signature = _load(Path(path), public_key)
-    _verify_probes_and_scores(path, receipt)
-    verdict = _verify_derived(path, receipt)
-    _verify_worst_positions(path, receipt)
-    _verify_router(path, receipt)
-    return Verified(receipt, verdict, signature)
-
-
-def _verify_probes_and_scores(path: Path, receipt: Receipt) -> None:
-    """Probe count and digest match the sequences; every score list is a known phase, aligned, finite."""
     seqs = receipt.probes.sequences
     expected = [len(s) - 1 for s in seqs]
     if receipt.probes.num_scored_positions != sum(expected):
@@ -93,26 +84,13 @@ def _verify_probes_and_scores(path: Path, receipt: Receipt) -> None:
 
     if receipt.probes.digest != sha256_json(seqs):
         raise ReceiptError(f"{path}: probes.digest does not match the sequences")
-    known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
-    for key, scores in receipt.scores.items():
-        if key not in known and not (key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler"))):
-            raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
-        if [len(s) for s in scores] != expected:
-            raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")
-        try:
-            stats.check_finite(scores, f"scores.{key}")
-        except ScoreError as e:
-            raise ReceiptError(f"{path}: {e}") from None
-
-
-def _verify_derived(path: Path, receipt: Receipt) -> Verdict:
-    """Comparisons, deltas, checks and the verdict must reproduce; return the verdict."""
+    _verify_scores(path, receipt, expected)
     phase_failed = any(p.status == PhaseStatus.ERROR for p in receipt.phases)
-    errored = receipt.error is not None or phase_failed
     # A failed phase must have stopped the run with an error; an error with no failed phase is a run
     # that stopped outside the phases (setup, a truncated checkpoint: no phase ran at all).
     if receipt.error is None and phase_failed:
         raise ReceiptError(f"{path}: error and phase statuses disagree")
+    errored = receipt.error is not None or phase_failed
     ev = checks.evaluate(receipt.scores, receipt.budgets, errored=errored)
     recorded = {k: v.model_dump(mode="json") for k, v in receipt.comparisons.items()}
     computed = {k: v.model_dump(mode="json") for k, v in ev.comparisons.items()}
@@ -128,25 +106,42 @@ def _verify_derived(path: Path, receipt: Receipt) -> Verdict:
         raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
-    return ev.verdict
+    _verify_moe_fields(path, receipt)
+    return Verified(receipt, ev.verdict, signature)
+
+
+def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:
+    """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs."""
+    known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
+    for key, scores in receipt.scores.items():
+        if key not in known and not (key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler"))):
+            raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
+        if [len(s) for s in scores] != expected:
+            raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")
+        try:
+            stats.check_finite(scores, f"scores.{key}")
+        except ScoreError as e:
+            raise ReceiptError(f"{path}: {e}") from None
 
 
 def _verify_worst_positions(path: Path, receipt: Receipt) -> None:
-    """Worst positions must reproduce from the scores."""
-    if receipt.worst_positions is not None:
-        k = max((len(v) for v in receipt.worst_positions.values()), default=checks.WORST_K)
-        try:
-            worst = checks.compute_worst_positions(receipt.scores, receipt.probes.sequences, k)
-        except ScoreError as e:
-            raise ReceiptError(f"{path}: worst_positions: {e}") from None
-        recorded = {n: [w.model_dump(mode="json") for w in v] for n, v in receipt.worst_positions.items()}
-        computed = {n: [w.model_dump(mode="json") for w in v] for n, v in worst.items()}
-        if not _same(recorded, computed):
-            raise ReceiptError(f"{path}: {_first_difference('worst_positions', recorded, computed)}")
+    """Recorded worst positions must reproduce from the scores."""
+    if receipt.worst_positions is None:
+        return
+    k = max((len(v) for v in receipt.worst_positions.values()), default=checks.WORST_K)
+    try:
+        worst = checks.compute_worst_positions(receipt.scores, receipt.probes.sequences, k)
+    except ScoreError as e:
+        raise ReceiptError(f"{path}: worst_positions: {e}") from None
+    recorded = {n: [w.model_dump(mode="json") for w in v] for n, v in receipt.worst_positions.items()}
+    computed = {n: [w.model_dump(mode="json") for w in v] for n, v in worst.items()}
+    if not _same(recorded, computed):
+        raise ReceiptError(f"{path}: {_first_difference('worst_positions', recorded, computed)}")
 
 
-def _verify_router(path: Path, receipt: Receipt) -> None:
-    """Router agreement (raw data, MoE models) must be well formed."""
+def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
+    """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed."""
+    _verify_worst_positions(path, receipt)
     r = receipt.router
     if r is None:
         return

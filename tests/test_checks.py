@@ -168,3 +168,20 @@ def test_budgets_must_be_ordered() -> None:
         Budgets(**{**SEED_BUDGETS.model_dump(), "max": 0.01})
     with pytest.raises(ValueError, match="min_stimulus"):
         Budgets(**{**SEED_BUDGETS.model_dump(), "min_stimulus": 0.01})
+
+
+def test_not_passing_is_the_one_filter_of_checks_that_did_not_pass() -> None:
+    # Phases up to stale only: C is not reached, and the update changed nothing (trainer_updated ==
+    # stale), so B.stimulus is inconclusive.
+    s = {k: const(-2.0) for k in ("base", "zero", "zero_repeat", "trainer_zero", "trainer_zero_repeat", "stale")}
+    s["trainer_updated"] = const(-2.0)
+    ev = checks.evaluate(s, SEED_BUDGETS, errored=False)
+    statuses = by_id(ev)
+    every = [c.id for c in checks.not_passing(ev.checks)]
+    reached = [c.id for c in checks.not_passing(ev.checks, reached=True)]
+    assert every == [c.id for c in ev.checks if statuses[c.id] != CheckStatus.PASS]
+    assert "B.stimulus" in reached and statuses["B.stimulus"] == CheckStatus.INCONCLUSIVE
+    assert "C.parity.mean" in every and "C.parity.mean" not in reached  # not reached
+    assert reached == [i for i in every if statuses[i] != CheckStatus.NOT_REACHED]
+    assert not any(statuses[i] == CheckStatus.PASS for i in every)
+    assert checks.not_passing([]) == []

@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 
 from lora_parity import report as rp
-from lora_parity.plots import PLOTTED, write_plots
 from lora_parity.receipt import Receipt, compute_digest
+from lora_parity.report.plots import PLOTTED, write_plots
 from lora_parity.runner import RunOptions, execute
 from lora_parity.verify import verify
 
@@ -81,7 +81,7 @@ def test_report_markdown_of_the_committed_receipt_matches_the_golden() -> None:
 
 def test_report_names_worst_positions_with_the_scored_token() -> None:
     receipt = load(TINY)
-    worst = rp.worst_positions(receipt, "A.trainer_vs_sampler")
+    worst = rp.worst_diffs(receipt, "A.trainer_vs_sampler")
     cmp = receipt.comparisons["A.trainer_vs_sampler"]
     top = worst[0]
     assert [top.sequence, top.position] == cmp.argmax
@@ -97,11 +97,41 @@ def test_report_names_worst_positions_with_the_scored_token() -> None:
 
 def test_report_finds_the_one_token_fault_position(fake_receipts: dict[str, Path]) -> None:
     receipt = load(fake_receipts["one-token"])
-    (top,) = rp.worst_positions(receipt, "A.trainer_vs_sampler", k=1)
+    (top,) = rp.worst_diffs(receipt, "A.trainer_vs_sampler", k=1)
     # faults.py shifts the sampler's logprob at sequence 0, position 3 down.
     assert (top.sequence, top.position) == (0, 3) and top.diff > 0
     assert top.token_id == receipt.probes.sequences[0][4]
-    assert rp.worst_positions(load(fake_receipts["clean"]), "A.trainer_vs_sampler") == []  # exactly equal
+    assert rp.worst_diffs(load(fake_receipts["clean"]), "A.trainer_vs_sampler") == []  # exactly equal
+
+
+def test_report_lists_the_receipts_worst_positions(fake_receipts: dict[str, Path]) -> None:
+    receipt = load(fake_receipts["skip-sync"])
+    name = "C.trainer_vs_sampler"
+    assert receipt.worst_positions is not None
+    recorded = receipt.worst_positions[name]
+    assert len(recorded) > rp.NUM_WORST and all(w.abs_diff > 0 for w in recorded)
+    cmp = receipt.comparisons[name]
+
+    def listed(r: Receipt) -> list[tuple[int, int, int, float]]:
+        return [(p.sequence, p.position, p.token_id, p.diff) for p in rp.worst_diffs(r, name)]
+
+    # The record, cut to NUM_WORST, with the signed diff b - a read off the scores.
+    a, b = receipt.scores[cmp.a], receipt.scores[cmp.b]
+    assert listed(receipt) == [(w.sequence, w.position, w.token, b[w.sequence][w.position] - a[w.sequence][w.position])
+                               for w in recorded[: rp.NUM_WORST]]
+    # The report follows the record rather than ranking again: a record in another order is what it lists.
+    reordered = receipt.model_copy(update={"worst_positions": {**receipt.worst_positions, name: recorded[::-1]}})
+    assert [x[:2] for x in listed(reordered)] == [(w.sequence, w.position) for w in recorded[::-1][: rp.NUM_WORST]]
+
+
+def test_report_of_a_receipt_without_worst_positions_ranks_its_scores(fake_receipts: dict[str, Path]) -> None:
+    # Receipts written before worst_positions was recorded: the same ranking (stats.worst_positions) from the scores.
+    for fault in ("skip-sync", "one-token", "clean"):
+        receipt = load(fake_receipts[fault])
+        older = receipt.model_copy(update={"worst_positions": None})
+        for name in receipt.comparisons:
+            assert rp.worst_diffs(older, name) == rp.worst_diffs(receipt, name), (fault, name)
+        assert rp.report_markdown(older, "r.json") == rp.report_markdown(receipt, "r.json")
 
 
 def test_report_of_a_failing_run_says_what_failed(fake_receipts: dict[str, Path]) -> None:
@@ -129,7 +159,7 @@ def test_report_text_and_json_formats() -> None:
     assert data["verdict"] == "pass" and data["receipt"] == TINY_ARG
     assert data["headline"]["C"]["mean_abs"] == receipt.comparisons["C.trainer_vs_sampler"].mean_abs
     assert data["comparisons"]["A.trainer_vs_sampler"]["worst"][0]["token_id"] == \
-        rp.worst_positions(receipt, "A.trainer_vs_sampler")[0].token_id
+        rp.worst_diffs(receipt, "A.trainer_vs_sampler")[0].token_id
     assert data["revision"]["commit"] == receipt.revision.commit and data["sync_mode"] == "new-id"
 
 
@@ -175,7 +205,7 @@ def test_plots_only_for_reached_comparisons(fake_receipts: dict[str, Path], tmp_
 
 
 def test_matplotlib_is_imported_only_for_plots() -> None:
-    code = ("import sys\nfrom lora_parity import cli, report, plots\n"
+    code = ("import sys\nfrom lora_parity import cli, report\nfrom lora_parity.report import plots\n"
             "print('matplotlib' in sys.modules, 'torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.stdout.strip() == "False False", res.stderr

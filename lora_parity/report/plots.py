@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lora_parity import report
 from lora_parity.errors import BackendUnavailableError
 from lora_parity.receipt import Receipt
+from lora_parity.report.facts import group_status, position_diffs, worst_diffs
 
 PLOTTED: dict[str, str] = {
     "A.trainer_vs_sampler": "A zero-init: trainer vs sampler",
@@ -50,7 +50,7 @@ def draw(receipt: Receipt, name: str, path: Path) -> Path:
     """Draw comparison `name` of `receipt` to the PNG `path`."""
     Figure, FigureCanvasAgg = _matplotlib()
     cmp = receipt.comparisons[name]
-    positions = report.position_diffs(receipt, name)
+    positions = position_diffs(receipt, name)
     absd = [abs(p.diff) for p in positions]
     lines = _budget_lines(receipt, name)
     nonzero = [v for v in absd if v > 0]
@@ -73,7 +73,7 @@ def draw(receipt: Receipt, name: str, path: Path) -> Path:
     for seq in receipt.scores[cmp.a][:-1]:
         start += len(seq)
         ax.axvline(start - 0.5, color="0.8", ls=":", lw=0.8)
-    worst = report.worst_positions(receipt, name, k=1)
+    worst = worst_diffs(receipt, name, k=1)
     if worst:
         w = worst[0]
         x = xs[sum(len(s) for s in receipt.scores[cmp.a][: w.sequence]) + w.position]
@@ -82,7 +82,7 @@ def draw(receipt: Receipt, name: str, path: Path) -> Path:
     ax.set_yscale("log")
     ax.set_ylim(floor / 2, max([*absd, *(v for v, *_ in lines)]) * 3)
     ax.set_xlim(-1, len(absd))
-    status = report.group_status(receipt.checks, name[0])
+    status = group_status(receipt.checks, name[0])
     ax.set_title(f"{PLOTTED.get(name, name)} ({status.value if status else 'not checked'})", fontsize=10)
     ax.set_xlabel("scored position (sequences concatenated)", fontsize=8)
     ax.set_ylabel("|Δ logprob| (nats)", fontsize=8)

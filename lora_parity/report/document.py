@@ -1,0 +1,174 @@
+"""A tiny document model (headings, paragraphs, bullets, tables, images, collapsed sections) and
+its two renderers: GitHub markdown and plain text. The JSON renderings are plain data built by the
+report and the diff themselves. Number formatting shared by every rendering lives here too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lora_parity.errors import ConfigError
+
+
+def check_format(fmt: str, allowed: Sequence[str]) -> str:
+    """`fmt` if it is one of `allowed`, else a `ConfigError` naming them."""
+    if fmt not in allowed:
+        raise ConfigError(f"unknown format {fmt!r}; choose from {', '.join(allowed)}")
+    return fmt
+
+
+# --- numbers ---------------------------------------------------------------------------------------
+
+
+def fmt_num(x: float | None) -> str:
+    """Three significant digits; '—' for a missing value."""
+    if x is None:
+        return "—"
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+def fmt_signed(x: float) -> str:
+    """Three significant digits with a sign."""
+    return "0" if x == 0 else f"{x:+.3g}"
+
+
+def fmt_budget(x: float) -> str:
+    """A budget or setting as written in the config ('0.0001', '1e-06')."""
+    return f"{x:g}"
+
+
+def clip(text: str, limit: int = 100) -> str:
+    """`text` on one line, cut to `limit` characters with an ellipsis."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# --- blocks ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Heading:
+    """A section title; level 2 is the document's title."""
+
+    text: str
+    level: int = 3
+
+
+@dataclass(frozen=True)
+class Para:
+    """Text with `**bold**` and `code` markup (receipt strings only ever go into code spans)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Bullets:
+    """A bulleted list; items carry the same markup as `Para`."""
+
+    items: list[str]
+
+
+@dataclass(frozen=True)
+class Table:
+    """Plain-text cells; the markdown renderer escapes them."""
+
+    header: list[str]
+    rows: list[list[str]]
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image link with its alt text."""
+
+    alt: str
+    link: str
+
+
+@dataclass(frozen=True)
+class Details:
+    """Collapsed in markdown, a plain section in text."""
+
+    summary: str
+    blocks: list[Block]
+
+
+Block = Heading | Para | Bullets | Table | Image | Details
+
+
+def code(text: object) -> str:
+    """A string from a receipt as an inline code span: one line, no backticks."""
+    return "`" + " ".join(str(text).replace("`", "'").split()) + "`"
+
+
+# --- markdown --------------------------------------------------------------------------------------
+
+
+def _md_cell(text: str) -> str:
+    text = " ".join(text.split()).replace("\\", "\\\\").replace("|", "\\|").replace("`", "'")
+    # Only a '<' that could open an HTML tag or comment is escaped: '<=' stays readable.
+    return re.sub(r"<(?=[A-Za-z/!?])", "&lt;", text)
+
+
+def _md_link(link: str) -> str:
+    return link.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+
+
+def _md_table(table: Table) -> str:
+    lines = ["| " + " | ".join(_md_cell(h) for h in table.header) + " |", "|" + "---|" * len(table.header)]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table.rows]
+    return "\n".join(lines)
+
+
+def _md_block(b: Block) -> str:
+    if isinstance(b, Heading):
+        return f"{'#' * b.level} {b.text}"
+    if isinstance(b, Para):
+        return b.text
+    if isinstance(b, Bullets):
+        return "\n".join(f"- {item}" for item in b.items)
+    if isinstance(b, Table):
+        return _md_table(b)
+    if isinstance(b, Image):
+        return f"![{_md_cell(b.alt)}]({_md_link(b.link)})"
+    return f"<details><summary>{_md_cell(b.summary)}</summary>\n\n{render_markdown(b.blocks)}\n</details>"
+
+
+def render_markdown(blocks: Sequence[Block]) -> str:
+    """GitHub-flavoured markdown."""
+    return "\n\n".join(_md_block(b) for b in blocks) + "\n"
+
+
+# --- plain text ------------------------------------------------------------------------------------
+
+
+def _plain(text: str) -> str:
+    return text.replace("**", "").replace("`", "")
+
+
+def _text_table(table: Table) -> str:
+    rows = [table.header, *table.rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(table.header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _text_block(b: Block) -> str:
+    if isinstance(b, Heading):
+        return f"{b.text}\n{('=' if b.level <= 2 else '-') * len(b.text)}"
+    if isinstance(b, Para):
+        return _plain(b.text)
+    if isinstance(b, Bullets):
+        return "\n".join(f"- {_plain(item)}" for item in b.items)
+    if isinstance(b, Table):
+        return _text_table(b)
+    if isinstance(b, Image):
+        return f"plot: {b.alt}: {b.link}"
+    return render_text([Heading(b.summary, 4), *b.blocks]).rstrip("\n")
+
+
+def render_text(blocks: Sequence[Block]) -> str:
+    """Plain text with aligned columns, for a terminal or a log."""
+    return "\n\n".join(_text_block(b) for b in blocks) + "\n"

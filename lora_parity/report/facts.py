@@ -1,0 +1,108 @@
+"""What the report, the table and the plots read off a verified receipt: the headline comparisons,
+per-position differences, worst positions, group statuses and one-line outcomes.
+
+Token alignment is stated once in `lora_parity.stats`: the token scored at position t of sequence s
+is `probes.sequences[s][t + 1]`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lora_parity import checks as checks_mod
+from lora_parity import stats
+from lora_parity.receipt import Check, CheckStatus, Receipt, Verdict, WorstPosition
+from lora_parity.report.document import clip
+
+NUM_WORST = 3
+"""Worst positions listed per comparison."""
+NOT_REACHED = "Not reached"
+
+# The three comparisons behind checks A, B and C, in the order people read them.
+HEADLINE: dict[str, tuple[str, str]] = {
+    "A": ("A.trainer_vs_sampler", "zero-init trainer vs sampler"),
+    "B": ("B.trainer_updated_vs_stale", "updated trainer vs stale sampler"),
+    "C": ("C.trainer_vs_sampler", "updated trainer vs synced sampler"),
+}
+CHECK_TITLES = {"A": "A zero-init", "B": "B before sync", "C": "C after sync", "T": "T per target"}
+_STATUS_RANK = {CheckStatus.FAIL: 3, CheckStatus.INCONCLUSIVE: 2, CheckStatus.NOT_REACHED: 1, CheckStatus.PASS: 0}
+
+
+# --- per-position differences ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Position:
+    """One scored position of a comparison: diff = scores[b][s][t] - scores[a][s][t]."""
+
+    sequence: int
+    position: int
+    token_id: int
+    """The token scored at this position: probes.sequences[sequence][position + 1]."""
+    diff: float
+
+
+def position_diffs(receipt: Receipt, comparison: str) -> list[Position]:
+    """Every position of a recorded comparison in sequence order, with the token it scores."""
+    cmp = receipt.comparisons[comparison]
+    a, b, seqs = receipt.scores[cmp.a], receipt.scores[cmp.b], receipt.probes.sequences
+    return [
+        Position(s, t, seqs[s][t + 1], y - x)
+        for s, (row_a, row_b) in enumerate(zip(a, b, strict=True))
+        for t, (x, y) in enumerate(zip(row_a, row_b, strict=True))
+    ]
+
+
+def _ranked(receipt: Receipt, comparison: str, k: int) -> list[WorstPosition]:
+    """The receipt's own worst positions of `comparison` (recorded at the run, re-checked by verify);
+    for a receipt without that record, or one that kept fewer than `k`, the same ranking from its scores."""
+    recorded = (receipt.worst_positions or {}).get(comparison)
+    if recorded is not None and len(recorded) >= k:
+        return recorded[:k]
+    cmp = receipt.comparisons[comparison]
+    ranked = stats.worst_positions(receipt.scores[cmp.a], receipt.scores[cmp.b], receipt.probes.sequences, k)
+    return [WorstPosition(**w) for w in ranked]  # type: ignore[arg-type]
+
+
+def worst_diffs(receipt: Receipt, comparison: str, k: int = NUM_WORST) -> list[Position]:
+    """The `k` positions with the largest |diff| (ties: earliest first), each with its signed diff;
+    none where the diff is exactly 0."""
+    cmp = receipt.comparisons[comparison]
+    a, b = receipt.scores[cmp.a], receipt.scores[cmp.b]
+    return [Position(w.sequence, w.position, w.token, b[w.sequence][w.position] - a[w.sequence][w.position])
+            for w in _ranked(receipt, comparison, k) if w.abs_diff != 0]
+
+
+# --- checks -------------------------------------------------------------------------------------------
+
+
+def group_of(check_id: str) -> str:
+    """The check's group: 'A', 'B', 'C', 'T' or 'S'."""
+    return check_id.split(".", 1)[0]
+
+
+def group_status(checks: Iterable[Check], group: str) -> CheckStatus | None:
+    """The worst status among the checks of one group (A, B, C, T); None if it has none."""
+    statuses = [c.status for c in checks if group_of(c.id) == group]
+    return max(statuses, key=_STATUS_RANK.__getitem__) if statuses else None
+
+
+def short_reason(check: Check) -> str:
+    """The check's failure reason without the numbers ('zero-init trainer vs sampler disagree')."""
+    reason = re.sub(r": [^:]* not (<=|>=|>) [^:]*$", "", check.reason)
+    return re.sub(r" \(undefined: [^)]*\)$", "", reason)
+
+
+def outcome(receipt: Receipt) -> str:
+    """The evidence table's Result: 'Pass', 'Fails A: <reason>', 'Inconclusive: <reason>' or 'Error: <message>'."""
+    if receipt.verdict == Verdict.PASS:
+        return "Pass"
+    if receipt.verdict == Verdict.ERROR:
+        return f"Error: {clip(receipt.error or 'the run errored')}"
+    if receipt.verdict == Verdict.FAIL:
+        first = next((c for c in receipt.checks if c.status == CheckStatus.FAIL), None)
+        return f"Fails {group_of(first.id)}: {short_reason(first)} ({first.id})" if first else "Fails"
+    first = next(iter(checks_mod.not_passing(receipt.checks)), None)
+    return f"Inconclusive: {short_reason(first)} ({first.id})" if first else "Inconclusive"

@@ -1,0 +1,334 @@
+"""The PR report of one verified receipt: verdict, A/B/C table, plots, comparisons with their worst
+positions, checks, update agreement, perturbation and sync, provenance, timings. As markdown (a PR
+comment or a job summary), plain text, or JSON-ready data.
+
+Pure rendering: a verified `Receipt` in, text or plain data out; no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from lora_parity import checks as checks_mod
+from lora_parity.receipt import Check, CheckStatus, Receipt, Verdict
+from lora_parity.report.document import (
+    Block,
+    Bullets,
+    Details,
+    Heading,
+    Image,
+    Para,
+    Table,
+    check_format,
+    clip,
+    code,
+    fmt_budget,
+    fmt_num,
+    fmt_signed,
+    render_markdown,
+    render_text,
+)
+from lora_parity.report.facts import CHECK_TITLES, HEADLINE, NOT_REACHED, group_of, group_status, worst_diffs
+
+REPORT_FORMATS = ("md", "text", "json")
+_KEY_TIMINGS = {
+    "total": "the sequence (after loading)",
+    "backends.import": "importing the backends",
+    "sampler.start": "starting the sampler",
+    "trainer.load": "loading the trainer",
+}
+
+
+# --- the headline ---------------------------------------------------------------------------------------
+
+
+def _verdict_reason(receipt: Receipt) -> str:
+    verdict = receipt.verdict
+    if verdict == Verdict.PASS:
+        return f"all {len(receipt.checks)} checks pass"
+    if verdict == Verdict.ERROR:
+        return f"the run errored: {code(clip(receipt.error or 'unknown error', 200))}"
+    bad = checks_mod.not_passing(receipt.checks)
+    if verdict == Verdict.INCONCLUSIVE and all(c.status == CheckStatus.NOT_REACHED for c in bad):
+        return f"{len(bad)} of {len(receipt.checks)} checks not reached"
+    ids = [c.id for c in checks_mod.not_passing(bad, reached=True) or bad]
+    shown = ", ".join(code(i) for i in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+    word = "fail" if verdict == Verdict.FAIL else "inconclusive"
+    return f"{len(ids)} of {len(receipt.checks)} checks {word}: {shown}"
+
+
+def _verdict_line(receipt: Receipt) -> str:
+    fault = f"; injected fault {code(receipt.injected_fault)}" if receipt.injected_fault else ""
+    p = receipt.probes
+    return (f"**Verdict: {receipt.verdict.value.upper()}**: {_verdict_reason(receipt)}{fault}. "
+            f"{p.num_scored_positions} scored positions ({len(p.sequences)} sequences, {code(p.set)} probes), "
+            f"{code(receipt.environment.device)}, {code(receipt.model.dtype)}.")
+
+
+def _revision(receipt: Receipt, width: int | None = None) -> str:
+    r = receipt.revision
+    state = {True: ", dirty", False: ", clean", None: ""}[r.dirty]
+    reason = f": {code(r.reason)}" if r.reason else ""
+    return f"{code(r.commit[:width])} ({r.source}{state}{reason})"
+
+
+def _group_result(receipt: Receipt, group: str) -> str:
+    members = [c for c in receipt.checks if group_of(c.id) == group]
+    status = group_status(members, group)
+    if status is None:
+        return "—"
+    if status == CheckStatus.PASS:
+        return f"pass ({len(members)} checks)"
+    bad = [c.id for c in members if c.status == status]
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return f"{status.value.replace('_', ' ')}: {', '.join(bad[:3])}{more}"
+
+
+def _target_row(receipt: Receipt) -> list[str]:
+    b, prefix = receipt.budgets, checks_mod.TARGET_PREFIX
+    kinds = [d[len(prefix):] for d in receipt.deltas if d.startswith(prefix)]
+    return [CHECK_TITLES["T"], f"each target alone, synced ({len(kinds)} kinds)", "", "", "",
+            f"Δ cosine ≥ {fmt_budget(b.min_delta_cosine)}, |scale - 1| ≤ {fmt_budget(b.max_delta_scale_error)}",
+            _group_result(receipt, "T")]
+
+
+def _headline_table(receipt: Receipt) -> Table:
+    b = receipt.budgets
+    parity_budget = f"mean ≤ {fmt_budget(b.mean)}, p99 ≤ {fmt_budget(b.p99)}, max ≤ {fmt_budget(b.max)}"
+    budgets = {"A": parity_budget, "B": f"mean ≥ {fmt_budget(b.min_stimulus)}", "C": parity_budget}
+    rows = []
+    for group, (name, what) in HEADLINE.items():
+        cmp = receipt.comparisons.get(name)
+        stats = [fmt_num(cmp.mean_abs), fmt_num(cmp.p99), fmt_num(cmp.max_abs)] if cmp else [NOT_REACHED, "", ""]
+        rows.append([CHECK_TITLES[group], what, *stats, budgets[group], _group_result(receipt, group)])
+    if group_status(receipt.checks, "T") is not None:
+        rows.append(_target_row(receipt))
+    return Table(["check", "comparison", "mean |diff|", "p99", "max", "budget", "result"], rows)
+
+
+def _reference_line(receipt: Receipt) -> str | None:
+    """With `--reference fp32`: each side's distance from the fp32 base model next to their distance
+    from each other, the numbers that tell precision noise from a real disagreement."""
+    get = receipt.comparisons.get
+    trainer, sampler, both = get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"), get("A.trainer_vs_sampler")
+    if trainer is None or sampler is None or both is None:
+        return None
+    return (f"Base model scored in fp32 by HF, mean / max |diff| at zero-init: trainer {trainer.mean_abs:.4g} / "
+            f"{trainer.max_abs:.4g}, sampler {sampler.mean_abs:.4g} / {sampler.max_abs:.4g}; trainer vs sampler "
+            f"{both.mean_abs:.4g} / {both.max_abs:.4g}. Where both sides are about as far from fp32 as from each "
+            "other, their disagreement is the model's precision noise in this dtype; a side much farther from "
+            "fp32 than the other is the one to look at.")
+
+
+# --- tables -------------------------------------------------------------------------------------------
+
+
+def _worst_cell(receipt: Receipt, name: str) -> str:
+    worst = worst_diffs(receipt, name)
+    if not worst:
+        return "— (all 0)"
+    return "; ".join(f"s{p.sequence} t{p.position} tok {p.token_id}: {fmt_signed(p.diff)}" for p in worst)
+
+
+def _comparisons_table(receipt: Receipt) -> Table:
+    rows = [[name, f"{c.b} − {c.a}", str(c.n), fmt_num(c.mean_abs), fmt_num(c.p99), fmt_num(c.max_abs),
+             _worst_cell(receipt, name)] for name, c in receipt.comparisons.items()]
+    return Table(["comparison", "diff", "n", "mean |diff|", "p99", "max",
+                  "worst positions (sequence, position, token id: diff)"], rows)
+
+
+def _checks_table(checks: Sequence[Check]) -> Table:
+    return Table(["check", "observed", "budget", "status", "reason"],
+                 [[c.id, fmt_num(c.observed), f"{c.op} {fmt_budget(c.budget)}" if c.budget is not None else "—",
+                   c.status.value.replace("_", " "), c.reason] for c in checks])
+
+
+def _deltas_table(receipt: Receipt) -> Table:
+    return Table(["update", "cosine", "scale", "rel L2", "‖Δsampler‖", "‖Δtrainer‖"],
+                 [[name, fmt_num(d.cosine), fmt_num(d.scale), fmt_num(d.rel_l2), fmt_num(d.sampler_norm),
+                   fmt_num(d.trainer_norm)] for name, d in receipt.deltas.items()])
+
+
+def _versions(versions: Mapping[str, str]) -> str:
+    return ", ".join(f"{k} {code(v)}" for k, v in versions.items()) or "none recorded"
+
+
+def _setting_value(v: Any) -> str:
+    return ", ".join(v) if isinstance(v, list) else v if isinstance(v, str) else json.dumps(v)
+
+
+def _settings_table(receipt: Receipt) -> Table:
+    return Table(["side", "setting", "value"],
+                 [[side, k, _setting_value(v)]
+                  for side, info in (("trainer", receipt.trainer), ("sampler", receipt.sampler))
+                  for k, v in info.settings.items()])
+
+
+# --- sections -----------------------------------------------------------------------------------------
+
+
+def _head_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None) -> list[Block]:
+    m, t, s = receipt.model, receipt.trainer, receipt.sampler
+    blocks: list[Block] = [
+        Heading(f"lora-parity: {m.name}, {t.backend} trainer vs {s.backend} sampler", 2),
+        Para(_verdict_line(receipt)),
+        Para(f"Receipt {code(path)} (sha256 {code(receipt.digest[:12])}), revision {_revision(receipt, 12)}, "
+             f"lora-parity {code(receipt.tool_version)}, created {code(receipt.created_at)}."),
+        _headline_table(receipt),
+    ]
+    bad = checks_mod.not_passing(receipt.checks)
+    if bad:
+        blocks += [Heading("Checks that did not pass"), _checks_table(bad)]
+    reference = _reference_line(receipt)
+    if reference:
+        blocks += [Heading("fp32 reference"), Para(reference)]
+    if plots:
+        blocks.append(Heading("Plots: |diff| per position"))
+        blocks += [Image(f"{name}: absolute diff per position", link) for name, link in plots.items()]
+    return blocks
+
+
+def _comparison_blocks(receipt: Receipt) -> list[Block]:
+    blocks: list[Block] = [
+        Heading("Comparisons"),
+        Para("diff = b − a per scored position; position t of sequence s scores token `sequences[s][t+1]`."),
+        _comparisons_table(receipt) if receipt.comparisons else Para("No comparison was reached."),
+        Details(f"All {len(receipt.checks)} checks", [_checks_table(receipt.checks)]),
+    ]
+    if receipt.deltas:
+        blocks += [Heading("Update agreement (Δ = updated − zero-init, sampler vs trainer)"), _deltas_table(receipt)]
+    return blocks
+
+
+def _perturbation_blocks(receipt: Receipt) -> list[Block]:
+    pert = receipt.perturbation
+    items = [
+        (f"perturbation: {code(pert.kind)}, seed {pert.seed}, std {fmt_budget(pert.std)}, {pert.num_tensors} "
+         f"tensors, {pert.num_elements} elements" if pert else "perturbation: not applied (the run stopped before it)"),
+        f"sync mode: {code(receipt.sync_mode)}; adapters published: {len(receipt.adapters)}",
+        f"injected fault: {code(receipt.injected_fault) if receipt.injected_fault else 'none'}",
+    ]
+    if receipt.error:
+        items.append(f"error: {code(clip(receipt.error, 300))}")
+    blocks: list[Block] = [Heading("Perturbation and sync"), Bullets(items)]
+    if receipt.adapters:
+        blocks.append(Table(["version", "name", "id", "mode", "seconds"],
+                            [[str(a.version), a.name, str(a.adapter_id), a.mode, f"{a.seconds:.3f}"]
+                             for a in receipt.adapters]))
+    if pert:
+        blocks.append(Details(f"{pert.num_tensors} perturbed tensors", [Bullets([code(n) for n in pert.tensors])]))
+    return blocks
+
+
+def _model_line(receipt: Receipt) -> str:
+    """The model as the receipt records it, its `model.source` included."""
+    m = receipt.model
+    return (f"model: {code(m.name)} from {code(m.source)}, {code(m.dtype)}"
+            + (f", {code(m.architecture)}" if m.architecture else "")
+            + f"; config sha256 {code(m.config_digest[:12])}"
+            + (f", weights sha256 {code(m.weights_digest[:12])}" if m.weights_digest else ""))
+
+
+def _provenance_blocks(receipt: Receipt) -> list[Block]:
+    e, b, t, s = receipt.environment, receipt.budgets, receipt.trainer, receipt.sampler
+    return [
+        Heading("Provenance"),
+        Bullets([
+            f"revision: {_revision(receipt)}",
+            f"command: {code(' '.join(['lora-parity', *receipt.command]))}",
+            _model_line(receipt),
+            f"trainer {code(t.backend)}: {_versions(t.versions)}",
+            f"sampler {code(s.backend)}: {_versions(s.versions)}",
+            f"environment: Python {code(e.python)}, {code(e.platform)}, torch {code(e.torch or 'not loaded')}, "
+            f"device {code(e.device)}",
+            f"probes: {code(receipt.probes.set)}, seed {receipt.probes.seed}, "
+            f"sha256 {code(receipt.probes.digest[:12])}",
+            "budgets: " + ", ".join(f"{k} {fmt_budget(v)}" for k, v in b.model_dump().items() if v is not None),
+        ]),
+        Details("Backend settings", [_settings_table(receipt)]),
+    ]
+
+
+def _timing_blocks(receipt: Receipt) -> list[Block]:
+    return [
+        Heading("Timings"),
+        Bullets([f"{label}: {receipt.timings[key]:.2f} s" for key, label in _KEY_TIMINGS.items()
+                 if key in receipt.timings] or ["no timings recorded"]),
+        Table(["phase", "status", "seconds"],
+              [[p.name, p.status.value + (f": {p.message}" if p.message else ""), f"{p.seconds:.3f}"]
+               for p in receipt.phases]),
+        Details("Every timing", [Table(["step", "seconds"],
+                                       [[k, f"{v:.3f}"] for k, v in receipt.timings.items()])]),
+    ]
+
+
+# --- the report ---------------------------------------------------------------------------------------
+
+
+def report_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None) -> list[Block]:
+    """The report as blocks: verdict, A/B/C table, plots, comparisons, checks, update agreement,
+    perturbation and sync, provenance, timings. `path` is printed as given; `plots` maps a
+    comparison name to its image link."""
+    return [*_head_blocks(receipt, path, plots), *_comparison_blocks(receipt), *_perturbation_blocks(receipt),
+            *_provenance_blocks(receipt), *_timing_blocks(receipt)]
+
+
+def report_markdown(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None) -> str:
+    """The report as GitHub markdown (for a PR comment or a job summary)."""
+    return render_markdown(report_blocks(receipt, path, plots))
+
+
+def _headline_data(receipt: Receipt) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for group, (name, _) in HEADLINE.items():
+        status = group_status(receipt.checks, group)
+        cmp = receipt.comparisons.get(name)
+        numbers = {k: getattr(cmp, k) for k in ("mean_abs", "p99", "max_abs")} if cmp else {"reached": False}
+        out[group] = {"comparison": name, "result": status.value if status else None, **numbers}
+    return out
+
+
+def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The report as JSON-ready data."""
+    return {
+        "receipt": path,
+        "digest": receipt.digest,
+        "verdict": receipt.verdict.value,
+        "error": receipt.error,
+        "injected_fault": receipt.injected_fault,
+        "not_passing": [c.id for c in checks_mod.not_passing(receipt.checks)],
+        "headline": _headline_data(receipt),
+        "budgets": receipt.budgets.model_dump(mode="json"),
+        "comparisons": {
+            name: {"a": c.a, "b": c.b, "n": c.n, "mean_abs": c.mean_abs, "p99": c.p99, "max_abs": c.max_abs,
+                   "worst": [asdict(p) for p in worst_diffs(receipt, name)]}
+            for name, c in receipt.comparisons.items()
+        },
+        "checks": [c.model_dump(mode="json") for c in receipt.checks],
+        "deltas": {k: v.model_dump(mode="json") for k, v in receipt.deltas.items()},
+        "perturbation": receipt.perturbation.model_dump(mode="json") if receipt.perturbation else None,
+        "sync_mode": receipt.sync_mode,
+        "adapters": [a.model_dump(mode="json") for a in receipt.adapters],
+        "revision": receipt.revision.model_dump(mode="json"),
+        "tool_version": receipt.tool_version,
+        "created_at": receipt.created_at,
+        "model": receipt.model.model_dump(mode="json"),
+        "trainer": receipt.trainer.model_dump(mode="json"),
+        "sampler": receipt.sampler.model_dump(mode="json"),
+        "environment": receipt.environment.model_dump(mode="json"),
+        "phases": [p.model_dump(mode="json") for p in receipt.phases],
+        "timings": dict(receipt.timings),
+        "plots": dict(plots or {}),
+    }
+
+
+def render_report(receipt: Receipt, path: str, fmt: str, plots: Mapping[str, str] | None = None) -> str:
+    """The report in `fmt` (md, text or json)."""
+    check_format(fmt, REPORT_FORMATS)
+    if fmt == "json":
+        return json.dumps(report_data(receipt, path, plots), indent=2) + "\n"
+    blocks = report_blocks(receipt, path, plots)
+    return render_markdown(blocks) if fmt == "md" else render_text(blocks)
