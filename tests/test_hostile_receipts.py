@@ -119,5 +119,9 @@ def test_mutated_receipts_never_crash_verify(valid: dict[str, Any], data: st.Dat
         return
     # Verified as intact: only possible for a change that does not touch what the verdict rests on,
     # resealed with a fresh digest (anyone can re-sign metadata, never scores or verdicts).
-    assert not changed or (reseal and touched and not derived(touched) and touched[0] != "digest"), (kind, touched)
+    # worst_positions is optional (receipts made before it was recorded): removing it all and resealing
+    # yields a consistent older-style receipt, which verify rightly accepts.
+    older_style = kind == "remove" and touched == ("worst_positions",)
+    assert not changed or older_style or (reseal and touched and not derived(touched) and touched[0] != "digest"), \
+        (kind, touched)
     assert verified.verdict.value == valid["verdict"]
