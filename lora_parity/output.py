@@ -19,8 +19,8 @@ from lora_parity.checks import not_passing
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import Receipt
 
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False)
+err = Console(stderr=True, highlight=False, emoji=False)
+out = Console(highlight=False, emoji=False)
 
 _STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "error": "red", "not_reached": "dim",
           "ok": "green"}

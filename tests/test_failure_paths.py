@@ -199,7 +199,7 @@ def test_infinite_budget_in_yaml_names_the_field(tmp_path: Path) -> None:
 def test_markup_in_paths_is_printed_literally(tmp_path: Path) -> None:
     folder = tmp_path / "d["
     folder.mkdir()
-    out = folder / "b]c[red].json"  # the path contains "[/b]" and "c[red]"
+    out = folder / "b]c[red]:thumbs_up:.json"  # "[/b]", "c[red]" and an emoji code, all literal
     res = cli("run", "--trainer", "fake", "--sampler", "fake", "--no-per-target", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert f"receipt: {out}" in res.stderr
