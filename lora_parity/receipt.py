@@ -421,14 +421,16 @@ def write_atomic(receipt: Receipt, path: Path, force: bool = False) -> Path:
 
 def load(path: Path) -> tuple[Receipt, dict[str, Any]]:
     """Read and validate a receipt file (a regular file of at most `MAX_RECEIPT_BYTES`); return it
-    and its raw JSON data. Raises `ReceiptError` with a one-line message otherwise (see `parse`)."""
-    return parse(read_bounded(Path(path)), str(path))
+    and its raw JSON data. Raises `ReceiptError` with a one-line message for an unreadable, non-UTF-8,
+    truncated or malformed file (duplicate keys, non-finite numbers), schema-invalid data, and a
+    digest mismatch."""
+    text, data = parse_json(read_bounded(Path(path)), str(path))
+    return validate(text, data, str(path)), data
 
 
-def parse(raw: bytes, name: str) -> tuple[Receipt, dict[str, Any]]:
-    """Validate receipt bytes; raise `ReceiptError` with a one-line message for non-UTF-8, truncated,
-    malformed (duplicate keys, non-finite numbers) or schema-invalid data, and a digest mismatch."""
-    text, data = parse_json(raw, name)
+def validate(text: str, data: dict[str, Any], name: str) -> Receipt:
+    """The receipt in JSON `text` already parsed strictly into `data` (`receipt_io.parse_json`);
+    `ReceiptError` (one line) if it does not match the schema or its digest."""
     try:
         receipt = Receipt.model_validate_json(text, strict=True)
     except ValidationError as e:
@@ -443,4 +445,4 @@ def parse(raw: bytes, name: str) -> tuple[Receipt, dict[str, Any]]:
     expected = compute_digest(data)
     if receipt.digest != expected:
         raise ReceiptError(f"{name}: digest mismatch (recorded {receipt.digest[:12]}…, computed {expected[:12]}…)")
-    return receipt, data
+    return receipt

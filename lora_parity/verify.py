@@ -15,7 +15,7 @@ from typing import Any
 
 from lora_parity import checks, stats
 from lora_parity.errors import ReceiptError, ScoreError
-from lora_parity.receipt import PhaseStatus, Receipt, Verdict, parse, sha256_json
+from lora_parity.receipt import PhaseStatus, Receipt, Verdict, sha256_json, validate
 from lora_parity.receipt_io import parse_json, read_bounded
 
 PROVES = ("intact means internally consistent and not accidentally corrupted, "
@@ -36,16 +36,17 @@ class Verified:
 def _load(path: Path, public_key: Path | None) -> tuple[Receipt, str]:
     """The receipt in a bare receipt file or a signed envelope, and the signature status."""
     raw = read_bounded(path)
-    _, data = parse_json(raw, str(path))
+    text, data = parse_json(raw, str(path))
     from lora_parity import signing
 
     if not signing.is_envelope(data):
         if public_key is not None:
             raise ReceiptError(f"{path}: not signed (a bare receipt), but --public-key asks for a signature")
-        return parse(raw, str(path))[0], "unsigned"
+        return validate(text, data, str(path)), "unsigned"
     key = signing.load_public_key(public_key) if public_key is not None else None
     payload, status = signing.open_envelope(data, str(path), key)
-    return parse(payload, f"{path} (payload)")[0], status
+    name = f"{path} (payload)"
+    return validate(*parse_json(payload, name), name), status
 
 
 def _same(recorded: Any, computed: Any) -> bool:

@@ -20,7 +20,8 @@ from lora_parity.errors import ConfigError, ReceiptError, ReceiptExistsError
 from lora_parity.receipt_io import MAX_RECEIPT_BYTES, read_bounded
 from lora_parity.runner import RunOptions, execute
 from lora_parity.verify import verify
-from tests.conftest import ROOT, cli
+
+from .conftest import ROOT, cli
 
 unit = pytest.mark.unit
 
@@ -330,6 +331,8 @@ def test_sign_then_verify(keys: tuple[Path, Path, Path], tmp_path: Path) -> None
     assert res.returncode == 0 and "signature: valid" in res.stdout, res.stderr
     res = cli("verify", str(out))
     assert res.returncode == 0 and "signature: not checked" in res.stdout
+    res = cli("report", str(out))  # report, table and diff read envelopes too (signature not checked)
+    assert res.returncode == 0 and "PASS" in res.stdout, res.stderr
 
 
 @unit
