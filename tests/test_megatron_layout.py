@@ -179,3 +179,11 @@ def test_the_megatron_backend_imports_neither_the_cli_nor_the_runner() -> None:
         for upward in ("lora_parity.cli", "lora_parity.runner", "from lora_parity import cli",
                        "from lora_parity import runner"):
             assert upward not in text, f"{path.name} imports {upward}"
+
+
+def test_the_old_entry_point_names_the_new_one_in_one_line() -> None:
+    res = subprocess.run([sys.executable, "-m", "lora_parity.backends.megatron", "run"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "error: torchrun's entry point is now `-m lora_parity.launch` (this backend's rank processes "
+        "run `-m lora_parity.backends.megatron.serve`)"]
