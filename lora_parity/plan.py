@@ -176,8 +176,8 @@ def trainer_command(cfg: ModelConfig) -> str:
 
 
 def _entry(backend: str) -> str:
-    """torchrun's module: the Megatron backend's own entry point (its rank 0 runs the CLI), else the CLI."""
-    return "lora_parity.backends.megatron" if backend == "megatron" else "lora_parity"
+    """torchrun's module: `lora_parity.launch` for the Megatron trainer (its rank 0 runs the CLI), else the CLI."""
+    return "lora_parity.launch" if backend == "megatron" else "lora_parity"
 
 
 def sampler_command(cfg: ModelConfig) -> str:

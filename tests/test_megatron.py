@@ -83,7 +83,7 @@ def test_tp_applies_to_the_megatron_trainer_only() -> None:
 def test_fused_layouts_interleave_by_group_and_round_trip() -> None:
     import torch
 
-    from lora_parity.backends.megatron import Shape, shard_fused, unshard_fused
+    from lora_parity.backends.megatron.layout import Shape, shard_fused, unshard_fused
 
     shape = Shape("Qwen3ForCausalLM", 64, 8, 6, 1, num_heads=4, num_groups=2, head_dim=2, norm_eps=1e-6,
                   rope_theta=1e4, tied_embeddings=False, qk_norm=True, max_positions=64)
@@ -116,7 +116,7 @@ def test_fused_layouts_interleave_by_group_and_round_trip() -> None:
     ({"num_key_value_heads": 1}, "does not divide KV heads"),
 ])
 def test_unsupported_configs_are_one_line_config_errors(change: dict[str, Any], message: str) -> None:
-    from lora_parity.backends.megatron import Shape
+    from lora_parity.backends.megatron.layout import Shape
 
     hf = json.loads((synthetic.materialize(config.load(None)) / "config.json").read_text())
     Shape.from_hf(hf, 2)
@@ -144,8 +144,8 @@ def test_missing_megatron_core_names_the_extra() -> None:
 
 
 def _shard(cfg: config.ModelConfig) -> Any:
-    from lora_parity.backends import megatron_cpu
-    from lora_parity.backends.megatron import Shard
+    from lora_parity.backends.megatron import cpu as megatron_cpu
+    from lora_parity.backends.megatron.shards import Shard
 
     with megatron_cpu.cpu_current_device():
         return Shard(cfg, synthetic.materialize(cfg), 0)
@@ -162,7 +162,7 @@ def test_fp32_logits_equal_hf_at_tp1(cfg: config.ModelConfig) -> None:
     import torch
     import transformers
 
-    from lora_parity.backends import megatron_cpu
+    from lora_parity.backends.megatron import cpu as megatron_cpu
 
     shard = _shard(cfg)
     try:
@@ -198,7 +198,7 @@ def test_bf16_model_holds_every_parameter_in_bf16_as_float16module_does() -> Non
 @requires_megatron
 def test_same_update_as_hf_trainer_and_export_round_trip(tmp_path: Path) -> None:
     from lora_parity.backends.hf import HFSampler, HFTrainer
-    from lora_parity.backends.megatron import MegatronTrainer
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
 
     cfg = config.load(None)
     model_dir = synthetic.materialize(cfg)
@@ -242,7 +242,7 @@ def test_same_update_as_hf_trainer_and_export_round_trip(tmp_path: Path) -> None
 
 @requires_megatron
 def test_per_target_perturbation_and_refusals(tmp_path: Path) -> None:
-    from lora_parity.backends.megatron import MegatronTrainer
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
 
     cfg = config.load(None)
     mg = MegatronTrainer(cfg, synthetic.materialize(cfg), 0, {})
@@ -276,7 +276,7 @@ def test_per_target_perturbation_and_refusals(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tp2_trainer() -> Any:
-    from lora_parity.backends.megatron import MegatronTrainer
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
 
     cfg = config.load(None)
     trainer = MegatronTrainer(cfg, synthetic.materialize(cfg), 0, {}, tp=2)
@@ -286,7 +286,7 @@ def tp2_trainer() -> Any:
 
 @requires_megatron
 def test_tp2_holds_and_exports_the_tp1_adapter(tp2_trainer: Any, tmp_path: Path) -> None:
-    from lora_parity.backends.megatron import MegatronTrainer
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
 
     cfg = config.load(None)
     tp1 = MegatronTrainer(cfg, synthetic.materialize(cfg), 0, {})

@@ -11,7 +11,7 @@ TRAINERS: dict[str, str] = {
     "hf": "lora_parity.backends.hf:HFTrainer",
     "fake": "lora_parity.backends.fake:FakeTrainer",
     "tinker": "lora_parity.backends.tinker:TinkerTrainer",
-    "megatron": "lora_parity.backends.megatron:MegatronTrainer",
+    "megatron": "lora_parity.backends.megatron.trainer:MegatronTrainer",
 }
 SAMPLERS: dict[str, str] = {
     "vllm": "lora_parity.backends.vllm:VLLMSampler",

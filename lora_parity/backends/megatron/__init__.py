@@ -1,0 +1,15 @@
+"""The `megatron` backend: a megatron-core `GPTModel` with the project's tensor-parallel LoRA.
+
+One module per layer, lowest first (each imports only those above it):
+- `layout`: HF ↔ megatron-core names, the model's `Shape`, and the tensor-parallel slices (qkv
+  interleave by KV group, fc1 gate/up, row/column/vocabulary splits). Pure; no torch, no megatron.
+- `protocol`: the driver ↔ rank 0 command lines. Pure.
+- `cpu`: what megatron-core needs to run without CUDA, each workaround with its reason.
+- `lora`: the LoRA layers around megatron-core's parallel linears.
+- `shards`: one rank's model (`Shard`): build, load, score, perturb, gather and export.
+- `ranks`: the driver's side of TP=N; `serve`: the rank process (`python -m ...megatron.serve`).
+- `trainer`: `MegatronTrainer`, the registered `Trainer`.
+
+This package imports nothing on import, so `layout` and `protocol` load without torch. No module
+here imports the CLI or the runner; torchrun's entry point is `python -m lora_parity.launch`.
+"""

@@ -1,0 +1,385 @@
+"""One tensor-parallel rank's megatron-core GPTModel with LoRA (`Shard`): built from an HF checkpoint,
+scored, perturbed, and its adapter shards gathered and exported in PEFT format.
+
+Every seeded tensor is drawn whole and then sharded (`layout.tp_slice`, `layout.shard_fused`), so
+TP=1 and TP=N hold the same adapter. The perturbation is defined on the PEFT tensors the export
+writes: B's noise for q_proj, k_proj, v_proj (gate_proj, up_proj) is drawn with the seed and shape
+the `hf` trainer uses for that name, then interleaved into the fused B exactly as the base weights
+are. The export splits the fused B back, repeats the shared A for each part, and gathers the shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora_parity import adapter_files as af
+from lora_parity.backends.base import Scores, Sequences
+from lora_parity.backends.megatron import cpu
+from lora_parity.backends.megatron.layout import (
+    LORA_MODULES,
+    MODULE_MAP,
+    MODULE_OF_KIND,
+    LoraModule,
+    full_a_name,
+    hf_weight_plan,
+    peft_name,
+    read_shape,
+    shard_fused,
+    shard_weight,
+    tp_slice,
+    unshard_fused,
+)
+from lora_parity.backends.megatron.lora import LoRALinear
+from lora_parity.config import ModelConfig
+from lora_parity.errors import ConfigError, PhaseError
+from lora_parity.perturb import noise_seed
+from lora_parity.receipt import Perturbation
+
+_PEFT_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _load_hf_tensors(model_dir: Path, names: set[str]) -> Callable[[str], torch.Tensor]:
+    """A getter over the checkpoint's safetensors files (safetensors only; never pickles)."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                where[k] = f
+    missing = sorted(names - where.keys())
+    if missing:
+        raise ConfigError(f"{model_dir}: checkpoint lacks {missing[0]}" + (f" (+{len(missing) - 1} more)"
+                                                                          if len(missing) > 1 else ""))
+    extra = sorted(k for k in where if k not in names and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ConfigError(f"{model_dir}: the megatron trainer would ignore {extra[0]}"
+                          + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+
+    def get(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as st:
+            return st.get_tensor(name)
+
+    return get
+
+
+class Shard:
+    """One tensor-parallel rank's GPTModel with LoRA. Every method is collective: all ranks call it
+    with the same arguments (rank 0's answer is the one returned to the driver)."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, tp: int = 1, control_group: Any = None) -> None:
+        mcore = cpu.import_megatron()
+        from megatron.core import parallel_state
+
+        self._parallel_state = parallel_state
+        self.owns_default_group = self.owns_parallel_state = False
+        try:
+            with cpu.quiet():
+                self._build(cfg, model_dir, seed, tp, control_group)
+        except BaseException:
+            self._teardown()
+            raise
+        self.megatron_version = mcore.__version__
+
+    def _build(self, cfg: ModelConfig, model_dir: Path, seed: int, tp: int, control_group: Any) -> None:
+        from megatron.core import parallel_state
+
+        self.cfg, self.seed = cfg, seed
+        self.control_group = control_group
+        if parallel_state.model_parallel_is_initialized():
+            raise PhaseError("megatron-core's parallel state is already set up in this process: "
+                             "one megatron trainer per process (close the other first)")
+        self._join_default_group(tp)
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.shape = read_shape(model_dir, self.tp)
+        self.dtype: torch.dtype = getattr(torch, cfg.model.dtype)
+        self.targets = list(cfg.adapter.targets)
+        unknown = [t for t in self.targets if t not in MODULE_OF_KIND]
+        if unknown:
+            raise ConfigError(f"the megatron trainer has no LoRA target {unknown[0]!r}; "
+                              f"targets: {', '.join(MODULE_OF_KIND)}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        self.owns_parallel_state = True
+        cpu.install_rng_tracker()
+        self.model = self._gpt_model()
+        # The local spec's torch norms are built without a dtype (fp32); Megatron's bf16/fp16
+        # training runs the model under Float16Module, which casts every parameter to that dtype.
+        for module in self.model.modules():
+            if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                module.to(self.dtype)
+        self._load_base(model_dir)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._wrap_lora(cfg)
+        self.model.eval()
+
+    def _join_default_group(self, tp: int) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            # In-process TP=1 without a sampler holding the default group (the hf sampler, tests).
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self.owns_default_group = True
+        self.tp, self.rank = dist.get_world_size(), dist.get_rank()
+        if self.tp != tp:
+            raise PhaseError(f"this process's default process group has {self.tp} ranks, not the --tp {tp} "
+                             "the trainer needs")
+
+    def _gpt_model(self) -> Any:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        s = self.shape
+        config = TransformerConfig(
+            num_layers=s.num_layers, hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size,
+            num_attention_heads=s.num_heads, num_query_groups=s.num_groups, kv_channels=s.head_dim,
+            normalization="RMSNorm", layernorm_epsilon=s.norm_eps, qk_layernorm=s.qk_norm,
+            gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+            add_bias_linear=False, add_qkv_bias=False,
+            hidden_dropout=0.0, attention_dropout=0.0,  # defaults are 0.1
+            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+            bias_dropout_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+            tensor_model_parallel_size=self.tp, params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16,
+            use_cpu_initialization=self.device.type == "cpu", perform_initialization=False,
+        )
+        return GPTModel(
+            config, get_gpt_layer_local_spec(qk_layernorm=s.qk_norm, normalization="RMSNorm"),
+            vocab_size=s.vocab_size, max_sequence_length=s.max_positions, position_embedding_type="rope",
+            rotary_base=s.rope_theta,  # type: ignore[arg-type,unused-ignore]  # a float works; hinted int
+            share_embeddings_and_output_weights=s.tied_embeddings, parallel_output=True,
+        ).to(self.device)
+
+    def _wrap_lora(self, cfg: ModelConfig) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        self.layers: list[dict[str, LoRALinear]] = []
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        for i, layer in enumerate(self.model.decoder.layers):
+            wrapped = {}
+            for m in LORA_MODULES:
+                if not any(k in self.targets for k in m.kinds):
+                    continue
+                parent = getattr(layer, m.block)
+                lora = LoRALinear(getattr(parent, m.name), m.column_parallel, cfg.adapter.rank, cfg.adapter.alpha,
+                                  tp_group, reduce_from_tensor_model_parallel_region)
+                setattr(parent, m.name, lora)
+                wrapped[m.name] = lora
+                self._init_a(i, m, lora)
+            self.layers.append(wrapped)
+
+    # Loading and initialisation.
+
+    def _load_base(self, model_dir: Path) -> None:
+        plan = hf_weight_plan(self.shape)
+        get = _load_hf_tensors(model_dir, {n for _, _, names in plan for n in names})
+        params = dict(self.model.named_parameters())
+        expected = {n for n in params if not n.endswith("_extra_state")}
+        planned = {name for name, _, _ in plan}
+        if expected != planned:
+            raise PhaseError(f"megatron-core parameters differ from the HF mapping: "
+                             f"{sorted(expected ^ planned)[:3]}")
+        with torch.no_grad():
+            for name, layout, hf_names in plan:
+                local = shard_weight(layout, [get(n) for n in hf_names], self.rank, self.tp, self.shape)
+                if tuple(local.shape) != tuple(params[name].shape):
+                    raise PhaseError(f"{name}: HF gives {tuple(local.shape)}, megatron-core holds "
+                                     f"{tuple(params[name].shape)}")
+                params[name].copy_(local.to(params[name].dtype))
+
+    @torch.no_grad()
+    def _init_a(self, layer: int, module: LoraModule, lora: LoRALinear) -> None:
+        a = lora.adapter.linear_in.weight
+        fan_in = a.shape[1] * (1 if module.column_parallel else self.tp)
+        generator = torch.Generator().manual_seed(noise_seed(full_a_name(layer, module), self.seed))
+        bound = 1.0 / fan_in**0.5
+        full_a = (torch.rand((a.shape[0], fan_in), generator=generator, dtype=torch.float32) * 2 - 1) * bound
+        start, stop = tp_slice(fan_in, self.rank, self.tp)
+        local = full_a if module.column_parallel else full_a[:, start:stop]
+        a.copy_(local.to(device=a.device, dtype=a.dtype))
+        lora.adapter.linear_out.weight.zero_()
+
+    # Collectives over the control group (CPU tensors, gloo).
+
+    def _sum_over_ranks(self, value: int) -> int:
+        if self.control_group is None:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, group=self.control_group)
+        return int(t.item())
+
+    def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        if self.control_group is None:
+            return [local.detach().cpu()]
+        import torch.distributed as dist
+
+        local = local.detach().cpu().contiguous()
+        out = [torch.empty_like(local) for _ in range(self.tp)]
+        dist.all_gather(out, local, group=self.control_group)
+        return out
+
+    # The Trainer operations.
+
+    @torch.no_grad()
+    def score(self, sequences: Sequences) -> Scores:
+        """Entry t = log p(s[t+1] | s[:t+1]); one sequence per forward; fp32 log-softmax of the
+        vocabulary-gathered logits."""
+        out: Scores = []
+        for seq in sequences:
+            n = len(seq)
+            ids = torch.tensor([seq], device=self.device)
+            positions = torch.arange(n, device=self.device)[None]
+            logits = self.model(ids, positions, cpu.causal_mask(n, self.device),
+                                runtime_gather_output=True)
+            logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+            out.append(logprobs.cpu().tolist())
+        return out
+
+    def _noise(self, name: str, rows: int, std: float, seed: int) -> torch.Tensor:
+        # Exactly the `hf` trainer's draw for the PEFT tensor `name`.
+        generator = torch.Generator().manual_seed(noise_seed(name, seed))
+        return torch.randn((rows, self.cfg.adapter.rank), generator=generator, dtype=torch.float32) * std
+
+    @torch.no_grad()
+    def perturb(self, std: float, seed: int, only: str | None = None) -> dict[str, Any]:
+        """Add the seeded noise of each PEFT B tensor (or those of kind `only`) to this rank's B rows."""
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and ".adapter." not in n]
+        if self._sum_over_ranks(len(trainable)):
+            raise PhaseError(f"refusing to perturb: non-adapter parameter {(trainable or ['?'])[0]} is trainable")
+        kinds = [k for k in self.targets if only is None or k == only]
+        if not kinds:
+            raise PhaseError(f"no LoRA B tensors of {only} to perturb")
+        updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        names: list[str] = []
+        num_elements = 0
+        nonzero = 0
+        for i, wrapped in enumerate(self.layers):
+            for m in LORA_MODULES:
+                chosen = [k for k in m.kinds if k in kinds]
+                if not chosen:
+                    continue
+                b = wrapped[m.name].adapter.linear_out.weight
+                noise, mask, drawn = self._module_noise(i, m, chosen, b, std, seed)
+                names += drawn
+                num_elements += sum(self.shape.out_features(k) * b.shape[1] for k in chosen)
+                nonzero += int(torch.count_nonzero(b[mask]).item())
+                updates.append((b, noise, mask))
+        if self._sum_over_ranks(nonzero):
+            raise PhaseError("refusing to perturb: a LoRA B tensor is non-zero before the update")
+        for b, noise, _ in updates:
+            b.add_(noise.to(device=b.device, dtype=b.dtype))
+        return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(names),
+                            num_elements=num_elements, tensors=names).model_dump(mode="json")
+
+    def _module_noise(self, layer: int, m: LoraModule, chosen: list[str], b: torch.Tensor, std: float,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """This rank's rows of one module's B noise (zero outside `chosen`), the mask of those rows (on
+        B's device), and the PEFT names drawn."""
+        parts, masks, names = {}, {}, []
+        for k in m.kinds:
+            rows = self.shape.out_features(k)
+            name = peft_name(layer, k, "lora_B")
+            parts[k] = self._noise(name, rows, std, seed) if k in chosen else torch.zeros(rows, b.shape[1])
+            masks[k] = torch.full((rows, b.shape[1]), k in chosen)
+            if k in chosen:
+                names.append(name)
+        if m.column_parallel:
+            noise = shard_fused(m.name, parts, self.rank, self.tp, self.shape)
+            mask = shard_fused(m.name, masks, self.rank, self.tp, self.shape)
+        else:
+            noise, mask = parts[m.kinds[0]], masks[m.kinds[0]]
+        return noise, mask.to(b.device), names
+
+    @torch.no_grad()
+    def zero_b(self) -> None:
+        """Every B to zero, A unchanged."""
+        for wrapped in self.layers:
+            for lora in wrapped.values():
+                lora.adapter.linear_out.weight.zero_()
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The whole PEFT tensors (gathered over ranks; every rank gets them)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i, wrapped in enumerate(self.layers):
+            for m in LORA_MODULES:
+                if m.name not in wrapped:
+                    continue
+                a = wrapped[m.name].adapter.linear_in.weight
+                b = wrapped[m.name].adapter.linear_out.weight
+                if m.column_parallel:
+                    whole_a = a.detach().cpu()
+                    whole_b = unshard_fused(m.name, self._gather(b), self.shape) if len(m.kinds) > 1 \
+                        else {m.kinds[0]: torch.cat(self._gather(b))}
+                else:
+                    whole_a = torch.cat(self._gather(a), dim=1)
+                    whole_b = {m.kinds[0]: b.detach().cpu()}
+                for k in m.kinds:
+                    if k in self.targets:
+                        # The fused layer's A is shared by its parts: each PEFT target gets a copy.
+                        tensors[peft_name(i, k, "lora_A")] = whole_a.clone()
+                        tensors[peft_name(i, k, "lora_B")] = whole_b[k].contiguous()
+        return tensors
+
+    def export(self, directory: str) -> str | None:
+        """Write the PEFT adapter (rank 0); every rank takes part in the gather."""
+        tensors = self.adapter_tensors()
+        if self.rank != 0:
+            return None
+        files = {n: af.Tensor(_PEFT_DTYPES[t.dtype], list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+                 for n, t in tensors.items()}
+        config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
+            "r": self.cfg.adapter.rank, "lora_alpha": self.cfg.adapter.alpha, "lora_dropout": 0.0,
+            "target_modules": sorted(self.targets), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": None,
+        }
+        af.write_adapter(Path(directory), config, files)
+        return directory
+
+    def describe(self) -> dict[str, Any]:
+        """Versions and settings for the receipt."""
+        settings: dict[str, Any] = {
+            "dtype": self.cfg.model.dtype,
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "architecture": self.shape.architecture,
+            "layer_spec": "megatron-core local (no Transformer Engine)",
+            "rank": self.cfg.adapter.rank, "alpha": self.cfg.adapter.alpha, "targets": self.targets,
+            "dropout": 0.0,
+            "module_map": MODULE_MAP,
+            "adapter_params": "adapter.linear_in = lora_A, adapter.linear_out = lora_B",
+            "lora_a_init": "uniform ±1/sqrt(fan_in), seeded by sha256(name, seed), drawn whole then sharded",
+            "forward": "one sequence per forward, explicit causal mask, logits gathered over the vocabulary, "
+                       "log-softmax in fp32",
+        }
+        if self.device.type == "cpu":
+            settings["cpu_workarounds"] = ["inference rng tracker", "current_device -> cpu in trainer calls",
+                                           "explicit causal mask", "gloo over loopback, cores / ranks threads"]
+        return {"versions": {"torch": torch.__version__, "megatron-core": self.megatron_version},
+                "settings": settings}
+
+    def close(self) -> None:
+        """Free the model and Megatron's process groups."""
+        self.model = None
+        self.layers = []
+        self._teardown()
+
+    def _teardown(self) -> None:
+        import torch.distributed as dist
+
+        if self.owns_parallel_state:
+            self._parallel_state.destroy_model_parallel()
+            self.owns_parallel_state = False
+        if self.owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_default_group = False
+

@@ -1,0 +1,115 @@
+"""The `megatron` trainer (`MegatronTrainer`): a megatron-core `GPTModel` (local layer spec, no
+Transformer Engine) built from an HF checkpoint, with the project's own tensor-parallel LoRA,
+exported in PEFT format. The package docstring describes the layout; this module is the calling
+process's side.
+
+Token alignment: as `backends.base.Trainer.score` states it; one sequence per forward, fp32
+log-softmax of the logits gathered over the vocabulary shards.
+
+Processes: at TP=1 the model lives in the calling process. At TP=N it lives in N rank processes
+(`ranks`, `serve`) that this process drives over a pipe to rank 0. Under torchrun the entry point
+is `python -m lora_parity.launch`: its rank 0 runs the CLI, the other ranks serve the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lora_parity.backends.base import Scores, Sequences
+from lora_parity.config import ModelConfig
+from lora_parity.errors import ConfigError
+from lora_parity.receipt import BackendInfo, Perturbation
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    raise ModuleNotFoundError("No module named 'megatron.core'", name="megatron-core")
+
+# Imported after the check above, so that a missing megatron-core names the extra to install.
+from lora_parity.backends.megatron import cpu
+from lora_parity.backends.megatron.layout import read_shape
+from lora_parity.backends.megatron.ranks import RankProcesses
+from lora_parity.backends.megatron.shards import Shard
+
+
+def _torchrun_world() -> int | None:
+    """WORLD_SIZE when this process was started by torchrun (or another env:// launcher), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+class MegatronTrainer:
+    """megatron-core GPTModel with LoRA; TP=1 in this process, TP=N in N rank processes it drives."""
+
+    supports_tp = True
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float], tp: int = 1) -> None:
+        self.cfg, self.tp = cfg, tp
+        start = time.perf_counter()
+        read_shape(model_dir, tp)  # bad input fails here, before any process starts
+        torchrun = _torchrun_world()
+        if torchrun is not None and os.environ.get("RANK") != "0":
+            raise ConfigError("under torchrun, launch `-m lora_parity.launch`: its rank 0 runs the "
+                              "sequence, the other ranks serve the trainer")
+        if torchrun is not None and torchrun != tp:
+            raise ConfigError(f"--tp {tp}, but torchrun started {torchrun} processes: they must match")
+        self.shard: Shard | None = None
+        self.ranks: RankProcesses | None = None
+        request = {"config": cfg.model_dump(mode="json"), "model_dir": str(model_dir), "seed": seed}
+        if tp == 1:
+            self.layout = "in-process"
+            with cpu.cpu_current_device():
+                self.shard = Shard(cfg, Path(model_dir), seed)
+            described = self.shard.describe()
+        else:
+            self.layout = "torchrun" if torchrun is not None else "spawned"
+            self.ranks = RankProcesses(tp, torchrun=torchrun is not None)
+            try:
+                described = self.ranks.call("init", request)
+            except BaseException:
+                self.ranks.close()
+                raise
+        self.described = described
+        timings["trainer.load"] = time.perf_counter() - start
+
+    def _call(self, method: str, **args: Any) -> Any:
+        if self.ranks is not None:
+            return self.ranks.call(method, args)
+        assert self.shard is not None
+        with cpu.cpu_current_device():
+            return getattr(self.shard, method)(**args)
+
+    def score(self, sequences: Sequences) -> Scores:
+        """Entry t = log p(s[t+1] | s[:t+1]); len(s) - 1 values per sequence."""
+        scores: Scores = self._call("score", sequences=sequences)
+        return scores
+
+    def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
+        """Seeded noise on every B (or kind `only`'s rows), seeded per PEFT tensor name."""
+        return Perturbation.model_validate(self._call("perturb", std=std, seed=seed, only=only))
+
+    def zero_b(self) -> None:
+        """Every B to zero."""
+        self._call("zero_b")
+
+    def export_adapter(self, directory: Path) -> Path:
+        """PEFT folder: fused tensors split, shards gathered, `base_model.model.` names."""
+        self._call("export", directory=str(directory))
+        return Path(directory)
+
+    def info(self) -> BackendInfo:
+        """Versions and settings, with the process layout."""
+        settings = {**self.described["settings"], "tensor_parallel": self.tp, "processes": self.layout}
+        return BackendInfo(backend="megatron", versions=self.described["versions"], settings=settings)
+
+    def close(self) -> None:
+        """Stop the rank processes, or free the in-process model."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+        if self.shard is not None:
+            self.shard.close()
+            self.shard = None
