@@ -174,8 +174,10 @@ def test_fp32_logits_equal_hf_at_tp1(cfg: config.ModelConfig) -> None:
                 ours = shard.model(ids, torch.arange(len(seq))[None], megatron_cpu.causal_mask(len(seq), ids.device),
                                    runtime_gather_output=True)
                 theirs = hf(input_ids=ids).logits
-            # HF's eager attention does the same fp32 operations in the same order: equal, not close.
-            assert torch.equal(ours, theirs), (ours - theirs).abs().max().item()
+            # HF's eager attention does the same fp32 operations in the same order: bit-equal on the
+            # development machines so far, but on some hosts (an AMD EPYC) the qk-norm models differ by
+            # about 6e-6, a kernel choice in fp32 sums; 1e-5 stays far below any mapping error (>= 1e-2).
+            assert torch.allclose(ours, theirs, rtol=0.0, atol=1e-5), (ours - theirs).abs().max().item()
     finally:
         shard.close()
 
