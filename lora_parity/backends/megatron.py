@@ -50,7 +50,7 @@ import torch
 from lora_parity import adapter_files as af
 from lora_parity import errors
 from lora_parity.backends import megatron_cpu
-from lora_parity.backends.base import Scores, Sequences
+from lora_parity.backends.base import BackendOptions, BackendTraits, Scores, Sequences, TrainerBackend
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError, PhaseError
 from lora_parity.perturb import noise_seed
@@ -636,10 +636,17 @@ def _torchrun_world() -> int | None:
     return None
 
 
-class MegatronTrainer:
+class MegatronTrainer(TrainerBackend):
     """megatron-core GPTModel with LoRA; TP=1 in this process, TP=N in N rank processes it drives."""
 
-    supports_tp = True
+    traits = BackendTraits(supports_tp=True)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> MegatronTrainer:
+        """Build the trainer with the run's tensor-parallel size."""
+        assert model_dir is not None
+        return cls(cfg, model_dir, options.seed, timings, tp=options.tp)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float], tp: int = 1) -> None:
         self.cfg, self.tp = cfg, tp
