@@ -168,9 +168,7 @@ class Faults:
         """What must catch this fault."""
         assert self.name is not None
         spec = FAULTS[self.name]
-        return FaultSpec(spec.name, spec.description,
-                         tuple(c.format(target=self.dropped_target) for c in spec.caught_by), spec.verdict,
-                         spec.must_pass)
+        return replace(spec, caught_by=tuple(c.format(target=self.dropped_target) for c in spec.caught_by))
 
     def is_(self, name: str) -> bool:
         """Whether `name` is the injected fault."""
