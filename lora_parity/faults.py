@@ -1,7 +1,8 @@
 """Fault injection: one fault at the seam where it happens in practice.
 
-Adapter-file faults rewrite the exported PEFT folder before the sampler loads it; sync faults
-change what the sync step does; scoring-path faults change what the sampler returns (the only
+Adapter-file faults rewrite the exported PEFT folder before the sampler loads it; sync faults wrap
+the run's sync mode (`lora_parity.sync`) in a `SyncWrapper` defined here, beside their spec, that
+changes what the sync does; scoring-path faults change what the sampler returns (the only
 faults that touch scores, because there the fault *is* in the scores). Each fault names the
 check that must catch it; `lora-parity selftest` runs them all and asserts exactly that.
 """
@@ -10,13 +11,17 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from lora_parity import adapter_files as af
 from lora_parity.backends.base import Scores
 from lora_parity.errors import ConfigError, PhaseError
 from lora_parity.perturb import is_lora_b, target_kind
+from lora_parity.receipt import Perturbation
+from lora_parity.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
 
 
 @dataclass(frozen=True)
@@ -31,38 +36,103 @@ class FaultSpec:
     """Checks that must still pass: the fault hides from them, which is the point of the tail checks."""
     modes: tuple[str, ...] = ()
     """Sync modes the fault applies to (empty: all)."""
+    sync: Callable[[SyncMode], SyncMode] | None = None
+    """How the fault changes the run's sync mode (sync faults), or None."""
+    rewrites_files: bool = False
+    """Rewrites the exported PEFT folder (`Faults.after_export`): needs a trainer that exports one."""
+    skips_update: bool = False
+    """The trainer's update is not applied."""
 
 
 ADAPTER_MODES = ("new-id", "inplace")
 
 
+class SkipSync(SyncWrapper):
+    """skip-sync: the sync step does nothing."""
+
+    def sync(self, ctx: SyncContext) -> None:
+        """Nothing."""
+
+
+class ReuseAdapterId(SyncWrapper):
+    """reuse-adapter-id: the update is republished under the old name and id, without an in-place reload."""
+
+    def sync(self, ctx: SyncContext) -> None:
+        """Export, then load under the handle the sampler already has."""
+        assert ctx.handle is not None
+        folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
+        ctx.sampler.publish(folder, ctx.handle.name, ctx.handle.adapter_id, inplace=False)
+
+
+def no_reload_flag(mode: SyncMode) -> SyncMode:
+    """no-reload-flag: the in-place mode, without asking the sampler to reload in place."""
+    assert isinstance(mode, AdapterSync)
+    return replace(mode, load_inplace=False)
+
+
+class StalePath(SyncWrapper):
+    """stale-path: the updated weights are written, but the sampler reloads the zero-init folder."""
+
+    def sync(self, ctx: SyncContext) -> None:
+        """Export merged-v1, reload merged-v0."""
+        merging(ctx.trainer).export_merged(ctx.workdir / "merged-v1")
+        reloading(ctx.sampler).reload_base(folder=ctx.workdir / "merged-v0")
+
+
+class StaleTensors(SyncWrapper):
+    """stale-tensors: the sampler is handed a copy of the weights taken before the update."""
+
+    zero: Any = None
+
+    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
+        """Keep the zero-init merged weights, then publish as the mode does."""
+        if version == 0 and self.zero is None:
+            self.zero = merging(ctx.trainer).merged_tensors()
+        self.inner.publish(ctx, version, label)
+
+    def sync(self, ctx: SyncContext) -> None:
+        """Reload the copy kept at zero-init."""
+        reloading(ctx.sampler).reload_base(tensors=self.zero)
+
+
+class Leak(SyncWrapper):
+    """leak: the sampler gets the update before the stale phase."""
+
+    def before_stale(self, ctx: SyncContext) -> None:
+        """Overwrite what the sampler serves with the updated weights."""
+        self.inner.overwrite(ctx)
+
+
 FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
-    FaultSpec("skip-sync", "the sync step does nothing", ("C.parity.mean",), "fail"),
+    FaultSpec("skip-sync", "the sync step does nothing", ("C.parity.mean",), "fail", sync=SkipSync),
     FaultSpec("reuse-adapter-id", "republish under the old name and id without an in-place reload",
-              ("C.parity.mean",), "fail", modes=("new-id",)),
+              ("C.parity.mean",), "fail", modes=("new-id",), sync=ReuseAdapterId),
     FaultSpec("no-reload-flag", "sync in place under the same name and id, without load_inplace",
-              ("C.parity.mean",), "fail", modes=("inplace",)),
+              ("C.parity.mean",), "fail", modes=("inplace",), sync=no_reload_flag),
     FaultSpec("stale-path", "the merged weights are written, but the sampler reloads the previous folder",
-              ("C.parity.mean",), "fail", modes=("merged",)),
+              ("C.parity.mean",), "fail", modes=("merged",), sync=StalePath),
     FaultSpec("stale-tensors", "the sampler is handed weights copied before the update",
-              ("C.parity.mean",), "fail", modes=("memory",)),
+              ("C.parity.mean",), "fail", modes=("memory",), sync=StaleTensors),
     FaultSpec("drop-target", "the exported adapter lacks the first target module's tensors",
-              ("C.parity.mean", "T.{target}.moved"), "fail", modes=ADAPTER_MODES),
+              ("C.parity.mean", "T.{target}.moved"), "fail", modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("wrong-scale", "the exported adapter's lora_alpha is doubled", ("C.delta.scale",), "fail",
-              modes=ADAPTER_MODES),
+              modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("wrong-direction", "the exported B tensors are negated", ("C.delta.cosine",), "fail",
-              modes=ADAPTER_MODES),
+              modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("one-token", "one sampler logprob is off (9 nats, or less so the mean stays within budget)",
               ("A.parity.max",), "fail", must_pass=("A.parity.mean",)),
-    FaultSpec("frozen-trainer", "the perturbation is not applied", ("B.stimulus",), "inconclusive"),
-    FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail"),
+    FaultSpec("frozen-trainer", "the perturbation is not applied", ("B.stimulus",), "inconclusive",
+              skips_update=True),
+    FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail", sync=Leak),
     FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B", ("A.zero_adapter_noop",), "fail",
-              modes=ADAPTER_MODES),
+              modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("misalign", "sampler scores shifted by one position", ("A.parity.mean",), "fail"),
     FaultSpec("nan", "the sampler returns NaN at one position", (), "error"),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error"),
 )}
 SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name in FAULTS]
+FILE_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.rewrites_files)
+"""Faults that rewrite the exported PEFT files (a trainer that exports none cannot take them)."""
 
 
 def faults_for(sync_mode: str) -> list[str]:
@@ -98,13 +168,24 @@ class Faults:
         """What must catch this fault."""
         assert self.name is not None
         spec = FAULTS[self.name]
-        return FaultSpec(spec.name, spec.description,
-                         tuple(c.format(target=self.dropped_target) for c in spec.caught_by), spec.verdict,
-                         spec.must_pass)
+        return replace(spec, caught_by=tuple(c.format(target=self.dropped_target) for c in spec.caught_by))
 
     def is_(self, name: str) -> bool:
         """Whether `name` is the injected fault."""
         return self.name == name
+
+    def _spec(self) -> FaultSpec | None:
+        return FAULTS[self.name] if self.name is not None else None
+
+    def wrap_sync(self, mode: SyncMode) -> SyncMode:
+        """The run's sync mode, as the injected sync fault (if any) changes it: a new object per run."""
+        spec = self._spec()
+        return spec.sync(mode) if spec is not None and spec.sync is not None else mode
+
+    def perturb(self, apply: Callable[[], Perturbation]) -> Perturbation | None:
+        """The trainer's update (`apply`), unless the fault keeps the trainer frozen."""
+        spec = self._spec()
+        return None if spec is not None and spec.skips_update else apply()
 
     def on_phase(self, phase: str) -> None:
         """crash-at=PHASE: raise at the start of PHASE."""
@@ -113,7 +194,7 @@ class Faults:
 
     def after_export(self, version: int, folder: Path) -> None:
         """Adapter-file faults: rewrite the exported PEFT folder before the sampler sees it."""
-        if self.name not in ("drop-target", "wrong-scale", "wrong-direction", "nonzero-init"):
+        if self.name not in FILE_FAULTS:
             return
         config, tensors = af.read_adapter(folder)
         if self.is_("drop-target"):

@@ -20,11 +20,8 @@ from lora_parity.config import ModelConfig
 from lora_parity.errors import LoraParityError, ScoreError
 from lora_parity.faults import Faults
 from lora_parity.receipt import AdapterVersion, Perturbation, PhaseRecord, PhaseStatus
-
-SYNC_MODES = ("new-id", "inplace", "merged", "memory")
-# Modes where the trainer merges alpha/r·BA into the base weights and the sampler, running without
-# LoRA, reloads its base weights in place: from a folder (merged) or from tensors in memory (memory).
-MERGED_MODES = ("merged", "memory")
+from lora_parity.sync import SyncMode
+from lora_parity.sync import mode as sync_mode_named
 
 
 def run_sequence(run: Run) -> None:
@@ -77,28 +74,31 @@ class Run:
     stale_handle: AdapterHandle | None = None
     """The adapter the stale phase scored (the one published before the update)."""
     error: str | None = None
-    zero_tensors: object = None
-    """Merged zero-init weights kept for the stale-tensors fault only."""
     first_adapter_id: int = 1
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
     reference: Callable[[list[list[int]]], Scores] | None = None
     """Scores the base model in fp32 (`--reference fp32`): what both sides approximate at zero-init."""
+    mode: SyncMode = field(init=False)
+    """How weights reach the sampler: the `sync_mode` strategy, as the injected fault (if any) changes it."""
+
+    def __post_init__(self) -> None:
+        self.mode = self.faults.wrap_sync(sync_mode_named(self.sync_mode))
 
     @property
     def sampler_scores_base(self) -> bool:
-        """False for a sampler that cannot serve the base model (its info says why)."""
-        return getattr(self.sampler, "base_unavailable", None) is None
+        """False for a sampler that cannot serve the base model (its traits say why)."""
+        return self.sampler.traits.base_unavailable is None
 
     @property
     def sampler_shares_trainer_state(self) -> bool:
         """True for a sampler whose adapters are handles on the trainer's own service (Tinker): an old
         one may serve the trainer's current weights, or write its own back into them."""
-        return bool(getattr(self.sampler, "shares_trainer_state", False))
+        return self.sampler.traits.shares_trainer_state
 
     @property
     def trainer_has_per_target(self) -> bool:
-        """False for a trainer that updates every target together (its info says why)."""
-        return getattr(self.trainer, "per_target_unavailable", None) is None
+        """False for a trainer that updates every target together (its traits say why)."""
+        return self.trainer.traits.per_target_unavailable is None
 
     @property
     def next_adapter_id(self) -> int:
@@ -153,100 +153,37 @@ class Run:
         for k in (key, f"{key}_repeat") if repeat else (key,):
             self._record(k, self._timed(k, lambda: self.trainer.score(self.sequences)))
 
-    def publish(self, version: int, label: str = "") -> AdapterHandle | None:
-        """Export the trainer's adapter to a new folder and load it on the sampler: a new name and
-        id per version (`new-id`), or the same ones reloaded in place (`inplace`); in the merged
-        modes, reload the sampler's base weights with the adapter merged in (no handle)."""
-        if self.sync_mode in MERGED_MODES:
-            self._publish_merged(version, label)
-            return None
-        start = time.perf_counter()
-        folder = self.trainer.export_adapter(self.workdir / f"adapter-v{version}{label}")
+    def exported(self, version: int, folder: Path) -> None:
+        """Adapter-file faults rewrite each exported folder before the sampler loads it."""
         self.faults.after_export(version, folder)
-        if self.sync_mode == "inplace" and self.handle is not None:
-            name, adapter_id = self.handle.name, self.handle.adapter_id
-        else:
-            adapter_id = self.first_adapter_id + version
-            name = f"lora-parity-{adapter_id}-v{version}"
-        inplace = self.sync_mode == "inplace" and not self.faults.is_("no-reload-flag")
-        handle = self.sampler.publish(folder, name, adapter_id, inplace=inplace)
-        seconds = time.perf_counter() - start
-        self.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id,
-                                            mode=self.sync_mode, seconds=seconds))
-        self.timings[f"publish.v{version}"] = seconds
-        previous, self.handle = self.handle, handle
-        if previous is not None and previous.adapter_id != handle.adapter_id:
-            self.sampler.retire(previous)
-        return handle
 
     def publish_zero(self) -> None:
         """Publish the zero-init adapter (version 0)."""
-        if self.faults.is_("stale-tensors"):
-            self.zero_tensors = self.trainer.merged_tensors()  # type: ignore[attr-defined]
-        self.publish(version=0)
-
-    def _publish_merged(self, version: int, label: str = "") -> None:
-        start = time.perf_counter()
-        folder = self.workdir / f"merged-v{version}{label}"
-        if self.sync_mode == "merged":
-            self.sampler.reload_base(folder=self.trainer.export_merged(folder))  # type: ignore[attr-defined]
-        else:
-            self.sampler.reload_base(tensors=self.trainer.merged_tensors())  # type: ignore[attr-defined]
-        seconds = time.perf_counter() - start
-        self.adapters.append(AdapterVersion(version=version, name=folder.name, adapter_id=0, mode=self.sync_mode,
-                                            seconds=seconds))
-        self.timings[f"publish.v{version}"] = seconds
+        self.mode.publish(self, version=0)
 
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
-        if self.faults.is_("frozen-trainer"):
-            return
-        self.perturbation = self.trainer.perturb(self.cfg.perturbation.std, self.seed)
+        self.perturbation = self.faults.perturb(lambda: self.trainer.perturb(self.cfg.perturbation.std, self.seed))
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
-        if self.faults.is_("leak") and self.sync_mode in MERGED_MODES:
-            self._publish_merged(version=len(self.adapters), label="-leak")
-        elif self.faults.is_("leak"):
-            assert self.handle is not None
-            folder = self.trainer.export_adapter(self.workdir / "adapter-leak")
-            self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=True)
+        self.mode.before_stale(self)
         self.stale_handle = self.handle
         self.sampler_score("stale", self.handle)
 
     def sync(self) -> None:
-        """Publish the updated adapter."""
-        if self.faults.is_("skip-sync"):
-            return
-        if self.faults.is_("reuse-adapter-id"):
-            assert self.handle is not None
-            folder = self.trainer.export_adapter(self.workdir / "adapter-v1")
-            self.sampler.publish(folder, self.handle.name, self.handle.adapter_id, inplace=False)
-            return
-        if self.faults.is_("stale-path"):
-            # The updated weights are written, but the sampler reloads from the zero-init folder.
-            self.trainer.export_merged(self.workdir / "merged-v1")  # type: ignore[attr-defined]
-            self.sampler.reload_base(folder=self.workdir / "merged-v0")  # type: ignore[attr-defined]
-            return
-        if self.faults.is_("stale-tensors"):
-            # The sampler is handed a copy of the weights taken before the update.
-            self.sampler.reload_base(tensors=self.zero_tensors)  # type: ignore[attr-defined]
-            return
-        self.publish(version=1)
+        """Publish the updated weights, the way the sync mode does."""
+        self.mode.sync(self)
 
     def retire(self) -> None:
         """Unload the adapter this run left on the sampler; in the merged modes, give the sampler its
         original base weights back."""
-        if self.sync_mode in MERGED_MODES and self.adapters:
-            self.sampler.reset_base()  # type: ignore[attr-defined]
-        if self.handle is not None:
-            self.sampler.retire(self.handle)
-            self.handle = None
+        self.mode.retire(self)
 
     def target_coverage(self, kind: str) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides."""
         self.trainer.zero_b()
         self.trainer.perturb(self.cfg.perturbation.std, self.seed, only=kind)
         self.trainer_score(f"target.{kind}.trainer")
-        self.publish(version=len(self.adapters), label=f"-{kind}")
+        self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)

@@ -15,47 +15,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
+from typing import Any
 
+from lora_parity.backends import vllm_options
+from lora_parity.checkpoint import hub_checkpoint
 from lora_parity.config import LaunchSpec, ModelConfig
 from lora_parity.errors import ConfigError
+from lora_parity.provenance import source
+
+__all__ = ["engine_options", "hub_checkpoint", "num_nodes", "preflight", "render", "sampler_command",
+           "trainer_command", "weights_gib"]
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def hub_cache_dirs() -> list[Path]:
-    """Where the Hugging Face hub cache may be: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub."""
-    dirs = []
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return dirs
-
-
-def hub_checkpoint(hf_id: str) -> Path | None:
-    """The local snapshot folder of hub model `hf_id` (config.json + safetensors), or None.
-
-    Reads the hub cache layout (`models--ORG--NAME/refs/main` -> `snapshots/REV`) without importing
-    huggingface_hub and without any network access; lora-parity never downloads weights.
-    """
-    repo = "models--" + hf_id.replace("/", "--")
-    for root in hub_cache_dirs():
-        base = root / repo
-        snapshots = base / "snapshots"
-        if not snapshots.is_dir():
-            continue
-        ref = base / "refs" / "main"
-        candidates = []
-        if ref.is_file():
-            candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
-        candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
-        for snap in candidates:
-            if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
-                return snap
-    return None
 
 
 def weights_gib(cfg: ModelConfig) -> float:
@@ -88,23 +60,15 @@ def _launch(cfg: ModelConfig) -> LaunchSpec:
     return cfg.launch
 
 
-def _source(cfg: ModelConfig) -> str:
+def _model_ref(cfg: ModelConfig) -> str:
+    """What a launch command loads: the hub id or the local folder."""
     m = cfg.model
-    return m.hf_id or m.path or f"synthetic {m.synthetic.architecture if m.synthetic else ''}"
+    return m.hf_id or m.path or source(cfg)
 
 
-def _engine_kwargs(cfg: ModelConfig) -> list[str]:
-    launch = _launch(cfg)
-    kw = [f"model=<local snapshot of {_source(cfg)}>", f"dtype={cfg.model.dtype}",
-          f"tensor_parallel_size={launch.sampler.tp}"]
-    if launch.sampler.expert_parallel:
-        kw.append("enable_expert_parallel=True")
-    if launch.sampler.own_node:
-        kw.append("distributed_executor_backend='ray'")
-    kw += ["enable_lora=True", f"max_lora_rank={cfg.adapter.rank}", "max_loras=1",
-           f"lora_target_modules={list(cfg.adapter.targets)}", f"max_model_len={cfg.sampler.max_model_len}",
-           "enforce_eager=True", "skip_tokenizer_init=True"]
-    return kw
+def engine_options(cfg: ModelConfig) -> dict[str, Any]:
+    """The sampler engine's options on the plan's GPUs (the same builder the `vllm` sampler uses)."""
+    return vllm_options.engine_options(cfg, _model_ref(cfg), cuda=True)
 
 
 def render(cfg: ModelConfig) -> str:
@@ -125,7 +89,7 @@ def render(cfg: ModelConfig) -> str:
     hf = cfg.model.hf_id
     lines = [
         f"lora-parity plan: {cfg.name}",
-        f"  model       {_source(cfg)}, {cfg.model.dtype}, {launch.num_params / 1e9:,.1f}B parameters "
+        f"  model       {source(cfg)}, {cfg.model.dtype}, {launch.num_params / 1e9:,.1f}B parameters "
         f"= {total:,.0f} GiB of weights",
         f"  adapter     LoRA r{cfg.adapter.rank} alpha {cfg.adapter.alpha:g} on {', '.join(cfg.adapter.targets)}",
         "",
@@ -160,7 +124,8 @@ def render(cfg: ModelConfig) -> str:
         lines += ["", "not built or not run yet (the plan cannot run until these exist)"]
         lines += [f"  - {r}" for r in launch.requires]
     lines += ["", "sampler engine (in trainer rank 0)",
-              "  vllm.LLM(" + ", ".join(_engine_kwargs(cfg)) + ")",
+              "  " + vllm_options.llm_call(engine_options(cfg)).replace(
+                  f"model={_model_ref(cfg)!r}", f"model=<local snapshot of {_model_ref(cfg)}>"),
               "the same engine as a server, to check on its own that it loads",
               "  " + sampler_command(cfg)]
     return "\n".join(lines) + "\n"
@@ -181,16 +146,9 @@ def _entry(backend: str) -> str:
 
 
 def sampler_command(cfg: ModelConfig) -> str:
-    """`vllm serve` with the sampler's engine settings."""
-    launch = _launch(cfg)
-    parts = [f"vllm serve {_source(cfg)}", f"--dtype {cfg.model.dtype}", f"--tensor-parallel-size {launch.sampler.tp}"]
-    if launch.sampler.expert_parallel:
-        parts.append("--enable-expert-parallel")
-    if launch.sampler.own_node:
-        parts.append("--distributed-executor-backend ray")
-    parts += ["--enable-lora", f"--max-lora-rank {cfg.adapter.rank}", "--max-loras 1",
-              f"--max-model-len {cfg.sampler.max_model_len}", "--enforce-eager"]
-    return " ".join(parts)
+    """`vllm serve` with the sampler's engine options."""
+    _launch(cfg)
+    return vllm_options.serve_command(engine_options(cfg))
 
 
 def _visible_gpus() -> tuple[int, str]:

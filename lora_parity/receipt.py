@@ -323,6 +323,10 @@ class RouterAgreement(Strict):
     """That fraction per MoE layer, in layer order."""
 
 
+SyncModeName = Literal["new-id", "inplace", "merged", "memory"]
+"""The `--sync` modes (`lora_parity.sync`)."""
+
+
 class Receipt(Strict):
     """Everything one run did and saw; `lora-parity verify` re-derives every statistic from it."""
 
@@ -358,7 +362,7 @@ class Receipt(Strict):
     """Token sequences scored."""
     perturbation: Perturbation | None
     """The update applied, once it was."""
-    sync_mode: str
+    sync_mode: SyncModeName
     """How adapters reach the sampler."""
     adapters: list[AdapterVersion]
     """Adapter versions published, in order."""

@@ -10,7 +10,6 @@ new folder; generation writes to a temporary folder and renames it into place.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -109,7 +108,7 @@ def materialize(cfg: ModelConfig) -> Path:
             raise ConfigError(f"model path {path} not found or has no config.json")
         return path
     if spec.hf_id is not None:
-        from lora_parity.plan import hub_checkpoint
+        from lora_parity.checkpoint import hub_checkpoint
 
         snapshot = hub_checkpoint(spec.hf_id)
         if snapshot is not None:  # already in the local Hugging Face cache: used as it is
@@ -134,17 +133,6 @@ def materialize(cfg: ModelConfig) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def weights_digest(folder: Path) -> str:
-    """sha256 over the checkpoint's safetensors files, in name order."""
-    h = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 TOKENIZER_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>")

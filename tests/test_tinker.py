@@ -13,6 +13,7 @@ import copy
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ class ServiceFakeSampler(FakeSampler):
     a client whose snapshot is not the one last loaded loads it into the trainer (`revert`), else the
     trainer's live weights are served. With `revert=False` every client serves its own snapshot."""
 
-    shares_trainer_state = True
+    traits = replace(FakeSampler.traits, shares_trainer_state=True)
 
     def __init__(self, cfg: config.ModelConfig, trainer: FakeTrainer, revert: bool) -> None:
         super().__init__(cfg, None, {})
@@ -147,10 +148,10 @@ def test_base_and_per_target_are_skipped_where_a_backend_cannot_do_them(tmp_path
     cfg = config.load("tiny-qwen3")
 
     class NoBaseSampler(FakeSampler):
-        base_unavailable = "the service does not sample base models"
+        traits = replace(FakeSampler.traits, base_unavailable="the service does not sample base models")
 
     class AllTargetsTrainer(FakeTrainer):
-        per_target_unavailable = "every target trains together"
+        traits = replace(FakeTrainer.traits, per_target_unavailable="every target trains together")
 
     run, ev = fake_run(tmp_path, NoBaseSampler(cfg, None, {}), AllTargetsTrainer(cfg, None, 0, {}))
     names = [p.name for p in run.phases]

@@ -1,19 +1,26 @@
-"""Backends, registered by name as "module:Class" and imported only when asked for."""
+"""Backends, registered by name as "module:Class" and imported only when asked for.
+
+A new backend registers with `register("trainer" | "sampler", name, "module:Class")` (or the class
+itself); its class derives from `base.TrainerBackend` or `base.SamplerBackend`.
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Literal, overload
 
+from lora_parity.backends.base import SamplerBackend, TrainerBackend
 from lora_parity.errors import BackendUnavailableError, ConfigError
 
-TRAINERS: dict[str, str] = {
+Kind = Literal["trainer", "sampler"]
+
+TRAINERS: dict[str, object] = {
     "hf": "lora_parity.backends.hf:HFTrainer",
     "fake": "lora_parity.backends.fake:FakeTrainer",
     "tinker": "lora_parity.backends.tinker:TinkerTrainer",
     "megatron": "lora_parity.backends.megatron.trainer:MegatronTrainer",
 }
-SAMPLERS: dict[str, str] = {
+SAMPLERS: dict[str, object] = {
     "vllm": "lora_parity.backends.vllm:VLLMSampler",
     "hf": "lora_parity.backends.hf:HFSampler",
     "fake": "lora_parity.backends.fake:FakeSampler",
@@ -24,17 +31,37 @@ EXTRAS: dict[str, str] = {"hf": "hf", "vllm": "cpu' (vLLM's CPU build) or 'lora-
                          "megatron": "megatron"}
 
 
-def resolve(kind: str, name: str) -> Any:
+def register(kind: Kind, name: str, target: object, extra: str | None = None) -> None:
+    """Register a backend under `name`: `target` is "module:Class" (imported when first resolved) or
+    the class itself; `extra` names the pip extra that provides its packages."""
+    (TRAINERS if kind == "trainer" else SAMPLERS)[name] = target
+    if extra is not None:
+        EXTRAS[name] = extra
+
+
+@overload
+def resolve(kind: Literal["trainer"], name: str) -> type[TrainerBackend]: ...
+@overload
+def resolve(kind: Literal["sampler"], name: str) -> type[SamplerBackend]: ...
+def resolve(kind: Kind, name: str) -> type[TrainerBackend] | type[SamplerBackend]:
     """The backend class registered as `name` for `kind` ('trainer' or 'sampler')."""
     table = TRAINERS if kind == "trainer" else SAMPLERS
     if name not in table:
         raise ConfigError(f"unknown {kind} backend {name!r}; choose from {', '.join(sorted(table))}")
-    module_name, _, qualname = table[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        extra = EXTRAS.get(name, name)
-        raise BackendUnavailableError(
-            f"{kind} backend {name!r} needs {e.name or 'a missing package'}: pip install 'lora-parity[{extra}]'"
-        ) from None
-    return getattr(module, qualname)
+    target = table[name]
+    if not isinstance(target, str):
+        cls = target
+    else:
+        module_name, _, qualname = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            extra = EXTRAS.get(name, name)
+            raise BackendUnavailableError(
+                f"{kind} backend {name!r} needs {e.name or 'a missing package'}: pip install 'lora-parity[{extra}]'"
+            ) from None
+        cls = getattr(module, qualname)
+    base = TrainerBackend if kind == "trainer" else SamplerBackend
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{kind} backend {name!r} is not a {base.__name__} subclass")
+    return cls

@@ -1,21 +1,33 @@
-"""The two roles. A trainer owns the LoRA adapter being trained; a sampler serves published versions of it.
+"""The two roles, what each backend declares about itself, and how every backend is built.
 
-Token alignment, for every `score` below: for a sequence of n token ids it returns n - 1 values,
-and entry t is log p(tokens[t+1] | tokens[:t+1]), computed in fp32 from the model's logits.
-There is no value for the first token. Each sequence is scored on its own (one sequence per
-forward or request), because batching changes numbers on real backends.
+A trainer owns the LoRA adapter being trained; a sampler serves published versions of it.
+
+Token alignment (the rule every other module points to as "the alignment rule in backends/base.py"):
+for a sequence of n token ids, every `score` returns n - 1 values, and entry t is
+log p(tokens[t+1] | tokens[:t+1]), computed in fp32 from the model's logits. There is no value for
+the first token; an engine that returns one for it (vLLM's `prompt_logprobs` entry 0 is None)
+drops it and checks the length. Each sequence is scored on its own (one sequence per forward or
+request) unless the config batches them, because batching changes numbers on real backends.
+
+A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
+are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
+`RoutingIntrospection`), which callers test with `isinstance`/`issubclass`, never by probing
+attributes. Every backend is built through `create(cfg, model_dir, timings, options)`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, Self, runtime_checkable
 
+from lora_parity.config import ModelConfig
 from lora_parity.receipt import BackendInfo, Perturbation
 
 Sequences = list[list[int]]
 Scores = list[list[float]]
+Routes = list[list[list[list[int]]]]
+"""[sequence][token][MoE layer] -> the token's top-k expert ids, ascending."""
 
 
 @dataclass(frozen=True)
@@ -27,12 +39,66 @@ class AdapterHandle:
     path: Path
 
 
+@dataclass(frozen=True)
+class BackendTraits:
+    """What a backend can do and needs, stated once per class (an instance may refine it when what
+    it found at start-up decides, e.g. a service that cannot sample the base model)."""
+
+    needs_checkpoint: bool = True
+    """Loads the model from a local checkpoint folder (False: a service or a fake holds it)."""
+    supports_tp: bool = False
+    """Runs tensor parallel (`--tp N`)."""
+    takes_service_options: bool = False
+    """Talks to a service: built with the run's `url` and `base_model`."""
+    shares_trainer_state: bool = False
+    """Its adapters are handles on the trainer's own service: an old one may serve the trainer's
+    current weights or write its own back into them (the sequence then re-checks both)."""
+    releases_nothing_at_exit: bool = False
+    """Holds only this process's memory: a process about to exit may skip `close`."""
+    base_unavailable: str | None = None
+    """Why the base model cannot be scored (the base phase is skipped), or None."""
+    per_target_unavailable: str | None = None
+    """Why per-target coverage cannot run (every target updates together), or None."""
+    routing_unavailable: str | None = None
+    """Why router top-k cannot be read from this backend, or None."""
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Run options a backend may use when it is built; each backend takes what applies to it."""
+
+    seed: int = 0
+    """Run seed (trainer: LoRA A init)."""
+    tp: int = 1
+    """Tensor-parallel size (a trainer with `supports_tp`)."""
+    url: str | None = None
+    """Service URL (backends with `takes_service_options`)."""
+    base_model: str | None = None
+    """Base model name on the service (backends with `takes_service_options`)."""
+    lora: bool = True
+    """Sampler: serve with LoRA enabled (False in the merged sync modes: merged base weights alone)."""
+
+
+@dataclass(frozen=True)
+class PreflightOptions:
+    """What a backend's `preflight` may check before anything is loaded."""
+
+    trainer: str
+    sampler: str
+    inject: str | None = None
+    url: str | None = None
+    base_model: str | None = None
+    tp: int = 1
+    sync: str = "new-id"
+
+
 class Trainer(Protocol):
     """The side that updates the adapter."""
 
+    traits: BackendTraits
+
     def score(self, sequences: Sequences) -> Scores:
-        """Logprobs of the current model (base + adapter); len(s) - 1 values per sequence, entry t
-        = log p(s[t+1] | s[:t+1])."""
+        """Logprobs of the current model (base + adapter), per the alignment rule above."""
         ...
 
     def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
@@ -62,9 +128,11 @@ class Trainer(Protocol):
 class Sampler(Protocol):
     """The side that serves published adapter versions."""
 
+    traits: BackendTraits
+
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        """Prompt logprobs of each sequence under `adapter` (None: the base model); len(s) - 1
-        values per sequence, entry t = log p(s[t+1] | s[:t+1]) (the engine's entry t + 1)."""
+        """Prompt logprobs of each sequence under `adapter` (None: the base model), per the
+        alignment rule above."""
         ...
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
@@ -84,3 +152,78 @@ class Sampler(Protocol):
     def close(self) -> None:
         """Shut the engine down."""
         ...
+
+
+@runtime_checkable
+class MergingTrainer(Protocol):
+    """A trainer that can merge alpha/r·BA into its base weights (the merged sync modes)."""
+
+    def merged_tensors(self) -> Any:
+        """The base weights with the adapter merged in (fp32 merge, cast back), under the base
+        model's names; the trainer itself stays unmerged."""
+        ...
+
+    def export_merged(self, directory: Path) -> Path:
+        """Write the merged weights as a checkpoint folder `directory`; return it."""
+        ...
+
+
+@runtime_checkable
+class BaseReloadingSampler(Protocol):
+    """A sampler that reloads its base weights in place (the merged sync modes)."""
+
+    def reload_base(self, folder: Path | None = None, tensors: Any = None) -> None:
+        """Replace the base weights: from a checkpoint folder, or from tensors in memory."""
+        ...
+
+    def reset_base(self) -> None:
+        """Reload the checkpoint's own base weights."""
+        ...
+
+
+@runtime_checkable
+class RoutingIntrospection(Protocol):
+    """A backend that reports MoE routing."""
+
+    def router_topk(self, sequences: Sequences) -> Routes | None:
+        """Each token's top-k expert ids per MoE layer ([sequence][token][layer]); None for a
+        dense model."""
+        ...
+
+
+class Backend:
+    """Base class of every backend: its traits, its preflight, and the one factory signature."""
+
+    traits: BackendTraits = BackendTraits()
+
+    @classmethod
+    def preflight(cls, opts: PreflightOptions) -> None:
+        """Check, before anything is loaded, that this run can work; raise `ConfigError` if not.
+        Nothing to check by default."""
+
+
+class TrainerBackend(Backend, Trainer):
+    """Base class of the trainer backends (a backend still defines every `Trainer` method)."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path | None, seed: int, timings: dict[str, float]) -> None:
+        """Load the model (each backend defines it; this states the signature `create` calls)."""
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> Self:
+        """Build the trainer for a run (`timings` receives its load times)."""
+        return cls(cfg, model_dir, options.seed, timings)
+
+
+class SamplerBackend(Backend, Sampler):
+    """Base class of the sampler backends (a backend still defines every `Sampler` method)."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+                 lora: bool = True) -> None:
+        """Start the engine (each backend defines it; this states the signature `create` calls)."""
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> Self:
+        """Build the sampler for a run (`timings` receives its start times)."""
+        return cls(cfg, model_dir, timings, lora=options.lora)

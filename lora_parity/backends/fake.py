@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 
 from lora_parity import adapter_files as af
-from lora_parity.backends.base import AdapterHandle, Scores, Sequences
+from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.config import ModelConfig
 from lora_parity.errors import PhaseError
 from lora_parity.perturb import is_lora_b, noise_seed, target_kind
@@ -61,10 +61,10 @@ def _coefficients(config: dict, tensors: dict[str, af.Tensor]) -> dict[str, floa
     return {k: scale * math.fsum(x * y for x, y in zip(a[k], b[k], strict=True)) for k in a if k in b}
 
 
-class FakeTrainer:
+class FakeTrainer(TrainerBackend):
     """A trainer whose model is `_score` over the adapter's B·A per target kind."""
 
-    needs_checkpoint = False
+    traits = BackendTraits(needs_checkpoint=False)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, seed: int, timings: dict[str, float]) -> None:
         self.cfg = cfg
@@ -134,10 +134,10 @@ class FakeTrainer:
         pass
 
 
-class FakeSampler:
+class FakeSampler(SamplerBackend):
     """A sampler that scores with the coefficients of the adapter folders it loaded, by id."""
 
-    needs_checkpoint = False
+    traits = BackendTraits(needs_checkpoint=False)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], lora: bool = True) -> None:
         self.kinds = list(cfg.adapter.targets)

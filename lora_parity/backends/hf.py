@@ -12,7 +12,7 @@ import peft
 import torch
 import transformers
 
-from lora_parity.backends.base import AdapterHandle, Scores, Sequences
+from lora_parity.backends.base import AdapterHandle, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.backends.moe import Routes, hf_router_topk
 from lora_parity.config import ModelConfig
 from lora_parity.errors import PhaseError
@@ -45,7 +45,7 @@ def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: st
 @torch.inference_mode()
 def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1) -> Scores:
     """`batch_size` sequences per forward, right-padded (causal attention never looks at the padding);
-    log-softmax in fp32; entry t = log p(s[t+1] | s[:t+1])."""
+    log-softmax in fp32; aligned by the rule in backends/base.py."""
     out: Scores = []
     for start in range(0, len(sequences), batch_size):
         group = sequences[start:start + batch_size]
@@ -93,7 +93,7 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
 
 
-class HFTrainer:
+class HFTrainer(TrainerBackend):
     """transformers + PEFT LoRA: A seeded (PEFT's init under `torch.manual_seed(seed)`), B zero,
     dropout 0, eval mode."""
 
@@ -192,7 +192,7 @@ class HFTrainer:
         del self.model
 
 
-class HFSampler:
+class HFSampler(SamplerBackend):
     """An independent HF + PEFT load that serves adapters by id like an engine: a known id is not
     reloaded unless `inplace`."""
 

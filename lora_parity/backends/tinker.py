@@ -5,10 +5,9 @@ Both sides of a run share one `ServiceClient` (one connection per service URL an
 the trainer is a LoRA training client, the sampler holds the sampling clients the trainer
 published, plus one for the base model.
 
-Token alignment, for a sequence of n tokens:
+Token alignment (the rule in backends/base.py), for a sequence of n tokens:
 - trainer: `forward([datum], "cross_entropy")`, one datum per call, with input tokens[:-1] and
-  target tokens[1:]; its per-target `logprobs` are n - 1 values, entry t = log p(tokens[t+1] |
-  tokens[:t+1]). Any other length is refused.
+  target tokens[1:]; its per-target `logprobs` follow the rule. Any other length is refused.
 - sampler: `compute_logprobs(tokens)`. Hosted Tinker returns n values, entry 0 None (no context);
   SkyRL's server returns n - 1 values without the None. Both are accepted and recorded (the first
   is dropped); anything else is refused with a `ScoreError`, and so is a service that changes
@@ -40,18 +39,28 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import tinker
 from tinker import types
 
-from lora_parity.backends.base import AdapterHandle, Scores, Sequences
+from lora_parity.backends.base import (
+    AdapterHandle,
+    BackendOptions,
+    BackendTraits,
+    PreflightOptions,
+    SamplerBackend,
+    Scores,
+    Sequences,
+    TrainerBackend,
+)
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError, PhaseError, ScoreError
+from lora_parity.faults import FILE_FAULTS
+from lora_parity.provenance import redact_url
 from lora_parity.receipt import BackendInfo, Perturbation
-from lora_parity.runner import RunOptions, redact_url
 
 UPDATE_NUM_TOKENS = 64
 """Length of the fixed datum the update trains on."""
@@ -63,27 +72,24 @@ REFERENCE_FILE = "tinker-sampling-client.json"
 """What `export_adapter` writes: a reference to the published sampling client, not weights."""
 PER_TARGET_UNAVAILABLE = ("a Tinker training client trains every LoRA target together; "
                           "the SDK has no per-module update")
-# Faults that rewrite the exported PEFT files (lora_parity.faults.Faults.after_export); the
-# tinker trainer exports none.
-_FILE_FAULTS = ("drop-target", "wrong-scale", "wrong-direction", "nonzero-init")
 
 
-def preflight(opts: RunOptions) -> None:
+def preflight(opts: PreflightOptions) -> None:
     """Before anything is loaded: both roles are tinker, the URL is usable and answers within
     seconds, an API key is set, and the injected fault (if any) applies. Raises `ConfigError`."""
     if opts.trainer != "tinker" or opts.sampler != "tinker":
         raise ConfigError("the tinker backends work as a pair: --trainer tinker --sampler tinker")
-    if not opts.tinker_url:
+    if not opts.url:
         raise ConfigError("the tinker backends need --tinker-url URL (the Tinker service to test)")
-    parts = urllib.parse.urlsplit(opts.tinker_url)
+    parts = urllib.parse.urlsplit(opts.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"--tinker-url {redact_url(opts.tinker_url)!r} is not an http(s) URL")
+        raise ConfigError(f"--tinker-url {redact_url(opts.url)!r} is not an http(s) URL")
     if not (os.environ.get("TINKER_API_KEY") or os.environ.get("TINKER_CREDENTIAL_CMD")):
         raise ConfigError("set TINKER_API_KEY (a local server without auth accepts any key that starts with 'tml-')")
-    if opts.inject and opts.inject.partition("=")[0] in _FILE_FAULTS:
+    if opts.inject and opts.inject.partition("=")[0] in FILE_FAULTS:
         raise ConfigError(f"fault {opts.inject!r} rewrites exported PEFT files; the tinker trainer publishes "
                           "through the service and exports none")
-    health = redact_url(opts.tinker_url) + "/api/v1/healthz"
+    health = redact_url(opts.url) + "/api/v1/healthz"
     try:
         with urllib.request.urlopen(health, timeout=PREFLIGHT_TIMEOUT_S):  # http(s) only: checked above
             pass
@@ -91,11 +97,11 @@ def preflight(opts: RunOptions) -> None:
         pass  # it answered: reachable (a hosted service may want credentials even here)
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise ConfigError(f"cannot reach the Tinker service at {redact_url(opts.tinker_url)}: {reason}") from None
+        raise ConfigError(f"cannot reach the Tinker service at {redact_url(opts.url)}: {reason}") from None
 
 
 def _datum(tokens: list[int]) -> Any:
-    """Input tokens[:-1], targets tokens[1:]: per-target logprob t is log p(tokens[t+1] | tokens[:t+1])."""
+    """Input tokens[:-1], targets tokens[1:]: per-target logprobs follow the alignment rule."""
     targets = types.TensorData(data=tokens[1:], dtype="int64", shape=[len(tokens) - 1])
     return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": targets})
 
@@ -108,7 +114,7 @@ def update_tokens(seed: int, vocab_size: int) -> list[int]:
 
 
 def align_sampler_logprobs(values: list[float | None], num_tokens: int, where: str) -> tuple[list[float], str]:
-    """`compute_logprobs` output -> n - 1 values (entry t = log p(tokens[t+1] | tokens[:t+1])) and the
+    """`compute_logprobs` output -> n - 1 values (the alignment rule in backends/base.py) and the
     alignment seen: 'leading None' (n values, entry 0 None: hosted Tinker) or 'n - 1' (SkyRL's
     server). Anything else raises `ScoreError`."""
     n = len(values)
@@ -178,15 +184,23 @@ def _common_settings(link: _Service, cfg: ModelConfig) -> dict[str, Any]:
             "per_target": f"skipped: {PER_TARGET_UNAVAILABLE}"}
 
 
-class TinkerTrainer:
+class TinkerTrainer(TrainerBackend):
     """A LoRA training client on the service: rank from the config, seeded init (A random, B zero)."""
 
-    needs_checkpoint = False
-    """The service holds the model; nothing is loaded here."""
-    takes_service_options = True
-    """Constructed with the run's `url` and `base_model` (--tinker-url, --base-model)."""
-    preflight = staticmethod(preflight)
-    per_target_unavailable = PER_TARGET_UNAVAILABLE
+    traits = BackendTraits(needs_checkpoint=False, takes_service_options=True,
+                           per_target_unavailable=PER_TARGET_UNAVAILABLE)
+    """The service holds the model; built with the run's `url` and `base_model`."""
+
+    @classmethod
+    def preflight(cls, opts: PreflightOptions) -> None:
+        """The module's `preflight`."""
+        preflight(opts)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> TinkerTrainer:
+        """A training client on the service at `options.url`."""
+        return cls(cfg, model_dir, options.seed, timings, url=options.url, base_model=options.base_model)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, seed: int, timings: dict[str, float], *,
                  url: str | None = None, base_model: str | None = None) -> None:
@@ -272,18 +286,26 @@ class TinkerTrainer:
         _release(self.link)
 
 
-class TinkerSampler:
+class TinkerSampler(SamplerBackend):
     """Sampling clients of the service, by adapter id; a base-model client for the base phase."""
 
-    needs_checkpoint = False
-    """The service holds the model; nothing is loaded here."""
-    takes_service_options = True
-    """Constructed with the run's `url` and `base_model` (--tinker-url, --base-model)."""
-    preflight = staticmethod(preflight)
-    shares_trainer_state = True
-    """A sampling client is a handle on the service, which may serve it from the training client's
-    own weights: the sequence queries the old client again after the newer one was used and
-    re-scores the trainer (`stale_after_sync`, `trainer_after_stale`)."""
+    traits = BackendTraits(needs_checkpoint=False, takes_service_options=True, shares_trainer_state=True)
+    """The service holds the model; built with the run's `url` and `base_model`. A sampling client is a
+    handle on the service, which may serve it from the training client's own weights: the sequence
+    queries the old client again after the newer one was used and re-scores the trainer
+    (`stale_after_sync`, `trainer_after_stale`)."""
+
+    @classmethod
+    def preflight(cls, opts: PreflightOptions) -> None:
+        """The module's `preflight`, unless the tinker trainer's already checks the pair."""
+        if opts.trainer != "tinker":
+            preflight(opts)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> TinkerSampler:
+        """Sampling clients of the service at `options.url`."""
+        return cls(cfg, model_dir, timings, url=options.url, base_model=options.base_model)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], *,
                  url: str | None = None, base_model: str | None = None) -> None:
@@ -293,14 +315,13 @@ class TinkerSampler:
         self.alignment: str | None = None
         start = time.perf_counter()
         self.base_client: Any = None
-        self.base_unavailable: str | None = None
-        """Why the service cannot sample the base model (then the base phase is skipped), or None."""
         try:
             client = self.link.service.create_sampling_client(base_model=self.link.base_model)
             self._logprobs(client, [0, 1], "base-model probe")
             self.base_client = client
         except tinker.TinkerError as e:
-            self.base_unavailable = f"{type(e).__name__}: {e}"[:300]
+            # The service cannot sample the base model: the base phase is skipped.
+            self.traits = replace(self.traits, base_unavailable=f"{type(e).__name__}: {e}"[:300])
         timings["sampler.start"] = time.perf_counter() - start
 
     def _logprobs(self, client: Any, seq: list[int], where: str) -> list[float]:
@@ -315,7 +336,7 @@ class TinkerSampler:
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         if adapter is None:
             if self.base_client is None:
-                raise ScoreError(f"the service cannot sample the base model: {self.base_unavailable}")
+                raise ScoreError(f"the service cannot sample the base model: {self.traits.base_unavailable}")
             client = self.base_client
         else:
             client = self.clients[adapter.adapter_id]
@@ -341,7 +362,8 @@ class TinkerSampler:
         settings.update(
             scoring="compute_logprobs, one request per sequence",
             alignment=self.alignment or "not probed",
-            base_model_sampling="ok" if self.base_unavailable is None else f"unavailable: {self.base_unavailable}",
+            base_model_sampling=("ok" if self.traits.base_unavailable is None
+                                 else f"unavailable: {self.traits.base_unavailable}"),
             publish="save_weights_and_get_sampling_client (by the trainer)",
         )
         return BackendInfo(backend="tinker", versions={"tinker": tinker.__version__}, settings=settings)

@@ -1,8 +1,8 @@
 """The `vllm` sampler: the offline `vllm.LLM` engine with LoRA, the same code for the GPU and CPU builds.
 
 Scoring is one request per sequence with `max_tokens=1` and `prompt_logprobs=0`, which returns
-the logprob of each given prompt token; the engine's entry 0 is None (no context), so entry t of
-our scores is the engine's entry t + 1. Batching several prompt_logprobs requests changes numbers
+the logprob of each given prompt token, aligned by the rule in backends/base.py (the engine's
+entry 0, None, is dropped). Batching several prompt_logprobs requests changes numbers
 on the GPU (every phase scores the same way, so comparisons never mix groupings), so it is a
 config choice (`scoring.batch_size`, default 1). vLLM's CPU build crashed on batched
 prompt_logprobs with LoRA enabled for all modules; with `lora_target_modules` restricted to the
@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from lora_parity.backends import moe
-from lora_parity.backends.base import AdapterHandle, Scores, Sequences
+from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences
+from lora_parity.backends.vllm_options import engine_options, llm_kwargs
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError, ScoreError
 from lora_parity.receipt import BackendInfo
-
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _cpu_environment(kv_cache_gib: float) -> None:
@@ -42,11 +42,10 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-class VLLMSampler:
+class VLLMSampler(SamplerBackend):
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
-    routing_unavailable = moe.VLLM_ROUTING_UNAVAILABLE
-    """Why router top-k agreement cannot be measured against this sampler."""
+    traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True) -> None:
         self.cfg = cfg
@@ -68,31 +67,16 @@ class VLLMSampler:
 
         self._vllm, self._TokensPrompt, self._LoRARequest = vllm, TokensPrompt, LoRARequest
         timings["sampler.import"] = time.perf_counter() - start
-        rank = next((r for r in _LORA_RANKS if r >= cfg.adapter.rank), cfg.adapter.rank)
-        self.engine_args: dict[str, Any] = {
-            "model": str(model_dir),
-            "dtype": cfg.model.dtype,
-            "enable_lora": lora,
-            "skip_tokenizer_init": True,
-            "enforce_eager": cfg.sampler.enforce_eager,
-            "enable_prefix_caching": cfg.sampler.enable_prefix_caching,
-            "max_model_len": cfg.sampler.max_model_len,
-            "seed": 0,
-            "trust_remote_code": cfg.model.trust_remote_code,
-        }
-        if lora:
-            self.engine_args.update(max_lora_rank=rank, max_loras=1, lora_target_modules=list(cfg.adapter.targets))
-        if self.cuda:
-            self.engine_args["gpu_memory_utilization"] = cfg.sampler.gpu_memory_utilization
-            self.engine_args["tensor_parallel_size"] = cfg.sampler.tensor_parallel_size
-        # MoE / MLA: engine options from the config, and the CPU build's MoE-with-LoRA fallback.
-        self.engine_args.update(moe.vllm_engine_extras(cfg, self.cuda))
+        self.engine_args: dict[str, Any] = engine_options(cfg, str(model_dir), self.cuda, lora)
         if not self.cuda and lora:
             moe.install_cpu_moe_lora_fallback()
         start = time.perf_counter()
-        self.llm = LLM(**moe.llm_kwargs(self.engine_args))
+        self.llm = LLM(**llm_kwargs(self.engine_args))
         timings["sampler.start"] = time.perf_counter() - start
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        # An in-process engine holds only this process's memory; a multiprocess one owns workers.
+        self.traits = replace(self.traits,
+                              releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
 
     def _request(self, handle: AdapterHandle | None, inplace: bool = False) -> Any:
         if handle is None:
@@ -154,11 +138,6 @@ class VLLMSampler:
         settings.update(device=device, build=build, scoring=f"{grouping}, prompt_logprobs=0")
         return BackendInfo(backend="vllm", versions={"vllm": self._vllm.__version__, "torch": torch.__version__},
                            settings=settings)
-
-    @property
-    def releases_nothing_at_exit(self) -> bool:
-        """An in-process engine holds only this process's memory; a multiprocess one owns workers."""
-        return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
     def close(self) -> None:
         del self.llm

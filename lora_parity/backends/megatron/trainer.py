@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lora_parity.backends.base import Scores, Sequences
+from lora_parity.backends.base import BackendOptions, BackendTraits, Scores, Sequences, TrainerBackend
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import BackendInfo, Perturbation
@@ -41,10 +41,17 @@ def _torchrun_world() -> int | None:
     return None
 
 
-class MegatronTrainer:
+class MegatronTrainer(TrainerBackend):
     """megatron-core GPTModel with LoRA; TP=1 in this process, TP=N in N rank processes it drives."""
 
-    supports_tp = True
+    traits = BackendTraits(supports_tp=True)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> MegatronTrainer:
+        """Build the trainer with the run's tensor-parallel size."""
+        assert model_dir is not None
+        return cls(cfg, model_dir, options.seed, timings, tp=options.tp)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float], tp: int = 1) -> None:
         self.cfg, self.tp = cfg, tp

@@ -1,0 +1,96 @@
+"""The vLLM engine options of a config, built in one place: read by the `vllm` sampler, by the MoE
+helpers and by `lora-parity run --plan`. Pure: vllm is not imported here."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from lora_parity.config import ModelConfig
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM accepts."""
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds `rank`."""
+    return next((r for r in LORA_RANKS if r >= rank), rank)
+
+
+def _extras(cfg: ModelConfig, cuda: bool) -> dict[str, Any]:
+    """MoE / MLA options from the config, and a launch plan's parallel layout on the GPU."""
+    extras: dict[str, Any] = {}
+    if cfg.sampler.attention_backend:
+        extras["attention_backend"] = cfg.sampler.attention_backend
+    if cfg.sampler.custom_ops:
+        extras["custom_ops"] = list(cfg.sampler.custom_ops)
+    if cuda and cfg.launch is not None:
+        s = cfg.launch.sampler
+        extras["tensor_parallel_size"] = s.tp
+        if s.expert_parallel:
+            extras["enable_expert_parallel"] = True
+        if s.own_node:
+            extras["distributed_executor_backend"] = "ray"
+    return extras
+
+
+def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) -> dict[str, Any]:
+    """The engine's options for `cfg` (JSON-able: the receipt records them, less `model`). `lora`:
+    LoRA enabled for the adapter's own target modules (off in the merged sync modes)."""
+    options: dict[str, Any] = {
+        "model": model,
+        "dtype": cfg.model.dtype,
+        "enable_lora": lora,
+        "skip_tokenizer_init": True,
+        "enforce_eager": cfg.sampler.enforce_eager,
+        "enable_prefix_caching": cfg.sampler.enable_prefix_caching,
+        "max_model_len": cfg.sampler.max_model_len,
+        "seed": 0,
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
+    if lora:
+        options.update(max_lora_rank=max_lora_rank(cfg.adapter.rank), max_loras=1,
+                       lora_target_modules=list(cfg.adapter.targets))
+    if cuda:
+        options["gpu_memory_utilization"] = cfg.sampler.gpu_memory_utilization
+        options["tensor_parallel_size"] = cfg.sampler.tensor_parallel_size
+    options.update(_extras(cfg, cuda))
+    return options
+
+
+def llm_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments from engine options: custom_ops goes into compilation_config."""
+    kwargs = {k: v for k, v in options.items() if k != "custom_ops"}
+    if options.get("custom_ops"):
+        kwargs["compilation_config"] = {"custom_ops": list(options["custom_ops"])}
+    return kwargs
+
+
+def llm_call(options: dict[str, Any]) -> str:
+    """The `vllm.LLM(...)` call these options make, as text."""
+    return "vllm.LLM(" + ", ".join(f"{k}={v!r}" for k, v in llm_kwargs(options).items()) + ")"
+
+
+_DEFAULT_ON = ("enable_prefix_caching",)
+"""Boolean options that `vllm serve` turns on unless told `--no-...`."""
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag] if value else [f"--no-{key.replace('_', '-')}"] if key in _DEFAULT_ON else []
+    if isinstance(value, list):
+        return [flag, *(str(v) for v in value)]
+    return [flag, str(value)]
+
+
+def serve_command(options: dict[str, Any]) -> str:
+    """The equivalent `vllm serve` command line."""
+    parts = ["vllm", "serve", str(options["model"])]
+    for key, value in llm_kwargs(options).items():
+        if key == "compilation_config":
+            parts += ["--compilation-config", json.dumps(value)]
+        elif key != "model":
+            parts += _flag(key, value)
+    return shlex.join(parts)

@@ -1,0 +1,112 @@
+"""The local checkpoint a run loads: where it is, and what its config.json says (read once).
+
+A config's checkpoint is its `path`, or its hub id's snapshot in the local Hugging Face cache;
+lora-parity never downloads. Pure: no torch, no network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lora_parity.config import ModelConfig
+from lora_parity.errors import ConfigError
+
+
+def hub_cache_dirs() -> list[Path]:
+    """Where the Hugging Face hub cache may be: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub."""
+    dirs = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs
+
+
+def hub_checkpoint(hf_id: str) -> Path | None:
+    """The local snapshot folder of hub model `hf_id` (config.json + safetensors), or None.
+
+    Reads the hub cache layout (`models--ORG--NAME/refs/main` -> `snapshots/REV`) without importing
+    huggingface_hub and without any network access; lora-parity never downloads weights.
+    """
+    repo = "models--" + hf_id.replace("/", "--")
+    for root in hub_cache_dirs():
+        base = root / repo
+        snapshots = base / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        ref = base / "refs" / "main"
+        candidates = []
+        if ref.is_file():
+            candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
+        candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
+        for snap in candidates:
+            if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
+                return snap
+    return None
+
+
+def local_folder(cfg: ModelConfig) -> Path | None:
+    """The config's checkpoint folder: its path, or its hub id's snapshot in the local HF cache."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    if cfg.model.hf_id is not None:
+        return hub_checkpoint(cfg.model.hf_id)
+    return None
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over the checkpoint's safetensors files, in name order."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder and its config.json, read once."""
+
+    folder: Path
+    config: dict[str, Any]
+
+    @classmethod
+    def open(cls, folder: Path) -> Checkpoint:
+        """Read `folder`/config.json; an unreadable one gives an empty config."""
+        try:
+            config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = {}
+        return cls(Path(folder), config if isinstance(config, dict) else {})
+
+    @property
+    def architecture(self) -> str | None:
+        """The first HF architecture class named in config.json, or None."""
+        archs = self.config.get("architectures") or []
+        return archs[0] if archs else None
+
+    @property
+    def vocab_size(self) -> int:
+        """config.json's vocab_size; `ConfigError` if it has none that is valid."""
+        vocab = self.config.get("vocab_size")
+        if not isinstance(vocab, int) or vocab < 2:
+            raise ConfigError(f"{self.folder}/config.json: no valid vocab_size")
+        return vocab
+
+
+def vocab_size(cfg: ModelConfig) -> int:
+    """The vocabulary probes are drawn from: the synthetic spec's, or the local checkpoint's."""
+    if cfg.model.synthetic:
+        return cfg.model.synthetic.vocab_size
+    folder = local_folder(cfg)
+    if folder is None:
+        raise ConfigError(f"{cfg.name}: no local checkpoint to run (hub models are not downloaded)")
+    return Checkpoint.open(folder).vocab_size

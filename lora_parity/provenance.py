@@ -1,0 +1,70 @@
+"""Where a run came from, as a receipt records it: the revision under test, the environment, the
+command line (credentials removed) and the model's source."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import socket
+import subprocess
+import sys
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+
+from lora_parity.config import ModelConfig
+from lora_parity.receipt import Environment, Revision
+
+
+def git_revision(explicit: str | None, cwd: Path | None = None) -> Revision:
+    """--revision if given, else `git rev-parse HEAD` of the working directory, else unknown."""
+    if explicit:
+        return Revision(commit=explicit, source="flag")
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=cwd, timeout=10)
+        if head.returncode != 0:
+            return Revision(commit="unknown", source="unknown", reason=head.stderr.strip().splitlines()[-1][:200]
+                            if head.stderr.strip() else "git rev-parse failed")
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=cwd, timeout=10)
+        return Revision(commit=head.stdout.strip(), source="git", dirty=bool(status.stdout.strip()))
+    except (OSError, subprocess.SubprocessError) as e:
+        return Revision(commit="unknown", source="unknown", reason=f"git not available: {type(e).__name__}")
+
+
+def environment(device: str) -> Environment:
+    """Python, platform, torch (if loaded), the device, and a digest of the host name."""
+    torch_version = sys.modules["torch"].__version__ if "torch" in sys.modules else None
+    return Environment(
+        python=platform.python_version(),
+        platform=f"{platform.system()}-{platform.machine()}",
+        torch=torch_version,
+        device=device,
+        hostname_digest=hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12],
+    )
+
+
+def redact_url(url: str) -> str:
+    """A service URL without credentials, query or fragment: what a receipt may record."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+def redacted_command(command: Sequence[str], url: str | None) -> list[str]:
+    """The command line, with the service URL's credentials removed."""
+    if not url:
+        return list(command)
+    return [arg.replace(url, redact_url(url)) for arg in command]
+
+
+def source(cfg: ModelConfig) -> str:
+    """Where the model's weights come from, as receipts and plans name it: `synthetic:NAME`, a local
+    folder's name, or `hf:ORG/NAME`."""
+    if cfg.model.synthetic:
+        return f"synthetic:{cfg.name}"
+    if cfg.model.path:
+        return Path(cfg.model.path).name
+    return f"hf:{cfg.model.hf_id}"

@@ -1,0 +1,45 @@
+"""Router top-k agreement at zero-init, for MoE models: how often trainer and sampler route a
+token to the same expert set. A diagnostic: recorded in the receipt, never a check."""
+
+from __future__ import annotations
+
+import math
+
+from lora_parity import stats
+from lora_parity.backends.base import Routes, RoutingIntrospection, Sampler, Trainer
+from lora_parity.receipt import RouterAgreement
+
+ROUTER_STATE = "zero-init trainer (B = 0) vs the sampler's base model"
+
+
+def _not_available(reason: str) -> RouterAgreement:
+    return RouterAgreement(status="not_available", reason=reason, state=ROUTER_STATE)
+
+
+def _measured(trainer_routes: Routes, sampler_routes: Routes, sequences: list[list[int]]) -> RouterAgreement:
+    per_layer = stats.topk_agreement(trainer_routes, sampler_routes)
+    first = trainer_routes[0][0] if trainer_routes and trainer_routes[0] else []
+    return RouterAgreement(status="measured", state=ROUTER_STATE, num_layers=len(per_layer),
+                           top_k=len(first[0]) if first else 0, num_tokens=sum(len(s) for s in sequences),
+                           agreement=math.fsum(per_layer) / len(per_layer) if per_layer else 0.0,
+                           per_layer=per_layer)
+
+
+def router_agreement(trainer: Trainer, sampler: Sampler, sampler_name: str,
+                     sequences: list[list[int]]) -> RouterAgreement | None:
+    """None for a dense model or a trainer without `RoutingIntrospection`; `not_available` with the
+    reason when the sampler does not report its routing or a capture fails (never a guess)."""
+    if not isinstance(trainer, RoutingIntrospection):
+        return None
+    try:
+        trainer_routes = trainer.router_topk(sequences)
+        if trainer_routes is None:
+            return None
+        if not isinstance(sampler, RoutingIntrospection):
+            reason = sampler.traits.routing_unavailable or "the sampler does not expose its routing"
+            return _not_available(f"{sampler_name}: {reason}")
+        sampler_routes = sampler.router_topk(sequences)
+        assert sampler_routes is not None, "the sampler found no routers where the trainer did"
+        return _measured(trainer_routes, sampler_routes, sequences)
+    except Exception as e:  # routing is a diagnostic: a capture that fails is recorded, the run goes on
+        return _not_available(f"routing capture failed: {type(e).__name__}: {e}"[:300])

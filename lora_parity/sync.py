@@ -1,0 +1,216 @@
+"""How the trainer's weights reach the sampler (`--sync`): one strategy object per mode.
+
+Each mode says what it requires of the two backends (checked at preflight, before anything is
+loaded), how it publishes a version, what it does at the sync step, and how it retires what it
+left on the sampler. Faults that break a sync (`lora_parity.faults`) wrap a mode in a
+`SyncWrapper`; the sequence (`lora_parity.phases`) only calls the mode it was given.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, get_args
+
+from lora_parity.backends.base import (
+    AdapterHandle,
+    BaseReloadingSampler,
+    MergingTrainer,
+    Sampler,
+    Trainer,
+)
+from lora_parity.errors import ConfigError
+from lora_parity.receipt import AdapterVersion, SyncModeName
+
+SYNC_MODES: tuple[str, ...] = get_args(SyncModeName)
+
+
+class SyncContext(Protocol):
+    """What a sync mode works on: the run's backends, its folder, and what was published so far."""
+
+    trainer: Trainer
+    sampler: Sampler
+    workdir: Path
+    first_adapter_id: int
+    handle: AdapterHandle | None
+    adapters: list[AdapterVersion]
+    timings: dict[str, float]
+
+    def exported(self, version: int, folder: Path) -> None:
+        """Called with every adapter folder the trainer exported, before the sampler loads it."""
+        ...
+
+
+class SyncMode:
+    """A way weights reach the sampler. Subclasses define `publish`."""
+
+    name: str = ""
+    sampler_lora: bool = True
+    """Whether the sampler runs with LoRA enabled."""
+
+    def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
+        """Preflight: raise `ConfigError` if these backend classes cannot sync this way."""
+
+    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
+        """Put the trainer's current weights on the sampler as `version`."""
+        raise NotImplementedError
+
+    def sync(self, ctx: SyncContext) -> None:
+        """The sync step: publish the updated weights (version 1)."""
+        self.publish(ctx, version=1)
+
+    def before_stale(self, ctx: SyncContext) -> None:
+        """Called after the update, before the stale phase: a correct sync does nothing here."""
+
+    def overwrite(self, ctx: SyncContext) -> None:
+        """Put the trainer's current weights behind what the sampler serves now, without a new
+        version (what a leak does)."""
+        raise NotImplementedError
+
+    def retire(self, ctx: SyncContext) -> None:
+        """Unload the adapter this run left on the sampler."""
+        if ctx.handle is not None:
+            ctx.sampler.retire(ctx.handle)
+            ctx.handle = None
+
+
+def _record(ctx: SyncContext, version: int, name: str, adapter_id: int, mode: str, start: float) -> None:
+    seconds = time.perf_counter() - start
+    ctx.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id, mode=mode, seconds=seconds))
+    ctx.timings[f"publish.v{version}"] = seconds
+
+
+@dataclass(frozen=True)
+class AdapterSync(SyncMode):
+    """Export a PEFT folder and load it on the sampler: under a new name and id per version
+    (`new-id`; the old one is retired), or the same ones reloaded in place (`inplace`)."""
+
+    name: str = "new-id"
+    same_id: bool = False
+    """Republish under the name and id of the version the sampler has."""
+    load_inplace: bool = False
+    """Ask the sampler to replace what it has under that id."""
+
+    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
+        """Export to `adapter-v{version}{label}` and load it; retire the previous id if it changed."""
+        start = time.perf_counter()
+        folder = ctx.trainer.export_adapter(ctx.workdir / f"adapter-v{version}{label}")
+        ctx.exported(version, folder)
+        if self.same_id and ctx.handle is not None:
+            name, adapter_id = ctx.handle.name, ctx.handle.adapter_id
+        else:
+            adapter_id = ctx.first_adapter_id + version
+            name = f"lora-parity-{adapter_id}-v{version}"
+        handle = ctx.sampler.publish(folder, name, adapter_id, inplace=self.load_inplace)
+        _record(ctx, version, name, adapter_id, self.name, start)
+        previous, ctx.handle = ctx.handle, handle
+        if previous is not None and previous.adapter_id != handle.adapter_id:
+            ctx.sampler.retire(previous)
+
+    def overwrite(self, ctx: SyncContext) -> None:
+        """Reload the current adapter's id in place with the trainer's current weights."""
+        assert ctx.handle is not None
+        folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-leak")
+        ctx.sampler.publish(folder, ctx.handle.name, ctx.handle.adapter_id, inplace=True)
+
+
+def merging(trainer: object) -> MergingTrainer:
+    """`trainer` as a `MergingTrainer` (preflight checked it; this guards direct callers)."""
+    if not isinstance(trainer, MergingTrainer):
+        raise ConfigError(f"{type(trainer).__name__} cannot merge its adapter")
+    return trainer
+
+
+def reloading(sampler: object) -> BaseReloadingSampler:
+    """`sampler` as a `BaseReloadingSampler` (preflight checked it; this guards direct callers)."""
+    if not isinstance(sampler, BaseReloadingSampler):
+        raise ConfigError(f"{type(sampler).__name__} cannot reload its base weights")
+    return sampler
+
+
+@dataclass(frozen=True)
+class MergedSync(SyncMode):
+    """The trainer merges alpha/r·BA into the base weights; the sampler, without LoRA, reloads its
+    base weights in place: from a checkpoint folder (`merged`) or from tensors in memory (`memory`).
+    After the run the sampler gets its own base weights back."""
+
+    name: str = "merged"
+    in_memory: bool = False
+    sampler_lora: bool = False
+
+    def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
+        """A trainer that merges and a sampler that reloads its base weights."""
+        if not issubclass(trainer_cls, MergingTrainer):
+            raise ConfigError(f"--sync {self.name} needs a trainer that can merge its adapter; {trainer!r} cannot")
+        if not issubclass(sampler_cls, BaseReloadingSampler):
+            raise ConfigError(f"--sync {self.name} needs a sampler that reloads base weights; {sampler!r} cannot")
+
+    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
+        """Reload the sampler's base weights with the adapter merged in (recorded with id 0)."""
+        start = time.perf_counter()
+        folder = ctx.workdir / f"merged-v{version}{label}"
+        trainer, sampler = merging(ctx.trainer), reloading(ctx.sampler)
+        if self.in_memory:
+            sampler.reload_base(tensors=trainer.merged_tensors())
+        else:
+            sampler.reload_base(folder=trainer.export_merged(folder))
+        _record(ctx, version, folder.name, 0, self.name, start)
+
+    def overwrite(self, ctx: SyncContext) -> None:
+        """Reload the merged current weights (recorded as a `-leak` version)."""
+        self.publish(ctx, version=len(ctx.adapters), label="-leak")
+
+    def retire(self, ctx: SyncContext) -> None:
+        """Give the sampler its checkpoint's base weights back."""
+        if ctx.adapters:
+            reloading(ctx.sampler).reset_base()
+        super().retire(ctx)
+
+
+MODES: dict[str, SyncMode] = {
+    "new-id": AdapterSync("new-id"),
+    "inplace": AdapterSync("inplace", same_id=True, load_inplace=True),
+    "merged": MergedSync("merged"),
+    "memory": MergedSync("memory", in_memory=True),
+}
+
+
+def mode(name: str) -> SyncMode:
+    """The sync mode called `name`; `ConfigError` for an unknown one."""
+    if name not in MODES:
+        raise ConfigError(f"unknown sync mode {name!r}; choose from {', '.join(SYNC_MODES)}")
+    return MODES[name]
+
+
+class SyncWrapper(SyncMode):
+    """A sync mode changed by a fault: everything the subclass does not override goes to `inner`."""
+
+    def __init__(self, inner: SyncMode) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sampler_lora = inner.sampler_lora
+
+    def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
+        """As the inner mode."""
+        self.inner.require(trainer_cls, sampler_cls, trainer, sampler)
+
+    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
+        """As the inner mode."""
+        self.inner.publish(ctx, version, label)
+
+    def sync(self, ctx: SyncContext) -> None:
+        """As the inner mode."""
+        self.inner.sync(ctx)
+
+    def before_stale(self, ctx: SyncContext) -> None:
+        """As the inner mode."""
+        self.inner.before_stale(ctx)
+
+    def overwrite(self, ctx: SyncContext) -> None:
+        """As the inner mode."""
+        self.inner.overwrite(ctx)
+
+    def retire(self, ctx: SyncContext) -> None:
+        """As the inner mode."""
+        self.inner.retire(ctx)
