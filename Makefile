@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 # break `import transformers`; nothing on the text-only path needs them.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[cpu,dev,tinker,megatron]"
+	$(PY) -m pip install -q -e ".[cpu,dev,tinker,megatron,real]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -84,6 +84,9 @@ class Budgets(Strict):
     change under that target alone is at least this many times ‖trainer - sampler‖ at zero-init (the
     two sides' own disagreement, L2 over all positions); below it they are inconclusive: the change
     is lost in the noise. Absent (receipts made before this budget existed): always decided."""
+    profile: str | None = None
+    """Which budget profile these are: set for a checkpoint passed by path, whose budgets follow its
+    dtype ('tiny-qwen3 (float32)', 'qwen3-0.6b-synth (bfloat16)'); None: the config's own."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Budgets:
@@ -122,6 +125,9 @@ class ModelInfo(Strict):
     """Weights and compute dtype, e.g. 'float32' or 'bfloat16'."""
     architecture: str | None = None
     """The HF architecture class name from config.json."""
+    source_sha256: str | None = None
+    """sha256 of the file the checkpoint was built from (the GGUF a registry package ships), when it
+    was built from one."""
 
 
 class BackendInfo(Strict):
@@ -150,6 +156,21 @@ class Environment(Strict):
     """sha256 prefix of the host name: tells machines apart without naming them."""
 
 
+class ProbeSource(Strict):
+    """Where the probe token ids came from (`--probes`)."""
+
+    kind: Literal["random", "text", "file"]
+    """random: ids drawn uniformly from the vocabulary, seeded; text: windows of the public-domain
+    text shipped with lora-parity, tokenized; file: a `.jsonl` file given on the command line."""
+    file_name: str | None = None
+    """The text or probe file's name (text and file)."""
+    file_sha256: str | None = None
+    """sha256 of the text (header removed) or of the probe file's bytes."""
+    tokenizer: str | None = None
+    """The tokenizer that turned text into ids ('tokenizer.json sha256 ...'); None when no text
+    was tokenized."""
+
+
 class Probes(Strict):
     """The fixed token sequences every phase scores."""
 
@@ -163,6 +184,9 @@ class Probes(Strict):
     """sha256 of the canonical JSON of `sequences`."""
     num_scored_positions: int
     """Sum over sequences of len(s) - 1."""
+    source: ProbeSource | None = None
+    """Where the ids came from; None: the random source (receipts made before sources existed,
+    and runs that name a random set)."""
 
 
 class Perturbation(Strict):
@@ -324,6 +348,29 @@ class RouterAgreement(Strict):
     """That fraction per MoE layer, in layer order."""
 
 
+class BucketStats(Strict):
+    """|Δlogprob| over the scored positions of one bucket."""
+
+    bucket: str
+    """The bucket: a trainer-logprob range ('lp > -1', '-5 < lp <= -1', '-10 < lp <= -5',
+    'lp <= -10') or a position quartile ('q1' first quarter of each sequence's positions ... 'q4')."""
+    n: int
+    """Scored positions in the bucket."""
+    mean_abs: float | None
+    """Mean |diff| over them; None for an empty bucket."""
+    max_abs: float | None
+    """Largest |diff|; None for an empty bucket."""
+
+
+class ErrorBreakdown(Strict):
+    """Where the trainer-sampler disagreement of one comparison sits, recomputable from `scores`."""
+
+    by_logprob: list[BucketStats]
+    """By the trainer's logprob of the scored token, most likely first."""
+    by_position: list[BucketStats]
+    """By position quartile within each sequence (position t of T scored: quartile floor(4t/T) + 1)."""
+
+
 class Receipt(Strict):
     """Everything one run did and saw; `lora-parity verify` re-derives every statistic from it."""
 
@@ -378,6 +425,9 @@ class Receipt(Strict):
     `scores` and the probes; None in receipts made before it was recorded."""
     router: RouterAgreement | None = None
     """Router top-k agreement between trainer and sampler (MoE models); None for dense models."""
+    breakdown: dict[str, ErrorBreakdown] | None = None
+    """|diff| of A and C (trainer vs sampler) by probability bucket and position quartile; None in
+    receipts made before it was recorded."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, checks, config, stats, synthetic
+from lora_parity import __version__, backends, breakdown, checks, config, realmodel, stats, synthetic
+from lora_parity import probes as probe_sources
 from lora_parity.errors import ConfigError, LoraParityError, ReceiptExistsError
 from lora_parity.faults import Faults
 from lora_parity.phases import MERGED_MODES, SYNC_MODES, Run, StopRun, run_sequence
@@ -65,6 +66,8 @@ class RunOptions:
     """Tensor-parallel size of the trainer (the megatron trainer only)."""
     reference: str | None = None
     """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
+    dtype: str | None = None
+    """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
 
 
 def git_revision(explicit: str | None, cwd: Path | None = None) -> Revision:
@@ -128,7 +131,7 @@ class Plan:
 
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
-    cfg = config.load(opts.model)
+    cfg = config.load(opts.model, opts.dtype)
     if opts.sync not in SYNC_MODES:
         raise ConfigError(f"unknown sync mode {opts.sync!r}; choose from {', '.join(SYNC_MODES)}")
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
@@ -141,8 +144,7 @@ def prepare(opts: RunOptions) -> Plan:
     import_seconds = time.perf_counter() - start
     _service_preflight(opts, trainer_cls, sampler_cls)
     _tp_preflight(opts, trainer_cls)
-    vocab = cfg.model.synthetic.vocab_size if cfg.model.synthetic else _vocab_of(cfg)
-    probes = config.make_probes(cfg.probes, opts.probes, vocab)
+    probes = probe_sources.make(cfg, opts.probes, lambda: probe_sources.checkpoint_vocab(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
     _merged_preflight(opts, trainer_cls, sampler_cls)
     _reference_preflight(opts, trainer_cls, sampler_cls)
@@ -191,7 +193,8 @@ class Backends:
                 model_dir = self.model_dir = synthetic.materialize(cfg)
                 timings["model.materialize"] = time.perf_counter() - t0
                 self.model_info = self.model_info.model_copy(update={
-                    "weights_digest": synthetic.weights_digest(model_dir), "architecture": _architecture(model_dir)})
+                    "weights_digest": synthetic.weights_digest(model_dir), "architecture": _architecture(model_dir),
+                    "source_sha256": realmodel.source_sha256(model_dir)})
                 say("model", "ok", timings["model.materialize"])
             self.sampler = self._plan.sampler_cls(cfg, model_dir, timings,
                                                   **_service_options(self._plan.sampler_cls, opts),
@@ -279,6 +282,7 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
             "timings": {k: round(v, 6) for k, v in timings.items()},
             "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
             "router": router,
+            "breakdown": breakdown.compute(scores),
         })
         path = write_atomic(receipt, out, force=force)
     return RunResult(receipt, path)
@@ -327,7 +331,7 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
     say = progress or (lambda phase, status, seconds: None)
     plan = prepare(opts)
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    out = opts.out or default_out(plan.cfg.name, opts.probes, opts.trainer, opts.sampler, when)
+    out = opts.out or default_out(plan.cfg.name, probe_sources.label(opts.probes), opts.trainer, opts.sampler, when)
     if out.exists() and not opts.force:
         raise ReceiptExistsError(f"{out} exists; pass --force to overwrite it")
     loaded = Backends(plan, say)
@@ -406,6 +410,8 @@ def _source(cfg: config.ModelConfig) -> str:
         return f"synthetic:{cfg.name}"
     if cfg.model.path:
         return Path(cfg.model.path).name
+    if cfg.model.gguf:
+        return f"gguf:{cfg.model.gguf.package}/{cfg.model.gguf.file}"
     return f"hf:{cfg.model.hf_id}"
 
 

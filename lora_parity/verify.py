@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import checks, stats
+from lora_parity import breakdown, checks, stats
 from lora_parity.errors import ReceiptError, ScoreError
 from lora_parity.receipt import PhaseStatus, Receipt, Verdict, load, sha256_json
 
@@ -84,6 +84,9 @@ def verify(path: Path) -> Verified:
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
     _verify_moe_fields(path, receipt)
+    problem = breakdown.mismatch(receipt.breakdown, receipt.scores)
+    if problem is not None:
+        raise ReceiptError(f"{path}: {problem}")
     return Verified(receipt, ev.verdict)
 
 
