@@ -105,3 +105,19 @@ def test_dtype_flag_is_refused_for_a_config_and_checked() -> None:
         config.load("tiny-qwen3", "bfloat16")
     with pytest.raises(ConfigError, match="unknown dtype 'int8'"):
         config.load(None, "int8")
+
+
+def test_dtype_flag_reaches_the_receipt(tmp_path: Path) -> None:
+    from lora_parity.receipt import load
+
+    from .conftest import cli
+
+    out = tmp_path / "r.json"
+    res = cli("run", "--trainer", "fake", "--sampler", "fake", "--model", str(_checkpoint(tmp_path, "float32")),
+              "--dtype", "bfloat16", "--out", str(out))
+    assert res.returncode in (0, 1), res.stderr
+    receipt = load(out)[0]
+    assert receipt.model.dtype == "bfloat16" and receipt.budgets.profile == "qwen3-0.6b-synth (bfloat16)"
+    assert receipt.budgets.mean == config.load("qwen3-0.6b-synth").budgets.mean
+    res = cli("run", "--trainer", "fake", "--sampler", "fake", "--dtype", "bfloat16", "--out", str(out), "--force")
+    assert res.returncode == 2 and "--dtype applies to a checkpoint passed by path" in res.stderr
