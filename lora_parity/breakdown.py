@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from lora_parity.errors import ReceiptError
 from lora_parity.receipt import BucketStats, ErrorBreakdown
 
 PAIRS: dict[str, tuple[str, str]] = {
@@ -84,6 +86,14 @@ def mismatch(recorded: Mapping[str, ErrorBreakdown] | None,
         if len(rec.by_logprob) != len(got.by_logprob) or len(rec.by_position) != len(got.by_position):
             return f"breakdown {name} has the wrong buckets"
     return None
+
+
+def require_reproduces(path: Path, recorded: Mapping[str, ErrorBreakdown] | None,
+                       scores: Mapping[str, Sequence[Sequence[float]]]) -> None:
+    """Raise `ReceiptError` naming the receipt at `path` unless its breakdown reproduces (see `mismatch`)."""
+    problem = mismatch(recorded, scores)
+    if problem is not None:
+        raise ReceiptError(f"{path}: {problem}")
 
 
 def _same_bucket(a: BucketStats, b: BucketStats) -> bool:

@@ -84,9 +84,7 @@ def verify(path: Path) -> Verified:
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
     _verify_moe_fields(path, receipt)
-    problem = breakdown.mismatch(receipt.breakdown, receipt.scores)
-    if problem is not None:
-        raise ReceiptError(f"{path}: {problem}")
+    breakdown.require_reproduces(path, receipt.breakdown, receipt.scores)
     return Verified(receipt, ev.verdict)
 
 
