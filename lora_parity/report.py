@@ -58,8 +58,8 @@ def fmt_signed(x: float) -> str:
     return "0" if x == 0 else f"{x:+.3g}"
 
 
-def _budget(x: float) -> str:
-    return f"{x:g}"
+def _budget(x: float | str) -> str:
+    return x if isinstance(x, str) else f"{x:g}"  # str: the budget profile
 
 
 # --- per-position differences ------------------------------------------------------------------------
@@ -413,7 +413,9 @@ def report_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None =
             f"sampler {code(s.backend)}: {_versions(s.versions)}",
             f"environment: Python {code(e.python)}, {code(e.platform)}, torch {code(e.torch or 'not loaded')}, "
             f"device {code(e.device)}",
-            f"probes: {code(receipt.probes.set)}, seed {receipt.probes.seed}, "
+            f"probes: {code(receipt.probes.set)}"
+            + (f" ({receipt.probes.source.kind} source)" if receipt.probes.source else "")
+            + f", seed {receipt.probes.seed}, "
             f"sha256 {code(receipt.probes.digest[:12])}",
             "budgets: " + ", ".join(f"{k} {_budget(v)}" for k, v in b.model_dump().items() if v is not None),
         ]),

@@ -121,3 +121,15 @@ def test_dtype_flag_reaches_the_receipt(tmp_path: Path) -> None:
     assert receipt.budgets.mean == config.load("qwen3-0.6b-synth").budgets.mean
     res = cli("run", "--trainer", "fake", "--sampler", "fake", "--dtype", "bfloat16", "--out", str(out), "--force")
     assert res.returncode == 2 and "--dtype applies to a checkpoint passed by path" in res.stderr
+
+
+def test_report_names_the_budget_profile_and_probe_source(tmp_path: Path) -> None:
+    from .conftest import cli
+
+    out = tmp_path / "r.json"
+    res = cli("run", "--trainer", "fake", "--sampler", "fake", "--model", str(_checkpoint(tmp_path, "bfloat16")),
+              "--probes", "random:held-out", "--out", str(out))
+    assert res.returncode in (0, 1), res.stderr
+    report = cli("report", str(out))
+    assert report.returncode == 0, report.stderr
+    assert "profile qwen3-0.6b-synth (bfloat16)" in report.stdout and "(random source)" in report.stdout
