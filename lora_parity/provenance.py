@@ -62,9 +62,11 @@ def redacted_command(command: Sequence[str], url: str | None) -> list[str]:
 
 def source(cfg: ModelConfig) -> str:
     """Where the model's weights come from, as receipts and plans name it: `synthetic:NAME`, a local
-    folder's name, or `hf:ORG/NAME`."""
+    folder's name, `gguf:PACKAGE/FILE`, or `hf:ORG/NAME`."""
     if cfg.model.synthetic:
         return f"synthetic:{cfg.name}"
     if cfg.model.path:
         return Path(cfg.model.path).name
+    if cfg.model.gguf:
+        return f"gguf:{cfg.model.gguf.package}/{cfg.model.gguf.file}"
     return f"hf:{cfg.model.hf_id}"

@@ -9,49 +9,50 @@ from __future__ import annotations
 
 import hashlib
 import json
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from lora_parity.errors import ReceiptError
 from lora_parity.receipt_io import MAX_RECEIPT_BYTES as MAX_RECEIPT_BYTES
 from lora_parity.receipt_io import one_line, parse_json, read_bounded, write_text_atomic
+from lora_parity.receipt_models import (
+    BucketStats as BucketStats,
+)
+from lora_parity.receipt_models import (
+    Check as Check,
+)
+from lora_parity.receipt_models import (
+    CheckStatus as CheckStatus,
+)
+from lora_parity.receipt_models import (
+    ComparisonStats as ComparisonStats,
+)
+from lora_parity.receipt_models import (
+    DeltaStats as DeltaStats,
+)
+from lora_parity.receipt_models import (
+    ErrorBreakdown as ErrorBreakdown,
+)
+from lora_parity.receipt_models import JsonScalar as JsonScalar
+from lora_parity.receipt_models import (
+    PhaseStatus as PhaseStatus,
+)
+from lora_parity.receipt_models import (
+    RouterAgreement as RouterAgreement,
+)
+from lora_parity.receipt_models import (  # re-exported: callers import them from here
+    Strict as Strict,
+)
+from lora_parity.receipt_models import (
+    Verdict as Verdict,
+)
+from lora_parity.receipt_models import (
+    WorstPosition as WorstPosition,
+)
 
 SCHEMA_VERSION = 1
-JsonScalar = str | int | float | bool | None
-
-
-class Strict(BaseModel):
-    """Base of every receipt model: frozen, no extra fields, documented fields."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-
-class Verdict(StrEnum):
-    """Outcome of a run."""
-
-    PASS = "pass"
-    FAIL = "fail"
-    INCONCLUSIVE = "inconclusive"
-    ERROR = "error"
-
-
-class CheckStatus(StrEnum):
-    """Outcome of one check."""
-
-    PASS = "pass"
-    FAIL = "fail"
-    INCONCLUSIVE = "inconclusive"
-    NOT_REACHED = "not_reached"
-
-
-class PhaseStatus(StrEnum):
-    """Outcome of one phase of the sequence."""
-
-    OK = "ok"
-    ERROR = "error"
 
 
 class Budgets(Strict):
@@ -83,6 +84,9 @@ class Budgets(Strict):
     change under that target alone is at least this many times ‖trainer - sampler‖ at zero-init (the
     two sides' own disagreement, L2 over all positions); below it they are inconclusive: the change
     is lost in the noise. Absent (receipts made before this budget existed): always decided."""
+    profile: str | None = None
+    """Which budget profile these are: set for a checkpoint passed by path, whose budgets follow its
+    dtype ('tiny-qwen3 (float32)', 'qwen3-0.6b-synth (bfloat16)'); None: the config's own."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Budgets:
@@ -121,6 +125,9 @@ class ModelInfo(Strict):
     """Weights and compute dtype, e.g. 'float32' or 'bfloat16'."""
     architecture: str | None = None
     """The HF architecture class name from config.json."""
+    source_sha256: str | None = None
+    """sha256 of the file the checkpoint was built from (the GGUF a registry package ships), when it
+    was built from one."""
 
 
 class BackendInfo(Strict):
@@ -149,6 +156,21 @@ class Environment(Strict):
     """sha256 prefix of the host name: tells machines apart without naming them."""
 
 
+class ProbeSource(Strict):
+    """Where the probe token ids came from (`--probes`)."""
+
+    kind: Literal["random", "text", "file"]
+    """random: ids drawn uniformly from the vocabulary, seeded; text: windows of the public-domain
+    text shipped with lora-parity, tokenized; file: a `.jsonl` file given on the command line."""
+    file_name: str | None = None
+    """The text or probe file's name (text and file)."""
+    file_sha256: str | None = None
+    """sha256 of the text (header removed) or of the probe file's bytes."""
+    tokenizer: str | None = None
+    """The tokenizer that turned text into ids ('tokenizer.json sha256 ...'); None when no text
+    was tokenized."""
+
+
 class Probes(Strict):
     """The fixed token sequences every phase scores."""
 
@@ -162,6 +184,9 @@ class Probes(Strict):
     """sha256 of the canonical JSON of `sequences`."""
     num_scored_positions: int
     """Sum over sequences of len(s) - 1."""
+    source: ProbeSource | None = None
+    """Where the ids came from; None: the random source (receipts made before sources existed,
+    and runs that name a random set)."""
 
 
 class Perturbation(Strict):
@@ -214,113 +239,6 @@ class PhaseRecord(Strict):
     """Wall time of the phase."""
     message: str | None = None
     """The error message, when the phase failed."""
-
-
-class ComparisonStats(Strict):
-    """Statistics of diff = b - a for one comparison."""
-
-    a: str
-    """Score phase subtracted (reference)."""
-    b: str
-    """Score phase compared."""
-    n: int
-    """Number of positions."""
-    mean_abs: float
-    """Mean |diff|."""
-    p50: float
-    """Median |diff|."""
-    p99: float
-    """99th percentile of |diff| (linear interpolation)."""
-    max_abs: float
-    """Largest |diff|."""
-    argmax: list[int]
-    """[sequence, position] of the largest |diff|."""
-    frac_over: float
-    """Fraction of positions with |diff| above the mean budget."""
-    k3_kl: float
-    """k3 estimate of KL(a || b): mean of exp(d) - 1 - d."""
-    mult_prob_error: float
-    """Mean of exp(|diff|) (NeMo-RL's token_mult_prob_error)."""
-
-
-class DeltaStats(Strict):
-    """Agreement of the sampler's change with the trainer's change."""
-
-    sampler_from: str
-    """Sampler phase before the change."""
-    sampler_to: str
-    """Sampler phase after the change."""
-    trainer_from: str
-    """Trainer phase before the change."""
-    trainer_to: str
-    """Trainer phase after the change."""
-    cosine: float | None
-    """cosine(Δsampler, Δtrainer); None if either change is exactly zero."""
-    scale: float | None
-    """‖Δsampler‖ / ‖Δtrainer‖; None if the trainer did not change."""
-    rel_l2: float | None
-    """‖Δsampler - Δtrainer‖ / ‖Δtrainer‖; None if the trainer did not change."""
-    sampler_norm: float
-    """‖Δsampler‖."""
-    trainer_norm: float
-    """‖Δtrainer‖."""
-
-
-class Check(Strict):
-    """One check and its outcome."""
-
-    id: str
-    """Stable id, e.g. 'A.parity.max'."""
-    name: str
-    """What is checked, in words."""
-    status: CheckStatus
-    """Outcome."""
-    observed: float | None
-    """Observed value, when reached."""
-    budget: float | None
-    """Threshold it was compared with."""
-    op: Literal["<=", ">=", ">"]
-    """How observed is compared with budget."""
-    reason: str
-    """Why it has its status, in one line."""
-
-
-class WorstPosition(Strict):
-    """One of the positions where a comparison's two phases differ most."""
-
-    sequence: int
-    """Probe sequence index."""
-    position: int
-    """Scored position t in that sequence: the logprob of tokens[t+1] given tokens[:t+1]."""
-    token: int
-    """The token id scored there, tokens[t+1]."""
-    abs_diff: float
-    """|b - a| at that position."""
-
-
-class RouterAgreement(Strict):
-    """Whether trainer and sampler route each probe token to the same experts (MoE models only).
-
-    Raw data the run recorded, not recomputable from the scores: `lora-parity verify` checks only
-    that it is well formed.
-    """
-
-    status: Literal["measured", "not_available"]
-    """measured, or not_available when a side does not expose its routing."""
-    reason: str | None = None
-    """Why it is not available (which side, and why), when it is not."""
-    state: str
-    """The model state compared, e.g. the zero-init trainer vs the sampler's base model."""
-    num_layers: int | None = None
-    """MoE layers compared."""
-    top_k: int | None = None
-    """Experts per token."""
-    num_tokens: int | None = None
-    """Probe tokens compared per layer (every token of every sequence)."""
-    agreement: float | None = None
-    """Fraction of (token, layer) pairs whose top-k expert sets are equal on both sides."""
-    per_layer: list[float] | None = None
-    """That fraction per MoE layer, in layer order."""
 
 
 SyncModeName = Literal["new-id", "inplace", "merged", "memory"]
@@ -389,6 +307,9 @@ class Receipt(Strict):
     `scores` and the probes; None in receipts made before it was recorded."""
     router: RouterAgreement | None = None
     """Router top-k agreement between trainer and sampler (MoE models); None for dense models."""
+    breakdown: dict[str, ErrorBreakdown] | None = None
+    """|diff| of A and C (trainer vs sampler) by probability bucket and position quartile; None in
+    receipts made before it was recorded."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, checks, config, outpath, synthetic
+from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, synthetic
+from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
     PreflightOptions,
@@ -73,6 +74,8 @@ class RunOptions:
     """Tensor-parallel size of the trainer (the megatron trainer only)."""
     reference: str | None = None
     """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
+    dtype: str | None = None
+    """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -117,7 +120,7 @@ class Plan:
 
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
-    cfg = config.load(opts.model)
+    cfg = config.load(opts.model, opts.dtype)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -129,7 +132,7 @@ def prepare(opts: RunOptions) -> Plan:
     import_seconds = time.perf_counter() - start
     _service_preflight(opts, trainer_cls, sampler_cls)
     _tp_preflight(opts, trainer_cls)
-    probes = config.make_probes(cfg.probes, opts.probes, vocab_size(cfg))
+    probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
@@ -197,7 +200,8 @@ class Backends:
         model_dir = self.model_dir = synthetic.materialize(self._plan.cfg)
         self.timings["model.materialize"] = time.perf_counter() - t0
         self.model_info = self.model_info.model_copy(update={
-            "weights_digest": weights_digest(model_dir), "architecture": Checkpoint.open(model_dir).architecture})
+            "weights_digest": weights_digest(model_dir), "architecture": Checkpoint.open(model_dir).architecture,
+            "source_sha256": realmodel.source_sha256(model_dir)})
         self._say("model", "ok", self.timings["model.materialize"])
         return model_dir
 
@@ -309,6 +313,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
         "router": router,
+        "breakdown": breakdown.compute(scores),
     })
 
 
@@ -327,7 +332,7 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
     say = progress or (lambda phase, status, seconds: None)
     plan = prepare(opts)
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    out = opts.out or default_out(plan.cfg.name, opts.probes, opts.trainer, opts.sampler, when)
+    out = opts.out or default_out(plan.cfg.name, probe_sources.label(opts.probes), opts.trainer, opts.sampler, when)
     lock = outpath.claim(out, opts.force)  # writable, not a folder, not taken by another run
     loaded = Backends(plan, say)
     try:

@@ -117,6 +117,10 @@ def materialize(cfg: ModelConfig) -> Path:
             f"{cfg.name} names the hub model {spec.hf_id}; lora-parity does not download weights: "
             "download it yourself and pass the folder with --model PATH"
         )
+    if spec.gguf is not None:
+        from lora_parity import realmodel
+
+        return realmodel.materialize(cfg.name, spec.gguf, spec.dtype, cache_root())
     assert spec.synthetic is not None
     folder = cache_root() / "models" / f"{cfg.name}-{spec_digest(spec.synthetic, spec.dtype)}"
     if (folder / "config.json").is_file():

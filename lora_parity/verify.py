@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import checks, stats
+from lora_parity import breakdown, checks, stats
 from lora_parity.errors import ReceiptError, ScoreError
 from lora_parity.receipt import PhaseStatus, Receipt, Verdict, sha256_json, validate
 from lora_parity.receipt_io import parse_json, read_bounded
@@ -108,6 +108,7 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
     _verify_moe_fields(path, receipt)
+    breakdown.require_reproduces(path, receipt.breakdown, receipt.scores)
     return Verified(receipt, ev.verdict, signature)
 
 

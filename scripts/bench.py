@@ -80,7 +80,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             for probes in sets:  # alternating, so that drift on a noisy machine hits every set alike
-                result = _run(args, probes, Path(tmp) / f"bench-{probes}-{i}.json")
+                result = _run(args, probes, Path(tmp) / f"bench-{sets.index(probes)}-{i}.json")  # a probe may be a path
                 if result is None:
                     return 1
                 walls[probes].append(result[0])

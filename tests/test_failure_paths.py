@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lora_parity import checks, config, outpath, signing
+from lora_parity import breakdown, checks, config, outpath, signing
 from lora_parity import receipt as rc
 from lora_parity.errors import ConfigError, ReceiptError, ReceiptExistsError
 from lora_parity.receipt_io import MAX_RECEIPT_BYTES, read_bounded
@@ -44,11 +44,13 @@ def errored_like(data: dict[str, Any], phases: list[dict[str, Any]], scores: dic
     budgets = rc.Budgets.model_validate(data["budgets"])
     ev = checks.evaluate(scores, budgets, errored=True)
     worst = checks.compute_worst_positions(scores, data["probes"]["sequences"])
+    error_breakdown = breakdown.compute(scores)
     return {**data, "phases": phases, "scores": scores, "error": "setup: ValueError: truncated checkpoint",
             "comparisons": {k: v.model_dump(mode="json") for k, v in ev.comparisons.items()},
             "deltas": {k: v.model_dump(mode="json") for k, v in ev.deltas.items()},
             "checks": [c.model_dump(mode="json") for c in ev.checks], "verdict": ev.verdict.value,
-            "worst_positions": {k: [w.model_dump(mode="json") for w in v] for k, v in worst.items()}}
+            "worst_positions": {k: [w.model_dump(mode="json") for w in v] for k, v in worst.items()},
+            "breakdown": {k: v.model_dump(mode="json") for k, v in error_breakdown.items()}}
 
 
 # --- error and phase statuses -------------------------------------------------------------------

