@@ -6,7 +6,8 @@ matplotlib) and prints what these functions return.
 
 - `document`: the block model (headings, tables, ...) and its markdown and plain-text renderers.
 - `facts`: what every rendering reads off a receipt (headline comparisons, worst positions, outcomes).
-- `pr`: the PR report (markdown, text, JSON); `table`: the evidence table; `diff`: two receipts
+- `pr`: the PR report (markdown, text, JSON, HTML); `files`: the report written to a folder with
+  its plots (`report --out`); `table`: the evidence table; `diff`: two receipts
   side by side; `schema`: the receipt's JSON Schema.
 """
 
@@ -47,6 +48,7 @@ from lora_parity.report.table import (
     model_input,
     table_header,
     table_markdown,
+    table_rows,
 )
 
 __all__ = [
@@ -87,5 +89,6 @@ __all__ = [
     "short_reason",
     "table_header",
     "table_markdown",
+    "table_rows",
     "worst_diffs",
 ]
