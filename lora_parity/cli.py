@@ -100,7 +100,7 @@ def run(
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
-        _print_plan(ctx, model, trainer, tp)
+        _print_plan(ctx, model, trainer, sampler, tp)
     from lora_parity.runner import RunOptions, execute
 
     if junit is not None:
@@ -128,8 +128,8 @@ def run(
     raise typer.Exit(exit_for(result.receipt.verdict.value))
 
 
-def _print_plan(ctx: typer.Context, model: str | None, trainer: str, tp: int) -> None:
-    """`run --plan`: the plan with --model as given, and --trainer / --tp where the user gave them."""
+def _print_plan(ctx: typer.Context, model: str | None, trainer: str, sampler: str, tp: int) -> None:
+    """`run --plan`: the plan with --model as given, and --trainer / --sampler / --tp where the user gave them."""
     from lora_parity import config
     from lora_parity.plan import render
 
@@ -137,7 +137,8 @@ def _print_plan(ctx: typer.Context, model: str | None, trainer: str, tp: int) ->
         source = ctx.get_parameter_source(name)
         return source is not None and source.name != "DEFAULT"
 
-    text = render(config.load(model), model, trainer if given("trainer") else None, tp if given("tp") else None)
+    text = render(config.load(model), model, trainer if given("trainer") else None, tp if given("tp") else None,
+                  sampler if given("sampler") else None)
     output.print_text(text)
     raise typer.Exit(0)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,8 @@ def _budget_lines(budgets: Budgets) -> list[str]:
         value = getattr(budgets, key)
         if value is None:
             continue
-        lines.append(f"  # {' '.join((field.description or '').split())}")
+        lines += textwrap.wrap(" ".join((field.description or "").split()), 100, initial_indent="  # ",
+                               subsequent_indent="  # ")
         lines.append(f"  {key}: {_v(value)}")
     return lines
 
@@ -114,8 +116,8 @@ def config_yaml(folder: Path) -> str:
     name = folder.resolve().name
     dtype_note = "" if dtype == raw_dtype else f" (config.json says {raw_dtype!r}; read as float32)"
     lines = [
-        f"# lora-parity config for the checkpoint folder {name} ({arch}, model_type "
-        f"{hf.get('model_type', 'unknown')}), written by `lora-parity init`.",
+        f"# lora-parity config for the checkpoint folder {name}",
+        f"# ({arch}, model_type {hf.get('model_type', 'unknown')}), written by `lora-parity init`.",
         "# Check it, then: lora-parity run --model THIS_FILE. Field reference: README, and the pydantic",
         "# models in lora_parity/config.py (every field has a docstring).",
         f"name: {_v(name)}",

@@ -124,20 +124,22 @@ def with_trainer(cfg: ModelConfig, trainer: str | None, tp: int | None) -> Model
     return cfg.model_copy(update={"launch": launch})
 
 
-def _run_command(model_ref: str, trainer: str | None, tp: int | None) -> str:
-    flags = [f"--trainer {shlex.quote(trainer)}" if trainer else "", f"--tp {tp}" if tp is not None else ""]
-    return " ".join(["lora-parity run --model", shlex.quote(model_ref), *filter(None, flags)])
+def _run_command(model_ref: str, flags: dict[str, str | int | None]) -> str:
+    given = [f"--{k} {shlex.quote(str(v))}" for k, v in flags.items() if v is not None]
+    return " ".join(["lora-parity run --model", shlex.quote(model_ref), *given])
 
 
-def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None = None, tp: int | None = None) -> str:
+def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None = None, tp: int | None = None,
+           sampler: str | None = None) -> str:
     """The plan: resources, memory estimate and launch commands of a config with a launch section
     (one line for a config that runs in one process). Every command runs as printed: `--model` is
     `model_ref` (the name, YAML file or folder as the user gave it; default the config's name), and
-    `trainer` and `tp`, where given, replace the plan's trainer backend and tensor-parallel size."""
+    `trainer` and `tp`, where given, replace the plan's trainer backend and tensor-parallel size
+    (`sampler`, where given, is kept in the one-process command)."""
     ref = model_ref or cfg.name
     if cfg.launch is None:
-        return (f"lora-parity plan: {cfg.name}\n  runs in one process (the CPU or one GPU) on this machine: "
-                f"{_run_command(ref, trainer, tp)}\n")
+        command = _run_command(ref, {"trainer": trainer, "sampler": sampler, "tp": tp})
+        return f"lora-parity plan: {cfg.name}\n  runs in one process (the CPU or one GPU) on this machine: {command}\n"
     cfg = with_trainer(cfg, trainer, tp)
     assert cfg.launch is not None
     launch = cfg.launch

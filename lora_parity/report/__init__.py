@@ -24,6 +24,7 @@ from lora_parity.report.document import (
     code,
     fmt_num,
     fmt_signed,
+    render_html,
     render_markdown,
     render_text,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "model_input",
     "outcome",
     "position_diffs",
+    "render_html",
     "render_markdown",
     "render_report",
     "render_text",

@@ -96,10 +96,10 @@ def _draw_sequences(ax: Any, lengths: list[int]) -> None:
         start += n
 
 
-def draw(receipt: Receipt, name: str, path: Path) -> Path:
-    """Draw comparison `name` of `receipt` to the PNG `path`: |diff| per position, the budgets (thin,
-    labelled), the observed mean (thick black dash-dot), each side's distance from the fp32 reference
-    where the receipt has one (A only), and the sequence boundaries, labelled."""
+def figure(receipt: Receipt, name: str) -> Any:
+    """The matplotlib Figure of comparison `name`: |diff| per position, the budgets (thin, labelled),
+    the observed mean (thick black dash-dot), each side's distance from the fp32 reference where the
+    receipt has one (A only), and the sequence boundaries, labelled."""
     Figure, FigureCanvasAgg = _matplotlib()
     cmp = receipt.comparisons[name]
     absd = [abs(p.diff) for p in position_diffs(receipt, name)]
@@ -133,6 +133,12 @@ def draw(receipt: Receipt, name: str, path: Path) -> Path:
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
+    return fig
+
+
+def draw(receipt: Receipt, name: str, path: Path) -> Path:
+    """Draw comparison `name` of `receipt` (see `figure`) to the PNG `path`."""
+    fig = figure(receipt, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", metadata={"Software": None})
     return path
