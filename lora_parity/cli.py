@@ -1,4 +1,5 @@
-"""The command line: thin wiring from typer commands to library functions.
+"""The command line: thin wiring from typer commands to library functions. `run`, `selftest` and
+`keygen` are here; the commands that read receipts and model configs are in `lora_parity.commands`.
 
 Exit codes: 0 pass; 1 fail or inconclusive; 2 bad input, an errored run, or a receipt that does
 not verify.

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from lora_parity import output
+from lora_parity.errors import ConfigError
 
 
 def needs(cfg: Any) -> dict[str, Any]:
@@ -63,14 +65,10 @@ def init(
         output.print_text(text)
         return
     if out.exists() and not force:
-        from lora_parity.errors import ConfigError
-
         raise ConfigError(f"{out} exists; pass --force to overwrite it")
     try:
         write_atomic(out, text)
     except OSError as e:
-        from lora_parity.errors import ConfigError
-
         raise ConfigError(f"--out {out}: cannot write: {e.strerror or e}") from None
     output.line(str(out))
-    output.hint(f"next: lora-parity run --model {out}")
+    output.hint(f"next: lora-parity run --model {shlex.quote(str(out))}")
