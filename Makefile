@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# Your receipt goes to lora-parity-receipts/ (git-ignored); receipts/ holds the committed evidence.
 run: install
 	$(BIN)/lora-parity run
 

@@ -1,4 +1,5 @@
-"""The command line: thin wiring from typer commands to library functions.
+"""The command line: thin wiring from typer commands to library functions. `run`, `selftest` and
+`keygen` are here; the commands that read receipts and model configs are in `lora_parity.commands`.
 
 Exit codes: 0 pass; 1 fail or inconclusive; 2 bad input, an errored run, or a receipt that does
 not verify.
@@ -13,48 +14,58 @@ from typing import Annotated, Any
 
 import typer
 
-from lora_parity import output
+from lora_parity import __version__, output
+from lora_parity.commands import models as models_cmd
+from lora_parity.commands import receipts as receipts_cmd
+from lora_parity.commands.options import (
+    GithubSummaryOpt,
+    JsonOpt,
+    ModelOpt,
+    PerTargetOpt,
+    ProbesOpt,
+    RevisionOpt,
+    SamplerOpt,
+    SeedOpt,
+    SyncOpt,
+    TpOpt,
+    TrainerOpt,
+    exit_for,
+)
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
 
+PROG = "lora-parity"
 app = typer.Typer(
-    add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Prove that a LoRA trainer and its inference sampler agree on logprobs, and that sync is not stale.",
 )
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")]
-RevisionOpt = Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")]
-ModelOpt = Annotated[
-    str | None, typer.Option("--model", help="Config name in configs/, a YAML file, or a local HF checkpoint folder.")
-]
-GithubSummaryOpt = Annotated[
-    bool, typer.Option("--github-summary", help="Also append the markdown report to $GITHUB_STEP_SUMMARY, if set.")
-]
-TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
-TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
-SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")]
-ProbesOpt = Annotated[str, typer.Option(
-    help="Probe source: random[:SET] or a set (default, held-out; SET-xN: N times the sequences), "
-         "text[:SET] (shipped English text, real models only), or FILE.jsonl ({\"tokens\": [ids]} or "
-         "{\"text\": ...} per line).")]
-SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
-SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
-PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
+
+def _version(value: bool) -> None:
+    if value:
+        output.line(f"{PROG} {__version__}")
+        raise typer.Exit(0)
 
 
-def _exit_for(verdict: str) -> int:
-    return EXIT_PASS if verdict == "pass" else EXIT_FAIL if verdict in ("fail", "inconclusive") else EXIT_BAD_INPUT
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Prove that a LoRA trainer and its inference sampler agree on logprobs, and that sync is not stale."""
 
 
 @app.command()
 def run(
+    ctx: typer.Context,
     model: ModelOpt = None,
     trainer: TrainerOpt = "hf",
     sampler: SamplerOpt = "vllm",
     probes: ProbesOpt = "default",
     out: Annotated[
-        Path | None, typer.Option(help="Receipt path (default: receipts/<model>__<trainer>__<sampler>__<UTC>.json).")
+        Path | None,
+        typer.Option(help="Receipt path (default: lora-parity-receipts/<model>__<trainer>__<sampler>__<UTC>.json)."),
     ] = None,
     revision: RevisionOpt = None,
     seed: SeedOpt = 0,
@@ -81,6 +92,9 @@ def run(
     ] = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
+    junit: Annotated[
+        Path | None, typer.Option(help="Also write the checks as a JUnit XML report here (one test case per check).")
+    ] = None,
     plan: Annotated[
         bool, typer.Option("--plan", help="Print the resources and launch commands the model needs; run nothing.")
     ] = False,
@@ -91,12 +105,13 @@ def run(
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
-        from lora_parity import config
-        from lora_parity.plan import render
-
-        output.out.print(render(config.load(model)), end="", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(0)
+        _print_plan(ctx, model, trainer, sampler, tp)
     from lora_parity.runner import RunOptions, execute
+
+    if junit is not None:
+        from lora_parity.junit import check_target
+
+        check_target(junit)
 
     key = _signing().load_private_key(sign) if sign is not None else None
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
@@ -107,50 +122,36 @@ def run(
     result = execute(opts, progress=output.progress, process_exiting=True)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
     output.result(result.receipt, str(path), json_)
+    if junit is not None:
+        from lora_parity.junit import write_junit
+
+        write_junit(result.receipt, str(path), junit)
     if github_summary:
         from lora_parity.report import report_markdown
 
         output.github_summary(report_markdown(result.receipt, str(path)))
-    raise typer.Exit(_exit_for(result.receipt.verdict.value))
+    raise typer.Exit(exit_for(result.receipt.verdict.value))
+
+
+def _print_plan(ctx: typer.Context, model: str | None, trainer: str, sampler: str, tp: int) -> None:
+    """`run --plan`: the plan with --model as given, and --trainer / --sampler / --tp where the user gave them."""
+    from lora_parity import config
+    from lora_parity.plan import render
+
+    def given(name: str) -> bool:
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name != "DEFAULT"
+
+    text = render(config.load(model), model, trainer if given("trainer") else None, tp if given("tp") else None,
+                  sampler if given("sampler") else None)
+    output.print_text(text)
+    raise typer.Exit(0)
 
 
 def _signing() -> Any:
     from lora_parity import signing
 
     return signing
-
-
-VERIFY_HELP = (
-    "Re-check a receipt: 0 intact and passing; 1 intact but not passing; 2 does not verify.\n\n"
-    "Intact means internally consistent (every statistic, check and the verdict reproduce from the raw "
-    "scores and budgets) and not accidentally corrupted (the sha256 digest matches); it does not prove who "
-    "made the receipt: anyone can edit one and recompute the digest. For that, sign runs (run --sign KEY) "
-    "and check with --public-key KEY.pub: a bad signature exits 2. Only regular files of at most 64 MiB are read."
-)
-
-
-@app.command(help=VERIFY_HELP)
-def verify(
-    path: Annotated[Path, typer.Argument(help="Receipt JSON file, or a signed envelope (run --sign).")],
-    public_key: Annotated[
-        Path | None, typer.Option(help="Check the envelope's ed25519 signature with this public key (PEM).")
-    ] = None,
-    json_: JsonOpt = False,
-) -> None:
-    """Re-check a receipt (see VERIFY_HELP)."""
-    from lora_parity.verify import PROVES
-    from lora_parity.verify import verify as verify_receipt
-
-    verified = verify_receipt(path, public_key)
-    verdict = verified.verdict.value
-    if json_:
-        output.print_json({"receipt": str(path), "intact": True, "verdict": verdict,
-                           "signature": verified.signature})
-    else:
-        output.line(f"{path}: intact; verdict {verdict} reproduces from its raw scores; "
-                    f"signature: {verified.signature}")
-        output.hint(PROVES)
-    raise typer.Exit(_exit_for(verdict) if verdict != "error" else EXIT_FAIL)
 
 
 @app.command()
@@ -189,83 +190,13 @@ def selftest(
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)
 
 
-@app.command()
-def models(json_: JsonOpt = False) -> None:
-    """The model configs, one line each."""
-    from lora_parity import config
-
-    rows = [config.config_summary(config.load(str(p))) for p in config.available()]
-    if json_:
-        output.print_json(rows)
-        return
-    for r in rows:
-        output.out.print(f"{r['name']:<16} {r['source']:<12} {r['dtype']:<9} r{r['rank']} x{r['targets']} targets"
-                         f"  {r['description']}", soft_wrap=True, markup=False)
-
-
-@app.command()
-def report(
-    path: Annotated[Path, typer.Argument(help="Receipt JSON file.")],
-    format_: Annotated[str, typer.Option("--format", help="md, text or json.")] = "md",
-    plots: Annotated[Path | None, typer.Option(help="Write PNG plots of |diff| per position here; link them.")] = None,
-    github_summary: GithubSummaryOpt = False,
-) -> None:
-    """A verified receipt for people: verdict, A/B/C table, comparisons, worst positions, provenance."""
-    from lora_parity import report as rp
-    from lora_parity.verify import verify as verify_receipt
-
-    rp.check_format(format_, rp.REPORT_FORMATS)
-    receipt = verify_receipt(path).receipt
-    links: dict[str, str] = {}
-    if plots is not None:
-        from lora_parity.report.plots import link, write_plots
-
-        links = {name: link(p) for name, p in write_plots(receipt, plots).items()}
-    output.print_text(rp.render_report(receipt, str(path), format_, links))
-    if github_summary:
-        output.github_summary(rp.report_markdown(receipt, str(path), links))
-
-
-@app.command()
-def table(
-    paths: Annotated[list[Path], typer.Argument(help="Receipt JSON files, one row each.")],
-    format_: Annotated[str, typer.Option("--format", help="md (for a README or PR) or rich (a terminal).")] = "md",
-) -> None:
-    """The evidence table: mean |diff| of A, B and C and the result, one row per verified receipt."""
-    from lora_parity import report as rp
-    from lora_parity.verify import verify as verify_receipt
-
-    rp.check_format(format_, rp.TABLE_FORMATS)
-    receipts = [verify_receipt(p).receipt for p in paths]
-    if format_ == "rich":
-        output.evidence_table(rp.table_header(receipts), [rp.evidence_row(r).cells() for r in receipts])
-    else:
-        output.print_text(rp.table_markdown(receipts))
-
-
-@app.command()
-def schema() -> None:
-    """The receipt's JSON Schema, generated from the receipt models (committed as receipts/schema.json)."""
-    from lora_parity.report import schema_json
-
-    output.print_text(schema_json())
-
-
-@app.command()
-def diff(
-    a: Annotated[Path, typer.Argument(help="Receipt before (e.g. before a fix).")],
-    b: Annotated[Path, typer.Argument(help="Receipt after.")],
-    json_: JsonOpt = False,
-) -> None:
-    """How two verified receipts differ: statistics side by side, checks that changed, settings."""
-    from lora_parity import report as rp
-    from lora_parity.verify import verify as verify_receipt
-
-    d = rp.diff_receipts(verify_receipt(a).receipt, verify_receipt(b).receipt)
-    if json_:
-        output.print_json(d)
-    else:
-        output.print_text(rp.diff_markdown(d, str(a), str(b)))
+app.command(help=receipts_cmd.VERIFY_HELP)(receipts_cmd.verify)
+app.command(help=receipts_cmd.REPORT_HELP)(receipts_cmd.report)
+app.command()(receipts_cmd.table)
+app.command()(receipts_cmd.diff)
+app.command()(receipts_cmd.schema)
+app.command()(models_cmd.models)
+app.command()(models_cmd.init)
 
 
 def _exit_fast(code: int) -> None:
@@ -281,7 +212,7 @@ def _exit_fast(code: int) -> None:
 def main() -> None:
     """Entry point: known errors become one line and exit code 2."""
     try:
-        app()
+        app(prog_name=PROG)
     except SystemExit as e:
         _exit_fast(e.code if isinstance(e.code, int) else EXIT_BAD_INPUT if e.code else EXIT_PASS)
         raise

@@ -13,9 +13,12 @@ Hugging Face cache folders and `nvidia-smi` (or torch, only once `nvidia-smi` sa
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from typing import Any
+
+from pydantic import ValidationError
 
 from lora_parity.backends import vllm_options
 from lora_parity.checkpoint import hub_checkpoint
@@ -71,12 +74,38 @@ def engine_options(cfg: ModelConfig) -> dict[str, Any]:
     return vllm_options.engine_options(cfg, _model_ref(cfg), cuda=True)
 
 
-def render(cfg: ModelConfig) -> str:
+def with_trainer(cfg: ModelConfig, trainer: str | None, tp: int | None) -> ModelConfig:
+    """`cfg` with its launch plan's trainer backend and tensor-parallel size replaced where given
+    (`run --plan --trainer X --tp N`); a layout that no longer divides its GPUs is a `ConfigError`."""
+    if cfg.launch is None or (trainer is None and tp is None):
+        return cfg
+    data = cfg.launch.model_dump()
+    data["trainer"].update({k: v for k, v in (("backend", trainer), ("tp", tp)) if v is not None})
+    try:
+        launch = LaunchSpec.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"--plan for {cfg.name}: {e.errors()[0].get('msg')}") from None
+    return cfg.model_copy(update={"launch": launch})
+
+
+def _run_command(model_ref: str, flags: dict[str, str | int | None]) -> str:
+    given = [f"--{k} {shlex.quote(str(v))}" for k, v in flags.items() if v is not None]
+    return " ".join(["lora-parity run --model", shlex.quote(model_ref), *given])
+
+
+def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None = None, tp: int | None = None,
+           sampler: str | None = None) -> str:
     """The plan: resources, memory estimate and launch commands of a config with a launch section
-    (one line for a config that runs in one process)."""
+    (one line for a config that runs in one process). Every command runs as printed: `--model` is
+    `model_ref` (the name, YAML file or folder as the user gave it; default the config's name), and
+    `trainer` and `tp`, where given, replace the plan's trainer backend and tensor-parallel size
+    (`sampler`, where given, is kept in the one-process command)."""
+    ref = model_ref or cfg.name
     if cfg.launch is None:
-        return (f"lora-parity plan: {cfg.name}\n  runs in one process (the CPU or one GPU) on this machine: "
-                f"lora-parity run --model {cfg.name}\n")
+        command = _run_command(ref, {"trainer": trainer, "sampler": sampler, "tp": tp})
+        return f"lora-parity plan: {cfg.name}\n  runs in one process (the CPU or one GPU) on this machine: {command}\n"
+    cfg = with_trainer(cfg, trainer, tp)
+    assert cfg.launch is not None
     launch = cfg.launch
     t, s = launch.trainer, launch.sampler
     world = t.nodes * launch.gpus_per_node
@@ -110,7 +139,7 @@ def render(cfg: ModelConfig) -> str:
     lines += ["", "launch"]
     step = 1
     if hf:
-        lines.append(f"  {step}. every node:  huggingface-cli download {hf}")
+        lines.append(f"  {step}. every node:  hf download {hf}")
         step += 1
     if s.own_node:
         lines.append(f"  {step}. {sampler_node} (sampler):  ray start --head --port 6379 "
@@ -119,7 +148,7 @@ def render(cfg: ModelConfig) -> str:
         step += 2
     who = "node 0" if t.nodes == 1 else f"{trainer_nodes} (NODE_RANK=0..{t.nodes - 1}; MASTER_ADDR = node 0's address)"
     lines.append(f"  {step}. {who}:")
-    lines.append("     " + trainer_command(cfg))
+    lines.append("     " + trainer_command(cfg, ref))
     if launch.requires:
         lines += ["", "not built or not run yet (the plan cannot run until these exist)"]
         lines += [f"  - {r}" for r in launch.requires]
@@ -131,13 +160,15 @@ def render(cfg: ModelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def trainer_command(cfg: ModelConfig) -> str:
-    """The torchrun command every trainer node runs (NODE_RANK and MASTER_ADDR from the environment)."""
+def trainer_command(cfg: ModelConfig, model_ref: str | None = None) -> str:
+    """The torchrun command every trainer node runs (NODE_RANK and MASTER_ADDR from the environment);
+    `--model` is `model_ref` as the user gave it (default the config's name)."""
     launch = _launch(cfg)
     t = launch.trainer
     return (f"torchrun --nnodes {t.nodes} --nproc-per-node {launch.gpus_per_node} --node-rank $NODE_RANK "
             f"--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:{launch.rdzv_port} --rdzv-id lora-parity-{cfg.name} "
-            f"-m {_entry(t.backend)} run --model {cfg.name} --trainer {t.backend} --tp {t.tp} --sampler vllm")
+            f"-m {_entry(t.backend)} run --model {shlex.quote(model_ref or cfg.name)} --trainer {t.backend} "
+            f"--tp {t.tp} --sampler vllm")
 
 
 def _entry(backend: str) -> str:

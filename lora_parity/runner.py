@@ -79,9 +79,9 @@ class RunOptions:
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
-    """receipts/<model>__<trainer>__<sampler>__<UTC time>.json (the model part names a non-default probe set)."""
+    """lora-parity-receipts/<model>__<trainer>__<sampler>__<UTC>.json (model part names a non-default probe set)."""
     model = cfg_name if probes == "default" else f"{cfg_name}.{probes}"
-    return Path("receipts") / f"{model}__{trainer}__{sampler}__{when.strftime('%Y%m%dT%H%M%SZ')}.json"
+    return Path("lora-parity-receipts") / f"{model}__{trainer}__{sampler}__{when.strftime('%Y%m%dT%H%M%SZ')}.json"
 
 
 @dataclass

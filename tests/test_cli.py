@@ -72,9 +72,12 @@ def test_default_receipt_path(tmp_path: Path) -> None:
     res = cli("run", "--trainer", "fake", "--sampler", "fake", "--probes", "held-out", "--json", cwd=tmp_path,
               env={"LORA_PARITY_CONFIGS": str(ROOT / "configs")})
     assert res.returncode == 0, res.stderr
-    (path,) = (tmp_path / "receipts").iterdir()
+    # A user's runs are kept apart from the committed evidence in receipts/.
+    assert not (tmp_path / "receipts").exists()
+    (path,) = (tmp_path / "lora-parity-receipts").iterdir()
     assert path.name.startswith("tiny-qwen3.held-out__fake__fake__") and path.suffix == ".json"
-    assert json.loads(res.stdout)["receipt"] == str(Path("receipts") / path.name)
+    assert json.loads(res.stdout)["receipt"] == str(Path("lora-parity-receipts") / path.name)
+    assert "/lora-parity-receipts/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
 def test_models_lists_configs() -> None:

@@ -386,7 +386,7 @@ def test_bad_receipt_is_one_line_and_exit_2(command: str, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("args", "message"), [
     (["report", "no/such.json"], "no/such.json: cannot read"),
-    (["report", TINY_ARG, "--format", "html"], "unknown format 'html'; choose from md, text, json"),
+    (["report", TINY_ARG, "--format", "pdf"], "unknown format 'pdf'; choose from md, text, json, html"),
     (["table", TINY_ARG, "--format", "csv"], "unknown format 'csv'; choose from md, rich"),
     (["diff", TINY_ARG, "no/such.json", "--json"], "no/such.json: cannot read"),
 ])

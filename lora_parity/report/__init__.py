@@ -6,7 +6,8 @@ matplotlib) and prints what these functions return.
 
 - `document`: the block model (headings, tables, ...) and its markdown and plain-text renderers.
 - `facts`: what every rendering reads off a receipt (headline comparisons, worst positions, outcomes).
-- `pr`: the PR report (markdown, text, JSON); `table`: the evidence table; `diff`: two receipts
+- `pr`: the PR report (markdown, text, JSON, HTML); `files`: the report written to a folder with
+  its plots (`report --out`); `table`: the evidence table; `diff`: two receipts
   side by side; `schema`: the receipt's JSON Schema.
 """
 
@@ -23,6 +24,7 @@ from lora_parity.report.document import (
     code,
     fmt_num,
     fmt_signed,
+    render_html,
     render_markdown,
     render_text,
 )
@@ -47,6 +49,7 @@ from lora_parity.report.table import (
     model_input,
     table_header,
     table_markdown,
+    table_rows,
 )
 
 __all__ = [
@@ -77,6 +80,7 @@ __all__ = [
     "model_input",
     "outcome",
     "position_diffs",
+    "render_html",
     "render_markdown",
     "render_report",
     "render_text",
@@ -87,5 +91,6 @@ __all__ = [
     "short_reason",
     "table_header",
     "table_markdown",
+    "table_rows",
     "worst_diffs",
 ]

@@ -1,10 +1,11 @@
 """A tiny document model (headings, paragraphs, bullets, tables, images, collapsed sections) and
-its two renderers: GitHub markdown and plain text. The JSON renderings are plain data built by the
+its renderers: GitHub markdown, plain text and HTML. The JSON renderings are plain data built by the
 report and the diff themselves. Number formatting shared by every rendering lives here too.
 """
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -172,3 +173,49 @@ def _text_block(b: Block) -> str:
 def render_text(blocks: Sequence[Block]) -> str:
     """Plain text with aligned columns, for a terminal or a log."""
     return "\n\n".join(_text_block(b) for b in blocks) + "\n"
+
+
+# --- HTML ------------------------------------------------------------------------------------------
+
+_HTML_STYLE = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;margin:1em 0;font-size:0.9em}th,td{border:1px solid #ccc;padding:3px 8px;"
+    "text-align:left;vertical-align:top}th{background:#f3f3f3}code{background:#f3f3f3;padding:0 3px}"
+    "img{max-width:100%;display:block;margin:0.5em 0}details{margin:1em 0}"
+)
+
+
+def _html_inline(text: str) -> str:
+    """`Para` markup as HTML: everything escaped, then `code` spans and **bold**."""
+    parts = html.escape(text, quote=False).split("`")
+    out = [f"<code>{p}</code>" if i % 2 else re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", p)
+           for i, p in enumerate(parts)]
+    return "".join(out)
+
+
+def _html_table(table: Table) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in table.header)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table.rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+
+
+def _html_block(b: Block) -> str:
+    if isinstance(b, Heading):
+        return f"<h{b.level}>{html.escape(b.text)}</h{b.level}>"
+    if isinstance(b, Para):
+        return f"<p>{_html_inline(b.text)}</p>"
+    if isinstance(b, Bullets):
+        return "<ul>" + "".join(f"<li>{_html_inline(i)}</li>" for i in b.items) + "</ul>"
+    if isinstance(b, Table):
+        return _html_table(b)
+    if isinstance(b, Image):
+        return f'<img alt="{html.escape(b.alt)}" src="{html.escape(b.link)}">'
+    inner = "\n".join(_html_block(x) for x in b.blocks)
+    return f"<details><summary>{html.escape(b.summary)}</summary>\n{inner}\n</details>"
+
+
+def render_html(blocks: Sequence[Block], title: str) -> str:
+    """One self-contained HTML page (inline style; images are whatever their links say, e.g. data: URIs)."""
+    body = "\n".join(_html_block(b) for b in blocks)
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{_HTML_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")

@@ -2,7 +2,7 @@
 
 matplotlib is imported only when a plot is drawn, and only its Agg canvas is used (headless, no
 pyplot global state). Position t of sequence s scores token probes.sequences[s][t+1]; sequences are
-concatenated along the x axis with a dotted line between them.
+concatenated along the x axis with a dotted line between them, each labelled at the top.
 """
 
 from __future__ import annotations
@@ -46,49 +46,99 @@ def _budget_lines(receipt: Receipt, name: str) -> list[tuple[float, str, str, st
             (b.max, f"max budget {b.max:g}", "tab:red", "-")]
 
 
-def draw(receipt: Receipt, name: str, path: Path) -> Path:
-    """Draw comparison `name` of `receipt` to the PNG `path`."""
+def _reference_series(receipt: Receipt, name: str) -> list[tuple[str, list[float]]]:
+    """For A with `--reference fp32`: each side's |diff| from the fp32 base model, per position."""
+    if not name.startswith("A."):
+        return []
+    series = []
+    for ref, side in (("R.trainer_vs_fp32", "trainer"), ("R.sampler_vs_fp32", "sampler")):
+        if ref in receipt.comparisons:
+            series.append((f"|{side} − fp32 reference|", [abs(p.diff) for p in position_diffs(receipt, ref)]))
+    return series
+
+
+def _draw_points(ax: Any, absd: list[float], floor: float, label: str) -> None:
+    xs = range(len(absd))
+    ax.plot([x for x in xs if absd[x] > 0], [v for v in absd if v > 0], ".", ms=3, color="tab:blue", label=label,
+            zorder=3)
+    zeros = [x for x in xs if absd[x] == 0]
+    if zeros:
+        ax.plot(zeros, [floor] * len(zeros), "|", ms=4, color="0.6", label=f"exactly 0 ({len(zeros)} positions)")
+
+
+def _draw_reference(ax: Any, series: list[tuple[str, list[float]]], floor: float) -> None:
+    for (label, values), marker, colour in zip(series, ("x", "+"), ("tab:green", "tab:purple"), strict=False):
+        ax.plot(range(len(values)), [max(v, floor) for v in values], marker, ms=3, mew=0.7, color=colour,
+                alpha=0.7, label=label, zorder=2)
+
+
+def _draw_thresholds(ax: Any, lines: list[tuple[float, str, str, str]], observed_mean: float, floor: float) -> None:
+    # Budgets are thin and labelled on the line itself; the observed mean is a thick black dash-dot
+    # line, so it never reads as a budget even where it lies close to one.
+    for value, label, colour, style in lines:
+        ax.axhline(value, color=colour, ls=style, lw=0.9, label=label, zorder=1)
+        ax.annotate(label.split(" (")[0], (0, value), xycoords=("axes fraction", "data"), xytext=(3, 2),
+                    textcoords="offset points", fontsize=6, color=colour, va="bottom")
+    mean = max(observed_mean, floor)
+    ax.axhline(mean, color="black", ls="-.", lw=1.6, label=f"observed mean {observed_mean:.3g}", zorder=4)
+    ax.annotate(f"observed mean {observed_mean:.3g}", (1, mean), xycoords=("axes fraction", "data"),
+                xytext=(-3, -2), textcoords="offset points", fontsize=6.5, ha="right", va="top", fontweight="bold")
+
+
+def _draw_sequences(ax: Any, lengths: list[int]) -> None:
+    """A dotted line between sequences and each sequence's label at the top."""
+    start = 0
+    for s, n in enumerate(lengths):
+        if s:
+            ax.axvline(start - 0.5, color="0.55", ls=":", lw=0.9)
+        ax.annotate(f"seq {s} ({n} positions)", (start + n / 2, 1), xycoords=("data", "axes fraction"),
+                    xytext=(0, -3), textcoords="offset points", fontsize=6.5, ha="center", va="top", color="0.35")
+        start += n
+
+
+def figure(receipt: Receipt, name: str) -> Any:
+    """The matplotlib Figure of comparison `name`: |diff| per position, the budgets (thin, labelled),
+    the observed mean (thick black dash-dot), each side's distance from the fp32 reference where the
+    receipt has one (A only), and the sequence boundaries, labelled."""
     Figure, FigureCanvasAgg = _matplotlib()
     cmp = receipt.comparisons[name]
-    positions = position_diffs(receipt, name)
-    absd = [abs(p.diff) for p in positions]
+    absd = [abs(p.diff) for p in position_diffs(receipt, name)]
     lines = _budget_lines(receipt, name)
-    nonzero = [v for v in absd if v > 0]
+    reference = _reference_series(receipt, name)
+    shown = [v for v in absd if v > 0] + [v for _, vs in reference for v in vs if v > 0]
     # A log axis shows 1e-6 agreement and a 9-nat outlier on one plot; exact zeros sit on the floor.
-    floor = min([*nonzero, *(v for v, *_ in lines)]) / 10
+    floor = min([*shown, *(v for v, *_ in lines)]) / 10
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    xs = list(range(len(absd)))
-    ax.plot([x for x, v in zip(xs, absd, strict=True) if v > 0], nonzero, ".", ms=3, color="tab:blue",
-            label=f"|{cmp.b} − {cmp.a}|")
-    zeros = [x for x, v in zip(xs, absd, strict=True) if v == 0]
-    if zeros:
-        ax.plot(zeros, [floor] * len(zeros), "|", ms=4, color="0.6", label=f"exactly 0 ({len(zeros)} positions)")
-    for value, label, colour, style in lines:
-        ax.axhline(value, color=colour, ls=style, lw=1, label=label)
-    ax.axhline(max(cmp.mean_abs, floor), color="tab:blue", ls=":", lw=1, label=f"observed mean {cmp.mean_abs:.3g}")
-    start = 0
-    for seq in receipt.scores[cmp.a][:-1]:
-        start += len(seq)
-        ax.axvline(start - 0.5, color="0.8", ls=":", lw=0.8)
+    _draw_points(ax, absd, floor, f"|{cmp.b} − {cmp.a}|")
+    _draw_reference(ax, reference, floor)
+    _draw_thresholds(ax, lines, cmp.mean_abs, floor)
+    _draw_sequences(ax, [len(seq) for seq in receipt.scores[cmp.a]])
     worst = worst_diffs(receipt, name, k=1)
     if worst:
         w = worst[0]
-        x = xs[sum(len(s) for s in receipt.scores[cmp.a][: w.sequence]) + w.position]
-        ax.annotate(f"s{w.sequence} t{w.position} tok {w.token_id}", (x, abs(w.diff)), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+        x = sum(len(s) for s in receipt.scores[cmp.a][: w.sequence]) + w.position
+        right = x > len(absd) / 2
+        ax.annotate(f"worst: seq {w.sequence} pos {w.position} tok {w.token_id}", (x, abs(w.diff)), fontsize=6.5,
+                    xytext=(-4 if right else 4, 4), textcoords="offset points", ha="right" if right else "left")
     ax.set_yscale("log")
-    ax.set_ylim(floor / 2, max([*absd, *(v for v, *_ in lines)]) * 3)
+    ax.set_ylim(floor / 2, max([*shown, *(v for v, *_ in lines)]) * 6)
     ax.set_xlim(-1, len(absd))
     status = group_status(receipt.checks, name[0])
     ax.set_title(f"{PLOTTED.get(name, name)} ({status.value if status else 'not checked'})", fontsize=10)
-    ax.set_xlabel("scored position (sequences concatenated)", fontsize=8)
+    ax.set_xlabel("scored position (sequences concatenated, in order)", fontsize=8)
     ax.set_ylabel("|Δ logprob| (nats)", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
+    return fig
+
+
+def draw(receipt: Receipt, name: str, path: Path) -> Path:
+    """Draw comparison `name` of `receipt` (see `figure`) to the PNG `path`."""
+    fig = figure(receipt, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", metadata={"Software": None})
     return path

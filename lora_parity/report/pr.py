@@ -28,12 +28,13 @@ from lora_parity.report.document import (
     fmt_budget,
     fmt_num,
     fmt_signed,
+    render_html,
     render_markdown,
     render_text,
 )
 from lora_parity.report.facts import CHECK_TITLES, HEADLINE, NOT_REACHED, group_of, group_status, worst_diffs
 
-REPORT_FORMATS = ("md", "text", "json")
+REPORT_FORMATS = ("md", "text", "json", "html")
 _KEY_TIMINGS = {
     "total": "the sequence (after loading)",
     "backends.import": "importing the backends",
@@ -328,9 +329,12 @@ def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = N
 
 
 def render_report(receipt: Receipt, path: str, fmt: str, plots: Mapping[str, str] | None = None) -> str:
-    """The report in `fmt` (md, text or json)."""
+    """The report in `fmt` (md, text, json or html: one page; its images are the `plots` links as given,
+    data: URIs for a self-contained page)."""
     check_format(fmt, REPORT_FORMATS)
     if fmt == "json":
         return json.dumps(report_data(receipt, path, plots), indent=2) + "\n"
     blocks = report_blocks(receipt, path, plots)
+    if fmt == "html":
+        return render_html(blocks, f"lora-parity: {receipt.model.name} ({receipt.verdict.value})")
     return render_markdown(blocks) if fmt == "md" else render_text(blocks)

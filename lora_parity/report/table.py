@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,21 @@ def evidence_row(receipt: Receipt) -> EvidenceRow:
                        _mean_cell(get(HEADLINE["C"][0])), outcome(receipt))
 
 
+def _dated(row: EvidenceRow, receipt: Receipt) -> EvidenceRow:
+    when = receipt.created_at.replace("T", " ")
+    label = row.model_input[:-1] + f", {when})" if row.model_input.endswith(")") else f"{row.model_input} ({when})"
+    return EvidenceRow(label, row.a, row.b, row.c, row.result)
+
+
+def table_rows(receipts: Sequence[Receipt]) -> list[list[str]]:
+    """The rows' cells in order; rows whose Model / input would be the same name their run's date too,
+    so that two runs of one setup can be told apart."""
+    rows = [evidence_row(r) for r in receipts]
+    seen = Counter(row.model_input for row in rows)
+    return [(_dated(row, r) if seen[row.model_input] > 1 else row).cells()
+            for row, r in zip(rows, receipts, strict=True)]
+
+
 def table_header(receipts: Sequence[Receipt]) -> list[str]:
     """The header; when every receipt has the same budgets they are named in it, as in the seed."""
     budgets = {r.budgets for r in receipts}
@@ -69,4 +85,4 @@ def table_header(receipts: Sequence[Receipt]) -> list[str]:
 
 def table_markdown(receipts: Sequence[Receipt]) -> str:
     """The evidence table in markdown, one row per receipt in the order given."""
-    return render_markdown([Table(table_header(receipts), [evidence_row(r).cells() for r in receipts])])
+    return render_markdown([Table(table_header(receipts), table_rows(receipts))])

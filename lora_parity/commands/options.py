@@ -1,0 +1,33 @@
+"""Option types shared by the commands (typer `Annotated` aliases), and the verdict → exit code map."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")]
+RevisionOpt = Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")]
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", help="Config name in configs/, a YAML file, or a local HF checkpoint folder.")
+]
+GithubSummaryOpt = Annotated[
+    bool, typer.Option("--github-summary", help="Also append the markdown report to $GITHUB_STEP_SUMMARY, if set.")
+]
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
+TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
+SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")]
+ProbesOpt = Annotated[str, typer.Option(
+    help="Probe source: random[:SET] or a set (default, held-out; SET-xN: N times the sequences), "
+         "text[:SET] (shipped English text, real models only), or FILE.jsonl ({\"tokens\": [ids]} or "
+         "{\"text\": ...} per line).")]
+SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
+SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
+PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
+
+
+def exit_for(verdict: str) -> int:
+    """0 for pass, 1 for fail or inconclusive, 2 for error."""
+    return EXIT_PASS if verdict == "pass" else EXIT_FAIL if verdict in ("fail", "inconclusive") else EXIT_BAD_INPUT

@@ -1,0 +1,70 @@
+"""`lora-parity report --out DIR`: the report as a file with its plots beside it.
+
+The markdown links each plot by its bare file name, relative to the report itself, so the folder
+renders wherever it is committed or attached (a PR, a wiki); the HTML page inlines its plots as
+data: URIs and stands alone. Files are written atomically (a temporary file, then a rename).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from pathlib import Path
+
+from lora_parity.errors import ConfigError
+from lora_parity.receipt import Receipt
+from lora_parity.report.pr import render_report
+
+REPORT_FILES = {"md": "report.md", "text": "report.txt", "json": "report.json", "html": "report.html"}
+"""Format → the report's file name in the `--out` folder."""
+
+
+def data_uri(png: Path) -> str:
+    """A PNG file as a data: URI."""
+    return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
+
+
+def inline_plots(receipt: Receipt) -> dict[str, str]:
+    """The plots drawn in a temporary folder, as data: URIs (comparison → URI)."""
+    from lora_parity.report.plots import write_plots
+
+    with tempfile.TemporaryDirectory(prefix="lora-parity-plots-") as tmp:
+        return {name: data_uri(p) for name, p in write_plots(receipt, Path(tmp)).items()}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` through a temporary file in the same folder and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # opened normally: the umask sets its mode
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_report(receipt: Receipt, receipt_label: str, out_dir: Path, fmt: str) -> Path:
+    """Write the report in `fmt` to `out_dir/report.<ext>` with its PNG plots beside it (inlined for
+    html), and return the report's path. `receipt_label` is how the report names the receipt."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir}: not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out_dir}: cannot create the folder: {e.strerror or e}") from None
+    if fmt == "html":
+        links = inline_plots(receipt)
+    else:
+        from lora_parity.report.plots import write_plots
+
+        links = {name: p.name for name, p in write_plots(receipt, out_dir).items()}
+    target = out_dir / REPORT_FILES[fmt]
+    try:
+        write_atomic(target, render_report(receipt, receipt_label, fmt, links))
+    except OSError as e:
+        raise ConfigError(f"--out {out_dir}: cannot write {target.name}: {e.strerror or e}") from None
+    return target
