@@ -309,6 +309,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "deltas": ev.deltas,
         "checks": ev.checks,
         "verdict": ev.verdict,
+        "verdicts": ev.verdicts,
         "error": error,
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
