@@ -113,6 +113,8 @@ class DeltaThresholds:
     cosine: Threshold
     scale: Threshold
     rel_l2: Threshold
+    undecidable: bool = False
+    """kε/|t| >= 1: noise could turn the change any way, so neither pass nor fail can be claimed."""
 
 
 def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm: float | None) -> DeltaThresholds:
@@ -134,4 +136,5 @@ def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm:
         loosen(fixed.cosine, cosine, cosine < budgets.min_delta_cosine),
         loosen(fixed.scale, ratio, ratio > budgets.max_delta_scale_error),
         loosen(fixed.rel_l2, ratio, ratio > budgets.max_delta_rel_l2),
+        undecidable=ratio >= 1.0,
     )

@@ -124,8 +124,10 @@ class _Checker:
         reached: bool = True,
         failing: CheckStatus = CheckStatus.FAIL,
         note: str | None = None,
+        undecidable: str | None = None,
     ) -> None:
-        """`note` says how a budget derived from measurements was derived; it ends the reason."""
+        """`note` says how a budget derived from measurements was derived; it ends the reason.
+        `undecidable` (a reason) makes a reached check inconclusive whatever it observed."""
         if not reached:
             status, reason = CheckStatus.NOT_REACHED, "not reached: the phases it needs did not run"
         elif observed is None:
@@ -135,6 +137,8 @@ class _Checker:
             status = CheckStatus.PASS if ok else failing
             verdict = f"{observed:.4g} {op} {budget:.4g}"
             reason = verdict if ok else f"{fail_reason}: {observed:.4g} not {op} {budget:.4g}"
+            if undecidable is not None:
+                status, reason = CheckStatus.INCONCLUSIVE, f"{undecidable}: {verdict}"
             reason = f"{reason} ({note})" if note else reason
         self.checks.append(
             Check(id=id, name=name, status=status, observed=observed, budget=budget, op=op, reason=reason)  # type: ignore[arg-type]
@@ -259,17 +263,18 @@ def _delta_checks(
     thresholds are loosened to what the zero-init noise explains (`check_rules.delta_thresholds`)."""
     reached = delta is not None
     th = check_rules.delta_thresholds(budgets, zero_init_l2, delta.trainer_norm if delta else None)
+    undecidable = "noise as large as the change explains any direction and scale" if th.undecidable else None
     c.add(f"{prefix}.cosine", "Δsampler points the same way as Δtrainer", delta.cosine if delta else None, ">=",
           th.cosine.budget, why or "sampler moved in another direction", reached=reached, failing=failing,
-          note=th.cosine.note)
+          note=th.cosine.note, undecidable=undecidable)
     scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
     c.add(f"{prefix}.scale", "|‖Δsampler‖/‖Δtrainer‖ - 1| within budget", scale_err, "<=",
           th.scale.budget, why or "sampler moved by another amount", reached=reached, failing=failing,
-          note=th.scale.note)
+          note=th.scale.note, undecidable=undecidable)
     if rel_l2:
         c.add(f"{prefix}.rel_l2", "‖Δsampler - Δtrainer‖/‖Δtrainer‖ within budget", delta.rel_l2 if delta else None,
               "<=", th.rel_l2.budget, "sampler's change differs from trainer's", reached=reached,
-              failing=failing, note=th.rel_l2.note)
+              failing=failing, note=th.rel_l2.note, undecidable=undecidable)
 
 
 def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from lora_parity.errors import ReceiptError
 from lora_parity.receipt_io import MAX_RECEIPT_BYTES as MAX_RECEIPT_BYTES
 from lora_parity.receipt_io import one_line, parse_json, read_bounded, write_text_atomic
+from lora_parity.receipt_models import ATriangulation as ATriangulation
 from lora_parity.receipt_models import (
     BucketStats as BucketStats,
 )
@@ -29,16 +30,14 @@ from lora_parity.receipt_models import (
 from lora_parity.receipt_models import (
     ComparisonStats as ComparisonStats,
 )
+from lora_parity.receipt_models import CRelative as CRelative
 from lora_parity.receipt_models import (
     DeltaStats as DeltaStats,
 )
 from lora_parity.receipt_models import (
     ErrorBreakdown as ErrorBreakdown,
 )
-from lora_parity.receipt_models import ATriangulation as ATriangulation
-from lora_parity.receipt_models import CRelative as CRelative
 from lora_parity.receipt_models import GroupVerdict as GroupVerdict
-from lora_parity.receipt_models import Verdicts as Verdicts
 from lora_parity.receipt_models import JsonScalar as JsonScalar
 from lora_parity.receipt_models import (
     PhaseStatus as PhaseStatus,
@@ -52,6 +51,7 @@ from lora_parity.receipt_models import (  # re-exported: callers import them fro
 from lora_parity.receipt_models import (
     Verdict as Verdict,
 )
+from lora_parity.receipt_models import Verdicts as Verdicts
 from lora_parity.receipt_models import (
     WorstPosition as WorstPosition,
 )
@@ -100,7 +100,8 @@ class Budgets(Strict):
     target_noise_k: float | None = Field(default=None, gt=0)
     """Safety factor k of the noise-derived delta thresholds: with ε = ‖trainer_zero - zero‖ and |t| =
     ‖Δtrainer‖, cosine >= min(min_delta_cosine, cos(asin(min(1, kε/|t|)))), scale and rel_l2 errors <=
-    max(their budget, kε/|t|) (C.delta and T.*). None: the fixed budgets alone."""
+    max(their budget, kε/|t|) (C.delta and T.*); where kε/|t| >= 1 they are inconclusive (noise explains
+    any change). None: the fixed budgets alone."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Budgets:

@@ -76,6 +76,8 @@ class RunOptions:
     """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
+    budgets: str | None = None
+    """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -120,7 +122,7 @@ class Plan:
 
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
-    cfg = config.load(opts.model, opts.dtype)
+    cfg = config.load(opts.model, opts.dtype, opts.budgets)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
