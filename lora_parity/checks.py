@@ -8,8 +8,12 @@ trainer_updated, stale, updated, updated_repeat, and per target kind K: target.K
 target.K.sampler; where sampler and trainer share a service (tinker), also stale_after_sync (the
 stale adapter queried again after the synced one) and trainer_after_stale (the trainer after
 that). With `--reference fp32`, also reference_fp32: the base model scored in fp32 by HF, which
-both sides approximate at zero-init (informational comparisons R.*, no checks). A comparison
-`b vs a` looks at b - a.
+both sides approximate at zero-init (comparisons R.*; with `budgets.a_triangulation` they judge A,
+checks A.fp32.*). A comparison `b vs a` looks at b - a.
+
+Check groups (docs/verdicts.md): a check's group follows from its id, `check_rules.group_of`:
+numerics = A.parity.*, A.fp32.*, A.noise.*; sync = every other check. `Evaluation.verdicts` gives
+each group's verdict; the run's verdict is the worse of the two.
 """
 
 from __future__ import annotations
