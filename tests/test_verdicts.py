@@ -275,3 +275,13 @@ def test_verify_rechecks_the_verdicts(tmp_path: Path) -> None:
     data["digest"] = compute_digest(data)
     (tmp_path / "old.json").write_text(json.dumps(data))
     assert verify(tmp_path / "old.json").verdict == Verdict.PASS
+
+
+def test_json_summary_carries_both_verdicts(tmp_path: Path) -> None:
+    from lora_parity import output
+
+    receipt = execute(RunOptions(trainer="fake", sampler="fake", inject="one-token", out=tmp_path / "r.json")).receipt
+    summary = output.summary(receipt, "r.json")
+    assert summary["verdicts"]["numerics"] == {"verdict": "fail", "decided_by": ["A.parity.max"]}
+    # fp32 budgets are absolute: the same token is off after sync too.
+    assert summary["verdicts"]["sync"] == {"verdict": "fail", "decided_by": ["C.parity.max"]}
