@@ -6,7 +6,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 JsonScalar = str | int | float | bool | None
 
@@ -175,22 +175,22 @@ class ErrorBreakdown(Strict):
 class CRelative(Strict):
     """Check C judged against check A: after sync the disagreement must return to the zero-init level."""
 
-    factor: float
+    factor: float = Field(gt=0)
     """C's mean, p99 and max |diff| may each be at most factor × A's same statistic + floor."""
-    floor: float
+    floor: float = Field(ge=0)
     """Added to every relative budget, so that a near-zero A does not make C fail on rounding."""
 
 
 class ATriangulation(Strict):
     """Check A judged on precision, where the fp32 reference was scored (R.trainer_vs_fp32, R.sampler_vs_fp32)."""
 
-    factor: float
+    factor: float = Field(gt=0)
     """A's mean and p99 |diff| may be at most factor × the larger side's distance from fp32 (same statistic)."""
-    mean: float
+    mean: float = Field(gt=0)
     """Ceiling on each side's mean |diff| from fp32."""
-    p99: float
+    p99: float = Field(gt=0)
     """Ceiling on each side's p99 |diff| from fp32."""
-    max: float
+    max: float = Field(gt=0)
     """Ceiling on each side's max |diff| from fp32, and on A's own max |diff| (one bad token fails)."""
 
 
