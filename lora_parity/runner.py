@@ -76,6 +76,8 @@ class RunOptions:
     """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
+    budgets: str | None = None
+    """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -120,7 +122,7 @@ class Plan:
 
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
-    cfg = config.load(opts.model, opts.dtype)
+    cfg = config.load(opts.model, opts.dtype, opts.budgets)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -309,6 +311,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "deltas": ev.deltas,
         "checks": ev.checks,
         "verdict": ev.verdict,
+        "verdicts": ev.verdicts,
         "error": error,
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),

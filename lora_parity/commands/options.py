@@ -26,6 +26,10 @@ ProbesOpt = Annotated[str, typer.Option(
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
 SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
 PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
+BudgetsOpt = Annotated[str | None, typer.Option(
+    "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "
+                      "(absolute, tight) or bf16 (C relative to A, A against the fp32 reference, noise-derived "
+                      "delta thresholds); see docs/verdicts.md.")]
 
 
 def exit_for(verdict: str) -> int:
