@@ -102,15 +102,16 @@ def _torchrun_lines(name: str, model_ref: str, flags: dict[str, str | int | None
     """Megatron at TP > 1 for a config without a launch section: torchrun on this machine, and over
     `tp` nodes with one trainer rank each (docs/multinode.md)."""
     run = _run_command(model_ref, flags, prog=f"-m {_entry('megatron')}")
+    host = DEMO_RDZV.split(":")[0]
     nodes = [f"    node {r}:  torchrun --nnodes {tp} --nproc-per-node 1 --node-rank {r} --rdzv-backend c10d "
-             f"--rdzv-endpoint {DEMO_RDZV} --rdzv-id lora-parity-{name} {run}" for r in range(tp)]
+             f"--rdzv-endpoint {DEMO_RDZV} --rdzv-id lora-parity-{name} --local-addr {host} {run}" for r in range(tp)]
     return [f"  under torchrun on this machine:  torchrun --nproc-per-node {tp} {run}",
             f"  over {tp} nodes, one trainer rank each (the node torchrun ranks 0 runs the sequence and the "
             "sampler and writes the receipt):",
             *nodes,
-            f"    as printed every node runs on this machine; across machines, {DEMO_RDZV.split(':')[0]} becomes "
-            "node 0's address and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME the interface they share "
-            "(docs/multinode.md)"]
+            f"    as printed every node runs on this machine; across machines, the endpoint's {host} becomes node "
+            "0's address, --local-addr each node's own (or leave it out), and GLOO_SOCKET_IFNAME / "
+            "NCCL_SOCKET_IFNAME name the interface they share (docs/multinode.md)"]
 
 
 def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None = None, tp: int | None = None,

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from lora_parity import config, plan
+from lora_parity import config, launch, plan
 from lora_parity.backends.megatron import liveness, protocol
 
 from .conftest import ROOT, cli
@@ -61,12 +61,21 @@ def test_plan_prints_one_torchrun_command_per_node() -> None:
         assert argv[0] == "torchrun"
         assert flags["--nnodes"] == "2" and flags["--nproc-per-node"] == "1" and flags["--node-rank"] == str(rank)
         assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "127.0.0.1:29500"
+        assert flags["--local-addr"] == "127.0.0.1"  # rank 0's MASTER_ADDR: gloo then uses loopback
         assert argv[argv.index("-m") + 1:] == ["lora_parity.launch", "run", "--model", "tiny-qwen3", "--trainer",
                                                "megatron", "--sampler", "hf", "--tp", "2"]
     # The one-host torchrun line too; and nothing of it without the Megatron trainer at TP > 1.
     assert "torchrun --nproc-per-node 2 -m lora_parity.launch run" in text
     for trainer, tp in (("megatron", 1), ("hf", 2), ("megatron", None)):
         assert "torchrun" not in plan.render(config.load("tiny-qwen3"), None, trainer, tp)
+
+
+@pytest.mark.unit
+def test_gloo_uses_loopback_only_when_rank_0_is_on_it_and_no_interface_is_named() -> None:
+    assert launch.loopback_gloo({"MASTER_ADDR": "127.0.0.1"}) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert launch.loopback_gloo({"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "eth1"}) == {}
+    assert launch.loopback_gloo({"MASTER_ADDR": "node0.cluster"}) == {}
+    assert launch.loopback_gloo({}) == {}
 
 
 @pytest.mark.unit
