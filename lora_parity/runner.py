@@ -274,6 +274,8 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     except KeyboardInterrupt:
         error = "interrupted"
         raise
+    except Exception as e:  # zero_b or the routing capture, before the first phase: still a receipt
+        error = f"start: {e}" if isinstance(e, LoraParityError) else f"start: {type(e).__name__}: {e}"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         seconds = time.perf_counter() - start
