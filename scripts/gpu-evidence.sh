@@ -76,15 +76,19 @@ case "$step" in
       cat "$out/tiny-glm-dsa__hf__${s}.summary.json" | head -c 1500; echo
     done ;;
   real)
-    # real REV NAME:MODEL:ARG,ARG ... : one run each, e.g. smol-text:smollm2-135m-bf16:--probes,text
+    # real REV NAME:MODEL:ARG,ARG ... : one run each, e.g. smol-text:smollm2-135m-bf16:--probes,text;
+    # MODEL "smollm2-bf16-path" is that config's built checkpoint passed by path. Only receipts go to
+    # $OUT (8 files come back at most); logs stay in /tmp/gpu-logs and their tails are printed.
     rev=${2:?revision}; shift 2
+    mkdir -p /tmp/gpu-logs
     for spec in "$@"; do
       name=${spec%%:*}; rest=${spec#*:}; m=${rest%%:*}; args=${rest#*:}; [ "$args" = "$rest" ] && args=""
+      if [ "$m" = smollm2-bf16-path ]; then m=$(ls -d "$LORA_PARITY_CACHE"/models/smollm2-135m-bf16* | head -1); fi
       receipt="$out/${name}__${device}.json"
       # shellcheck disable=SC2086
-      timeout 300 python3 -m lora_parity run --model "$m" ${args//,/ } --revision "$rev" --out "$receipt" --json \
-        > "$out/${name}.summary.json" 2> "$out/${name}.err" || true
-      echo "== $name: $(head -c 400 "$out/${name}.summary.json") $(tail -2 "$out/${name}.err" | cut -c1-300)"
+      timeout 400 python3 -m lora_parity run --model "$m" ${args//,/ } --revision "$rev" --out "$receipt" --json \
+        > "/tmp/gpu-logs/${name}.json" 2> "/tmp/gpu-logs/${name}.err"; rc=$?
+      echo "== $name rc=$rc: $(head -c 700 "/tmp/gpu-logs/${name}.json") | $(tail -3 "/tmp/gpu-logs/${name}.err" | cut -c1-300)"
     done ;;
   bench)
     {
