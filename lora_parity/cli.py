@@ -106,7 +106,7 @@ def run(
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
         _print_plan(ctx, model, trainer, sampler, tp)
-    from lora_parity.runner import RunOptions, execute
+    from lora_parity.runner import RunOptions
 
     if junit is not None:
         from lora_parity.junit import check_target
@@ -119,7 +119,7 @@ def run(
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype)
     # The CLI leaves right after the receipt is written (see _exit_fast).
-    result = execute(opts, progress=output.progress, process_exiting=True)
+    result = _execute_interruptible(opts)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
     output.result(result.receipt, str(path), json_)
     if junit is not None:
@@ -131,6 +131,22 @@ def run(
 
         output.github_summary(report_markdown(result.receipt, str(path)))
     raise typer.Exit(exit_for(result.receipt.verdict.value))
+
+
+def _execute_interruptible(opts: Any) -> Any:
+    """`execute`, with SIGINT and SIGTERM ending the run the same way: a receipt (verdict error), one
+    line naming it, the work dir removed, child processes ended, exit code 128 + the signal."""
+    from lora_parity import interrupt
+    from lora_parity.runner import RunInterrupted, execute
+
+    with interrupt.handle_signals():
+        try:
+            return execute(opts, progress=output.progress, process_exiting=True)
+        except RunInterrupted as e:
+            output.error(f"{e}; receipt {e.result.path} (verdict error, `lora-parity verify` exits 1 on it)")
+        except KeyboardInterrupt as e:  # before the run started: nothing loaded, nothing written
+            output.error(f"{interrupt.describe(e)} before the run started; no receipt")
+    raise typer.Exit(interrupt.exit_code())
 
 
 def _print_plan(ctx: typer.Context, model: str | None, trainer: str, sampler: str, tp: int) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, synthetic
+from lora_parity import __version__, backends, breakdown, checks, config, interrupt, outpath, realmodel, synthetic
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
@@ -28,8 +28,8 @@ from lora_parity.backends.base import (
 )
 from lora_parity.checkpoint import Checkpoint, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
-from lora_parity.faults import Faults
-from lora_parity.phases import Run, StopRun, run_sequence
+from lora_parity.faults import Faults, check_crash_phase
+from lora_parity.phases import Run, StopRun, phase_names, run_sequence
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
 from lora_parity.receipt import (
     SCHEMA_VERSION,
@@ -134,6 +134,7 @@ def prepare(opts: RunOptions) -> Plan:
     _tp_preflight(opts, trainer_cls)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
+    check_crash_phase(opts.inject, phase_names(cfg))
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
@@ -192,6 +193,8 @@ class Backends:
         self.device = "unknown"
         self.next_adapter_id = 1
         self.error: str | None = None
+        self.interrupted: KeyboardInterrupt | None = None
+        """A SIGINT or SIGTERM that stopped a run on these backends: they are not used again."""
         self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
@@ -223,14 +226,21 @@ class Backends:
         except Exception as e:
             self.error = f"setup: {e}" if isinstance(e, LoraParityError) else f"setup: {type(e).__name__}: {e}"
             say("setup", "error", time.perf_counter() - start)
+        except KeyboardInterrupt as e:
+            self.interrupted = e
+            self.error = f"setup: {interrupt.describe(e)}"
 
     def close(self, process_exiting: bool = False) -> None:
         """Free both backends. When the process is about to exit, a backend that holds nothing but
         this process's own memory (`traits.releases_nothing_at_exit`) is left to the exit: tearing
         down an in-process vLLM engine takes about a second and frees only what the exit frees anyway."""
-        for backend in (self.trainer, self.sampler):
-            if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
-                backend.close()
+        if self.interrupted is not None:
+            # The backends may be mid-call: end their processes instead of talking to them.
+            interrupt.end_children()
+        else:
+            for backend in (self.trainer, self.sampler):
+                if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
+                    backend.close()
         self.trainer = self.sampler = None
 
 
@@ -248,10 +258,23 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
         run_sequence(run)
     except StopRun:
         pass
-    finally:
-        loaded.next_adapter_id = run.next_adapter_id
+    except KeyboardInterrupt as e:
+        loaded.interrupted = e
+    loaded.next_adapter_id = run.next_adapter_id
+    _stop_if_interrupted(run, loaded)
+    if loaded.interrupted is None:
         run.retire()
     return run, router
+
+
+def _stop_if_interrupted(run: Run, loaded: Backends) -> None:
+    """A signal ends the run with an error that says so, even where a library turned the
+    KeyboardInterrupt into another exception (the phase then failed with that exception)."""
+    if loaded.interrupted is None and interrupt.received() is not None:
+        loaded.interrupted = interrupt.Interrupted(interrupt.received() or 0)
+    if loaded.interrupted is not None:
+        where = f" in phase {run.phases[-1].name}" if run.phases and run.phases[-1].status.value == "error" else ""
+        run.error = f"{interrupt.describe(loaded.interrupted)}{where}"
 
 
 def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force: bool,
@@ -269,15 +292,25 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
         if error is None:
             run, router = _sequence(plan, loaded, faults, workdir, say)
             error = run.error
-    except KeyboardInterrupt:
-        error = "interrupted"
-        raise
+    except KeyboardInterrupt as e:  # before the sequence started (zeroing the trainer, routing)
+        loaded.interrupted = e
+        error = interrupt.describe(e)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         seconds = time.perf_counter() - start
         receipt = _receipt(plan, loaded, run, router, inject, error, when, seconds)
         path = write_atomic(receipt, out, force=force)
+    if loaded.interrupted is not None:
+        raise RunInterrupted(RunResult(receipt, path)) from loaded.interrupted
     return RunResult(receipt, path)
+
+
+class RunInterrupted(Exception):
+    """A SIGINT or SIGTERM stopped the run; its receipt (verdict error) is written: `result`."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__(result.receipt.error or "interrupted")
+        self.result = result
 
 
 def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreement | None, inject: str | None,
