@@ -26,7 +26,7 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.checkpoint import Checkpoint, vocab_size, weights_digest
+from lora_parity.checkpoint import Checkpoint, require_safetensors, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
 from lora_parity.faults import Faults, check_crash_phase
 from lora_parity.phases import Run, StopRun, phase_names, run_sequence
@@ -139,6 +139,8 @@ def prepare(opts: RunOptions) -> Plan:
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
     _reference_preflight(plan)
+    if plan.needs_checkpoint:
+        require_safetensors(cfg)
     return plan
 
 

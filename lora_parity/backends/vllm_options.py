@@ -48,6 +48,7 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
         "max_model_len": cfg.sampler.max_model_len,
         "seed": 0,
         "trust_remote_code": cfg.model.trust_remote_code,
+        "load_format": "safetensors",  # never a pickle, even beside safetensors files
     }
     if lora:
         options.update(max_lora_rank=max_lora_rank(cfg.adapter.rank), max_loras=1,
