@@ -151,3 +151,16 @@ def vocab_size(cfg: ModelConfig) -> int:
     if folder is None:
         raise ConfigError(f"{cfg.name}: no local checkpoint to run (hub models are not downloaded)")
     return Checkpoint.open(folder).vocab_size
+
+
+def preflight_hf_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The checkpoint's config.json before anything is loaded or generated: a synthetic spec's own
+    fields, a local folder's file, or None where it is not known yet (a GGUF built on first use, a hub
+    model not in the cache)."""
+    spec = cfg.model.synthetic
+    if spec is not None:
+        from lora_parity.synthetic import hf_config_fields
+
+        return hf_config_fields(spec)
+    folder = Path(cfg.model.path) if cfg.model.path else hub_checkpoint(cfg.model.hf_id) if cfg.model.hf_id else None
+    return Checkpoint.open(folder).config if folder is not None else None

@@ -16,7 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, breakdown, checks, config, interrupt, outpath, realmodel, synthetic
+from lora_parity import (
+    __version__,
+    backends,
+    breakdown,
+    checks,
+    config,
+    interrupt,
+    outpath,
+    realmodel,
+    scratch,
+    synthetic,
+)
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
@@ -26,7 +37,7 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.checkpoint import Checkpoint, require_safetensors, vocab_size, weights_digest
+from lora_parity.checkpoint import Checkpoint, preflight_hf_config, require_safetensors, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
 from lora_parity.faults import Faults, check_crash_phase
 from lora_parity.phases import Run, StopRun, phase_names, run_sequence
@@ -132,6 +143,7 @@ def prepare(opts: RunOptions) -> Plan:
     import_seconds = time.perf_counter() - start
     _service_preflight(opts, trainer_cls, sampler_cls)
     _tp_preflight(opts, trainer_cls)
+    _shape_preflight(cfg, opts, trainer_cls)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
     check_crash_phase(opts.inject, phase_names(cfg))
@@ -163,6 +175,13 @@ def _tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
         raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
     if opts.tp != 1 and not trainer_cls.traits.supports_tp:
         raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
+
+
+def _shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
+    """The trainer can build the checkpoint's shape at --tp, judged from config.json before any load."""
+    hf = preflight_hf_config(cfg) if trainer_cls.traits.needs_checkpoint else None
+    if hf is not None:
+        trainer_cls.check_config(hf, opts.tp)
 
 
 def _service_preflight(opts: RunOptions, *classes: type[TrainerBackend] | type[SamplerBackend]) -> None:
@@ -244,6 +263,7 @@ class Backends:
                 if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
                     backend.close()
         self.trainer = self.sampler = None
+        scratch.remove_all()
 
 
 def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
