@@ -81,6 +81,12 @@ def _hub_snapshots(hf_id: str) -> list[Path]:
             for s in sorted((root / repo / "snapshots").iterdir()) if s.is_dir()]
 
 
+def hub_problem(hf_id: str) -> str | None:
+    """Why hub model `hf_id` has no usable snapshot in the local cache (pickled weights only), or None."""
+    problems = [p for p in (_weights_problem(s) for s in _hub_snapshots(hf_id)) if p]
+    return problems[0] if problems else None
+
+
 def require_safetensors(cfg: ModelConfig) -> None:
     """Preflight: a config's local checkpoint (its `path`, or its hub id's cached snapshot) holds
     config.json and safetensors weights; `ConfigError` naming the pickled files otherwise. Synthetic
@@ -93,9 +99,9 @@ def require_safetensors(cfg: ModelConfig) -> None:
         if problem is not None:
             raise ConfigError(problem)
     elif cfg.model.hf_id is not None and hub_checkpoint(cfg.model.hf_id) is None:
-        problems = [p for p in (_weights_problem(s) for s in _hub_snapshots(cfg.model.hf_id)) if p]
-        if problems:
-            raise ConfigError(problems[0])
+        problem = hub_problem(cfg.model.hf_id)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def weights_digest(folder: Path) -> str:

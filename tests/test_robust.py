@@ -1,0 +1,216 @@
+"""Issue 18, the remaining rows: signals, refused-at-preflight input, safe loading, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_parity import config, interrupt, scratch
+from lora_parity.backends.megatron.layout import Shape
+from lora_parity.backends.vllm_options import engine_options
+from lora_parity.errors import ConfigError
+from lora_parity.runner import RunOptions, prepare
+
+from .conftest import ROOT, cli
+
+unit = pytest.mark.unit
+
+# A run on the fake backends that, at its third sampler scoring (phase `zero`), starts a child process
+# (standing in for an engine or a rank process), writes its pid, and sends itself a signal.
+DRIVER = """
+import os, signal, subprocess, sys
+from lora_parity.backends import fake
+from lora_parity.cli import main
+sig, out, pidfile = sys.argv[1:4]
+calls = [0]
+original = fake.FakeSampler.score
+def score(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 3:
+        child = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        open(pidfile, "w").write(str(child.pid))
+        os.kill(os.getpid(), getattr(signal, sig))
+    return original(self, *args, **kwargs)
+fake.FakeSampler.score = score
+sys.argv = ["lora-parity", "run", "--trainer", "fake", "--sampler", "fake", "--no-per-target", "--out", out]
+main()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rpartition(")")[2].split()[0] == "Z")
+
+
+@unit
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_signal_mid_run_leaves_a_verifying_receipt_and_nothing_else(sig: str, code: int, tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out, pidfile = tmp_path / "r.json", tmp_path / "child.pid"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, sig, str(out), str(pidfile)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and f"interrupted by {sig} in phase zero" in errors[0] and str(out) in errors[0]
+    assert "Traceback" not in proc.stderr
+    verified = cli("verify", str(out))
+    assert verified.returncode == 1, verified.stdout + verified.stderr
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "error" and data["error"] == f"interrupted by {sig} in phase zero"
+    assert [(p["name"], p["status"]) for p in data["phases"]][-1] == ("zero", "error")
+    assert list(tmp.iterdir()) == []  # no work dir, no scratch folder
+    assert not _alive(int(pidfile.read_text()))  # the child process was ended
+
+
+@unit
+def test_end_children_ends_grandchildren_too() -> None:
+    parent = subprocess.Popen(["sh", "-c", "sleep 300 & wait"])
+    time.sleep(0.3)
+    ended = interrupt.end_children(grace=2.0)
+    assert parent.pid in ended and len(ended) >= 2
+    assert all(not _alive(p) for p in ended)
+    parent.wait(timeout=5)
+
+
+@unit
+def test_crash_at_typo_is_refused_naming_the_phases(tmp_path: Path) -> None:
+    start = time.monotonic()
+    r = cli("run", "--trainer", "fake", "--sampler", "fake", "--inject", "crash-at=sycn", "--out",
+            str(tmp_path / "r.json"))
+    assert r.returncode == 2 and time.monotonic() - start < 15
+    assert r.stderr.count("\n") == 1 and "no phase 'sycn'" in r.stderr
+    for phase in ("base", "zero", "sync", "updated", "target.q_proj"):
+        assert phase in r.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+@unit
+def test_crash_at_a_real_phase_still_runs() -> None:
+    plan = prepare(RunOptions(trainer="fake", sampler="fake", inject="crash-at=target.v_proj"))
+    assert plan.opts.inject == "crash-at=target.v_proj"
+
+
+@unit
+@pytest.mark.parametrize("probes", ["default-x100000000", "default-x200"])
+def test_huge_probe_sets_refused_at_preflight(probes: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"probes\.max_sequences"):
+        prepare(RunOptions(trainer="fake", sampler="fake", probes=probes))
+    assert time.monotonic() - start < 5
+    prepare(RunOptions(trainer="fake", sampler="fake", probes="default-x10"))  # benchmarks' size still runs
+
+
+def _write(tmp_path: Path, data: dict[str, object]) -> Path:
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@unit
+def test_probe_longer_than_max_model_len_refused_at_preflight(tmp_path: Path) -> None:
+    data = config.load("tiny-qwen3").model_dump(mode="json", exclude_none=True)
+    data["sampler"]["max_model_len"] = 100  # the probes are 65 and 129 tokens
+    with pytest.raises(ConfigError, match=r"probe length 129 is above sampler\.max_model_len 100"):
+        prepare(RunOptions(model=str(_write(tmp_path, data)), trainer="fake", sampler="fake"))
+
+
+def _pickled_folder(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512}))
+    (folder / "pytorch_model.bin").write_bytes(b"not loaded")
+    return folder
+
+
+@unit
+def test_yaml_path_to_pickled_weights_refused_at_preflight(tmp_path: Path) -> None:
+    data = config.load("tiny-qwen3").model_dump(mode="json", exclude_none=True)
+    data["model"] = {"path": str(_pickled_folder(tmp_path / "ckpt")), "dtype": "float32"}
+    with pytest.raises(ConfigError, match=r"no \.safetensors weights \(found pytorch_model.bin\)"):
+        prepare(RunOptions(model=str(_write(tmp_path, data)), trainer="hf", sampler="hf"))
+
+
+@unit
+def test_hub_snapshot_with_pickled_weights_refused_at_preflight(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    hub = tmp_path / "hub"
+    _pickled_folder(hub / "models--org--m" / "snapshots" / "abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    data = config.load("tiny-qwen3").model_dump(mode="json", exclude_none=True)
+    data["model"] = {"hf_id": "org/m", "dtype": "float32"}
+    with pytest.raises(ConfigError, match="pickled"):
+        prepare(RunOptions(model=str(_write(tmp_path, data)), trainer="hf", sampler="hf"))
+
+
+@unit
+def test_vllm_is_told_to_load_safetensors_only() -> None:
+    assert engine_options(config.load("tiny-qwen3"), "m", cuda=False)["load_format"] == "safetensors"
+
+
+@unit
+def test_megatron_shapes_refused_before_loading() -> None:
+    hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    Shape.from_hf(hf, 2)
+    with pytest.raises(ConfigError, match="--tp 3 does not divide KV heads"):
+        Shape.from_hf(hf, 3)
+    with pytest.raises(ConfigError, match="lacks hidden_size, intermediate_size, num_hidden_layers"):
+        Shape.from_hf({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512}, 1)
+
+
+@pytest.mark.megatron
+def test_megatron_tp3_refused_at_preflight_in_a_second(tmp_path: Path) -> None:
+    start = time.monotonic()
+    r = cli("run", "--trainer", "megatron", "--tp", "3", "--out", str(tmp_path / "r.json"))
+    assert r.returncode == 2 and "--tp 3 does not divide" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "r.json").exists() and time.monotonic() - start < 60
+
+
+@unit
+def test_scratch_folders_removed() -> None:
+    a, b = scratch.folder("lora-parity-t-"), scratch.folder("lora-parity-t-")
+    (a / "f").write_text("x")
+    scratch.remove_all()
+    assert not a.exists() and not b.exists()
+
+
+@pytest.mark.cpu_e2e
+def test_real_run_sigterm_after_zero_leaves_nothing(tmp_path: Path) -> None:
+    """The acceptance check's last case, on the real backends: SIGTERM once phase `zero` is done."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out, log = tmp_path / "r.json", tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "lora_parity", "run", "--out", str(out)], stdout=f,
+                                stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 300
+    while "ok zero" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143, log.read_text()
+    assert cli("verify", str(out)).returncode == 1
+    assert "interrupted by SIGTERM" in json.loads(out.read_text())["error"]
+    assert sorted(p.name for p in tmp.iterdir()) == []  # no lora-parity-*, no vllm_dist_*
+    assert interrupt.descendants(proc.pid) == []
+
+
+@pytest.mark.cpu_e2e
+def test_real_run_leaves_no_temp_files(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = cli("run", "--no-per-target", "--out", str(tmp_path / "r.json"), env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp.iterdir()) == []
