@@ -29,6 +29,7 @@ from lora_parity.commands.options import (
     SyncOpt,
     TpOpt,
     TrainerOpt,
+    TrustRemoteCodeOpt,
     exit_for,
 )
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
@@ -90,6 +91,7 @@ def run(
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
     ] = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
     junit: Annotated[
@@ -117,7 +119,7 @@ def run(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
-                      reference=reference, dtype=dtype)
+                      reference=reference, dtype=dtype, trust_remote_code=trust_remote_code)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
@@ -193,6 +195,7 @@ def selftest(
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     revision: RevisionOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
@@ -200,7 +203,8 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision)
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision,
+                      trust_remote_code=trust_remote_code)
     result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
     output.selftest_matrix(result, json_)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)

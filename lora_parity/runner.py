@@ -87,6 +87,8 @@ class RunOptions:
     """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
+    trust_remote_code: bool = False
+    """`--trust-remote-code`: a config's `model.trust_remote_code: true` is refused without it."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -132,6 +134,9 @@ class Plan:
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
     cfg = config.load(opts.model, opts.dtype)
+    if cfg.model.trust_remote_code and not opts.trust_remote_code:
+        raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
+                          "pass --trust-remote-code to allow it")
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan

@@ -214,3 +214,59 @@ def test_real_run_leaves_no_temp_files(tmp_path: Path) -> None:
     r = cli("run", "--no-per-target", "--out", str(tmp_path / "r.json"), env={"TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp.iterdir()) == []
+
+
+@unit
+def test_trust_remote_code_from_a_config_needs_the_flag(tmp_path: Path) -> None:
+    data = config.load("tiny-qwen3").model_dump(mode="json", exclude_none=True)
+    data["model"]["trust_remote_code"] = True
+    path = str(_write(tmp_path, data))
+    with pytest.raises(ConfigError, match="pass --trust-remote-code"):
+        prepare(RunOptions(model=path, trainer="fake", sampler="fake"))
+    allowed = prepare(RunOptions(model=path, trainer="fake", sampler="fake", trust_remote_code=True))
+    assert allowed.cfg.model.trust_remote_code
+    r = cli("run", "--model", path, "--trainer", "fake", "--sampler", "fake", "--out", str(tmp_path / "r.json"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--trust-remote-code" in r.stderr
+
+
+@unit
+def test_packages_listed_in_pyproject_are_every_package() -> None:
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {str(p.parent.relative_to(ROOT)).replace("/", ".") for p in (ROOT / "lora_parity").rglob("__init__.py")}
+    assert listed == found | {"lora_parity.configs"}
+
+
+@unit
+def test_configs_ship_in_the_wheel_and_never_come_from_the_working_directory(tmp_path: Path) -> None:
+    """Build the wheel, install it into a folder, and run from another directory whose ./configs holds a
+    config of the same name that turns on remote code: the packaged config is the one used."""
+    import shutil
+
+    wheels, site, cwd, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere", tmp_path / "src"
+    for part in ("lora_parity", "configs"):  # a copy: the build writes build/ and egg-info beside its source
+        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / part, src / part)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(wheels), str(src)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert build.returncode == 0, build.stderr
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+                              *map(str, wheels.glob("*.whl"))], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr
+    (cwd / "configs").mkdir(parents=True)
+    hostile = (ROOT / "configs" / "tiny-qwen3.yaml").read_text().replace("dtype: float32", "dtype: float32\n"
+                                                                          "  trust_remote_code: true", 1)
+    (cwd / "configs" / "tiny-qwen3.yaml").write_text(hostile)
+    env = {k: v for k, v in os.environ.items() if k not in ("LORA_PARITY_CONFIGS",)}
+    env["PYTHONPATH"] = str(site)
+    probe = ("import lora_parity.config as c; cfg = c.load('tiny-qwen3'); "
+             "print(c.__file__, c.configs_dir(), cfg.model.trust_remote_code)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
+    module, where, trusted = r.stdout.split()
+    assert module.startswith(str(site)) and where == str(site / "lora_parity" / "configs") and trusted == "False"
+    models = subprocess.run([sys.executable, "-m", "lora_parity", "run", "--model", "tiny-qwen3", "--trainer", "fake",
+                             "--sampler", "fake", "--out", str(tmp_path / "r.json")], capture_output=True, text=True,
+                            cwd=cwd, env=env, timeout=120)
+    assert models.returncode == 0, models.stderr
