@@ -270,3 +270,57 @@ def test_configs_ship_in_the_wheel_and_never_come_from_the_working_directory(tmp
                              "--sampler", "fake", "--out", str(tmp_path / "r.json")], capture_output=True, text=True,
                             cwd=cwd, env=env, timeout=120)
     assert models.returncode == 0, models.stderr
+
+
+# --- verify --rerun ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fake_receipt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("rerun") / "r.json"
+    r = cli("run", "--trainer", "fake", "--sampler", "fake", "--probes", "held-out", "--seed", "3", "--no-per-target",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@unit
+def test_rerun_reproduces_a_cpu_fp32_receipt_bit_for_bit(fake_receipt: Path) -> None:
+    r = cli("verify", "--rerun", str(fake_receipt))
+    assert r.returncode == 0, r.stderr
+    assert "rerun reproduces every score" in r.stdout and "bit for bit" in r.stdout and "ran " in r.stdout
+
+
+@unit
+def test_rerun_names_the_first_differing_phase_and_position(fake_receipt: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends import fake
+    from lora_parity.rerun import options_for, rerun
+    from lora_parity.verify import verify
+
+    receipt = verify(fake_receipt).receipt
+    opts = options_for(receipt)
+    assert (opts.probes, opts.seed, opts.per_target, opts.trainer) == ("held-out", 3, False, "fake")
+    original = fake.FakeSampler.score
+
+    def off_by_a_little(self: object, sequences: list[list[int]], adapter: object) -> list[list[float]]:
+        scores = original(self, sequences, adapter)  # type: ignore[arg-type]
+        return [[x + (1e-9 if (s, t) == (1, 4) and adapter is not None else 0.0) for t, x in enumerate(seq)]
+                for s, seq in enumerate(scores)]
+
+    monkeypatch.setattr(fake.FakeSampler, "score", off_by_a_little)
+    result = rerun(receipt)
+    assert result.code == 1 and "phase zero, sequence 1, position 4" in result.message
+
+
+@unit
+def test_rerun_refuses_when_the_config_changed(fake_receipt: Path, tmp_path: Path) -> None:
+    from lora_parity import receipt as rc
+
+    data = json.loads(fake_receipt.read_text())
+    data["model"]["config_digest"] = "0" * 64
+    data["digest"] = rc.compute_digest(data)
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps(data))
+    assert cli("verify", str(changed)).returncode == 0  # intact
+    r = cli("verify", "--rerun", str(changed))
+    assert r.returncode == 2 and "cannot rerun" in r.stderr and "digest changed" in r.stderr
