@@ -115,14 +115,14 @@ def private_dist_store() -> Iterator[None]:
     import importlib
 
     where = scratch.folder("lora-parity-vllm-")
-    patched = []
+    attr, patched = "get_file_store_init_method", []
     for name in _STORE_USERS:
         module = sys.modules.get(name) or importlib.import_module(name)
-        if hasattr(module, "get_file_store_init_method"):
-            patched.append((module, module.get_file_store_init_method))
-            module.get_file_store_init_method = lambda: f"file://{where}/vllm_dist_{uuid.uuid4().hex}"
+        if hasattr(module, attr):
+            patched.append((module, getattr(module, attr)))
+            setattr(module, attr, lambda: f"file://{where}/vllm_dist_{uuid.uuid4().hex}")
     try:
         yield
     finally:
         for module, original in patched:
-            module.get_file_store_init_method = original
+            setattr(module, attr, original)
