@@ -205,7 +205,18 @@ def selftest(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
                       per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision,
                       trust_remote_code=trust_remote_code)
-    result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
+    from lora_parity import interrupt
+    from lora_parity.runner import RunInterrupted
+
+    with interrupt.handle_signals():
+        try:
+            result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
+        except RunInterrupted as e:
+            output.error(f"selftest {e}; receipt of the interrupted run: {e.result.path}")
+            raise typer.Exit(interrupt.exit_code()) from None
+        except KeyboardInterrupt as e:
+            output.error(f"selftest {interrupt.describe(e)}")
+            raise typer.Exit(interrupt.exit_code()) from None
     output.selftest_matrix(result, json_)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)
 
