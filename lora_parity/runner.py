@@ -332,8 +332,9 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     return RunResult(receipt, path)
 
 
-class RunInterrupted(Exception):
-    """A SIGINT or SIGTERM stopped the run; its receipt (verdict error) is written: `result`."""
+class RunInterrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM stopped the run; its receipt (verdict error) is written: `result`. A
+    KeyboardInterrupt, so that a caller that lets Ctrl-C through lets this through too."""
 
     def __init__(self, result: RunResult) -> None:
         super().__init__(result.receipt.error or "interrupted")
