@@ -302,12 +302,16 @@ class ModelConfig(_Cfg):
 
 
 def configs_dir() -> Path:
-    """`LORA_PARITY_CONFIGS`, else the repository's configs/ beside the package, else ./configs."""
+    """`LORA_PARITY_CONFIGS`, else the configs installed with the package (package data
+    lora_parity/configs, from a wheel), else the repository's configs/ beside the package (a source
+    checkout). Never the working directory's: a config can turn on remote code."""
     env = os.environ.get("LORA_PARITY_CONFIGS")
     if env:
         return Path(env)
-    beside = Path(__file__).resolve().parent.parent / "configs"
-    return beside if beside.is_dir() else Path.cwd() / "configs"
+    package = Path(__file__).resolve().parent
+    if (package / "configs").is_dir():
+        return package / "configs"
+    return package.parent / "configs"
 
 
 def available() -> list[Path]:

@@ -141,6 +141,13 @@ def faults_for(sync_mode: str) -> list[str]:
             or sync_mode in FAULTS[f.partition("=")[0]].modes]
 
 
+def check_crash_phase(spec: str | None, phases: list[str]) -> None:
+    """crash-at=PHASE names a phase of the sequence (a typo would never crash, and the run would pass)."""
+    name, _, phase = (spec or "").partition("=")
+    if name == "crash-at" and phase and phase not in phases:
+        raise ConfigError(f"crash-at: no phase {phase!r}; phases: {', '.join(phases)}")
+
+
 class Faults:
     """The injected fault of a run (or none): hooks the sequence calls at each seam."""
 

@@ -118,6 +118,10 @@ class Run:
             self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=seconds, message=message))
             self.progress(name, "error", seconds)
             raise StopRun(self.error) from e
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (lora_parity.interrupt): the runner records why
+            self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=time.perf_counter() - start,
+                                           message="interrupted"))
+            raise
         seconds = time.perf_counter() - start
         self.phases.append(PhaseRecord(name=name, status=PhaseStatus.OK, seconds=seconds))
         self.timings[name] = seconds
@@ -187,3 +191,24 @@ class Run:
         self.trainer_score(f"target.{kind}.trainer")
         self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)
+
+
+class _PhaseLister:
+    """Stands in for a `Run` to list the phase names `run_sequence` can step through: every optional
+    phase is taken (unknown attributes read as a callable, which is true), and no action runs."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg, self.per_target, self.names = cfg, True, list[str]()
+
+    def step(self, name: str, action: Callable[[], object]) -> None:
+        self.names.append(name)
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *args, **kwargs: None
+
+
+def phase_names(cfg: ModelConfig) -> list[str]:
+    """Every phase `run_sequence` may run for `cfg`, in order (optional phases included)."""
+    lister = _PhaseLister(cfg)
+    run_sequence(lister)  # type: ignore[arg-type]
+    return lister.names

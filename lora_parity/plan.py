@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from lora_parity.backends import vllm_options
-from lora_parity.checkpoint import hub_checkpoint
+from lora_parity.checkpoint import hub_checkpoint, hub_problem
 from lora_parity.config import LaunchSpec, ModelConfig
 from lora_parity.errors import ConfigError
 from lora_parity.provenance import source
@@ -240,7 +240,8 @@ def preflight(cfg: ModelConfig, trainer: str, sampler: str) -> None:
     hf = cfg.model.hf_id
     local = not (trainer in _NO_LOCAL_WEIGHTS and sampler in _NO_LOCAL_WEIGHTS)
     if hf is not None and local and hub_checkpoint(hf) is None:
-        missing.append(f"{hf} is not in the local Hugging Face cache (download it first; lora-parity never downloads)")
+        missing.append(hub_problem(hf) or
+                       f"{hf} is not in the local Hugging Face cache (download it first; lora-parity never downloads)")
     if launch is not None:
         gpus, how = _visible_gpus()
         if gpus < launch.gpus_per_node:

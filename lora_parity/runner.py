@@ -16,7 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, synthetic
+from lora_parity import (
+    __version__,
+    backends,
+    breakdown,
+    checks,
+    config,
+    interrupt,
+    outpath,
+    realmodel,
+    scratch,
+    synthetic,
+)
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
@@ -26,10 +37,10 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.checkpoint import Checkpoint, vocab_size, weights_digest
+from lora_parity.checkpoint import Checkpoint, preflight_hf_config, require_safetensors, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
-from lora_parity.faults import Faults
-from lora_parity.phases import Run, StopRun, run_sequence
+from lora_parity.faults import Faults, check_crash_phase
+from lora_parity.phases import Run, StopRun, phase_names, run_sequence
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
 from lora_parity.receipt import (
     SCHEMA_VERSION,
@@ -78,6 +89,8 @@ class RunOptions:
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     budgets: str | None = None
     """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
+    trust_remote_code: bool = False
+    """`--trust-remote-code`: a config's `model.trust_remote_code: true` is refused without it."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -123,6 +136,9 @@ class Plan:
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
     cfg = config.load(opts.model, opts.dtype, opts.budgets)
+    if cfg.model.trust_remote_code and not opts.trust_remote_code:
+        raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
+                          "pass --trust-remote-code to allow it")
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -134,12 +150,16 @@ def prepare(opts: RunOptions) -> Plan:
     import_seconds = time.perf_counter() - start
     _service_preflight(opts, trainer_cls, sampler_cls)
     _tp_preflight(opts, trainer_cls)
+    _shape_preflight(cfg, opts, trainer_cls)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
+    check_crash_phase(opts.inject, phase_names(cfg))
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
     _reference_preflight(plan)
+    if plan.needs_checkpoint:
+        require_safetensors(cfg)
     return plan
 
 
@@ -162,6 +182,13 @@ def _tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
         raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
     if opts.tp != 1 and not trainer_cls.traits.supports_tp:
         raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
+
+
+def _shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
+    """The trainer can build the checkpoint's shape at --tp, judged from config.json before any load."""
+    hf = preflight_hf_config(cfg) if trainer_cls.traits.needs_checkpoint else None
+    if hf is not None:
+        trainer_cls.check_config(hf, opts.tp)
 
 
 def _service_preflight(opts: RunOptions, *classes: type[TrainerBackend] | type[SamplerBackend]) -> None:
@@ -194,6 +221,8 @@ class Backends:
         self.device = "unknown"
         self.next_adapter_id = 1
         self.error: str | None = None
+        self.interrupted: KeyboardInterrupt | None = None
+        """A SIGINT or SIGTERM that stopped a run on these backends: they are not used again."""
         self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
@@ -225,15 +254,23 @@ class Backends:
         except Exception as e:
             self.error = f"setup: {e}" if isinstance(e, LoraParityError) else f"setup: {type(e).__name__}: {e}"
             say("setup", "error", time.perf_counter() - start)
+        except KeyboardInterrupt as e:
+            self.interrupted = e
+            self.error = f"setup: {interrupt.describe(e)}"
 
     def close(self, process_exiting: bool = False) -> None:
         """Free both backends. When the process is about to exit, a backend that holds nothing but
         this process's own memory (`traits.releases_nothing_at_exit`) is left to the exit: tearing
         down an in-process vLLM engine takes about a second and frees only what the exit frees anyway."""
-        for backend in (self.trainer, self.sampler):
-            if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
-                backend.close()
+        if self.interrupted is not None:
+            # The backends may be mid-call: end their processes instead of talking to them.
+            interrupt.end_children()
+        else:
+            for backend in (self.trainer, self.sampler):
+                if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
+                    backend.close()
         self.trainer = self.sampler = None
+        scratch.remove_all()
 
 
 def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
@@ -250,10 +287,23 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
         run_sequence(run)
     except StopRun:
         pass
-    finally:
-        loaded.next_adapter_id = run.next_adapter_id
+    except KeyboardInterrupt as e:
+        loaded.interrupted = e
+    loaded.next_adapter_id = run.next_adapter_id
+    _stop_if_interrupted(run, loaded)
+    if loaded.interrupted is None:
         run.retire()
     return run, router
+
+
+def _stop_if_interrupted(run: Run, loaded: Backends) -> None:
+    """A signal ends the run with an error that says so, even where a library turned the
+    KeyboardInterrupt into another exception (the phase then failed with that exception)."""
+    if loaded.interrupted is None and interrupt.received() is not None:
+        loaded.interrupted = interrupt.Interrupted(interrupt.received() or 0)
+    if loaded.interrupted is not None:
+        where = f" in phase {run.phases[-1].name}" if run.phases and run.phases[-1].status.value == "error" else ""
+        run.error = f"{interrupt.describe(loaded.interrupted)}{where}"
 
 
 def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force: bool,
@@ -271,9 +321,9 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
         if error is None:
             run, router = _sequence(plan, loaded, faults, workdir, say)
             error = run.error
-    except KeyboardInterrupt:
-        error = "interrupted"
-        raise
+    except KeyboardInterrupt as e:  # before the sequence started (zeroing the trainer, routing)
+        loaded.interrupted = e
+        error = interrupt.describe(e)
     except Exception as e:  # zero_b or the routing capture, before the first phase: still a receipt
         error = f"start: {e}" if isinstance(e, LoraParityError) else f"start: {type(e).__name__}: {e}"
     finally:
@@ -281,7 +331,18 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
         seconds = time.perf_counter() - start
         receipt = _receipt(plan, loaded, run, router, inject, error, when, seconds)
         path = write_atomic(receipt, out, force=force)
+    if loaded.interrupted is not None:
+        raise RunInterrupted(RunResult(receipt, path)) from loaded.interrupted
     return RunResult(receipt, path)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM stopped the run; its receipt (verdict error) is written: `result`. A
+    KeyboardInterrupt, so that a caller that lets Ctrl-C through lets this through too."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__(result.receipt.error or "interrupted")
+        self.result = result
 
 
 def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreement | None, inject: str | None,

@@ -209,6 +209,11 @@ class TrainerBackend(Backend, Trainer):
         """Load the model (each backend defines it; this states the signature `create` calls)."""
 
     @classmethod
+    def check_config(cls, hf_config: dict[str, Any], tp: int) -> None:
+        """Preflight: raise `ConfigError` if the checkpoint's config.json (a dict) cannot be built at
+        tensor-parallel size `tp`. Nothing to check by default."""
+
+    @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
                options: BackendOptions) -> Self:
         """Build the trainer for a run (`timings` receives its load times)."""

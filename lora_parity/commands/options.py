@@ -25,6 +25,9 @@ ProbesOpt = Annotated[str, typer.Option(
          "{\"text\": ...} per line).")]
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
 SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Allow a config that sets model.trust_remote_code: true to run the checkpoint's "
+                                "own Python code (refused without this flag).")]
 PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
 BudgetsOpt = Annotated[str | None, typer.Option(
     "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "

@@ -29,7 +29,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 
 # Imported after the check above, so that a missing megatron-core names the extra to install.
 from lora_parity.backends.megatron import cpu, protocol
-from lora_parity.backends.megatron.layout import read_shape
+from lora_parity.backends.megatron.layout import Shape, read_shape
 from lora_parity.backends.megatron.ranks import RankProcesses
 from lora_parity.backends.megatron.shards import Shard
 
@@ -45,6 +45,11 @@ class MegatronTrainer(TrainerBackend):
     """megatron-core GPTModel with LoRA; TP=1 in this process, TP=N in N rank processes it drives."""
 
     traits = BackendTraits(supports_tp=True)
+
+    @classmethod
+    def check_config(cls, hf_config: dict[str, Any], tp: int) -> None:
+        """The checkpoint's shape divides at `--tp` (heads, KV heads, intermediate_size, vocabulary)."""
+        Shape.from_hf(hf_config, tp)
 
     @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
