@@ -7,7 +7,9 @@ Score phases (keys of `scores`): base, zero, zero_repeat, trainer_zero, trainer_
 trainer_updated, stale, updated, updated_repeat, and per target kind K: target.K.trainer,
 target.K.sampler; where sampler and trainer share a service (tinker), also stale_after_sync (the
 stale adapter queried again after the synced one) and trainer_after_stale (the trainer after
-that). With `--reference fp32`, also reference_fp32: the base model scored in fp32 by HF, which
+that). A sampler that scores through its prefix cache (vllm-server) also records stale_cached and
+updated_cached: the same positions read the way rollouts read them (comparisons P.*, checks
+P.parity.*). With `--reference fp32`, also reference_fp32: the base model scored in fp32 by HF, which
 both sides approximate at zero-init (informational comparisons R.*, no checks). A comparison
 `b vs a` looks at b - a.
 """
@@ -45,6 +47,8 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "S.stale_after_sync_vs_zero": ("zero", "stale_after_sync"),
     "R.trainer_vs_fp32": ("reference_fp32", "trainer_zero"),
     "R.sampler_vs_fp32": ("reference_fp32", "zero"),
+    "P.stale_cached_vs_stale": ("stale", "stale_cached"),
+    "P.trainer_vs_cached": ("updated_cached", "trainer_updated"),
 }
 # name -> (sampler_from, sampler_to, trainer_from, trainer_to)
 DELTAS: dict[str, tuple[str, str, str, str]] = {
@@ -221,7 +225,15 @@ def compute_checks(
         c.add("S.trainer_kept", "trainer keeps its update after the old sampling client is queried again",
               kept.max_abs, "<=", trainer_noise,
               f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights")
+    _prefix_cache_checks(c, get("P.trainer_vs_cached"), budgets)
     return c.checks
+
+
+def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None, budgets: Budgets) -> None:
+    """P: the synced sampler read through its prefix cache matches the updated trainer (no KV block
+    computed with the old adapter serves the new one). Only where those phases were scored."""
+    if cached is not None:
+        _parity(c, "P", "updated trainer vs synced sampler read through the prefix cache", cached, budgets)
 
 
 def _delta_checks(

@@ -18,6 +18,7 @@ from lora_parity import __version__, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
+    ApiKeyEnvOpt,
     GithubSummaryOpt,
     JsonOpt,
     ModelOpt,
@@ -25,7 +26,9 @@ from lora_parity.commands.options import (
     ProbesOpt,
     RevisionOpt,
     SamplerOpt,
+    SamplerUrlOpt,
     SeedOpt,
+    SharedDirOpt,
     SyncOpt,
     TpOpt,
     TrainerOpt,
@@ -90,6 +93,9 @@ def run(
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
     ] = None,
+    sampler_url: SamplerUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    shared_dir: SharedDirOpt = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
     junit: Annotated[
@@ -117,7 +123,8 @@ def run(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
-                      reference=reference, dtype=dtype)
+                      reference=reference, dtype=dtype, sampler_url=sampler_url, api_key_env=api_key_env,
+                      shared_dir=shared_dir)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = execute(opts, progress=output.progress, process_exiting=True)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
@@ -177,6 +184,9 @@ def selftest(
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     revision: RevisionOpt = None,
+    sampler_url: SamplerUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    shared_dir: SharedDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
@@ -184,7 +194,8 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision)
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision,
+                      sampler_url=sampler_url, api_key_env=api_key_env, shared_dir=shared_dir)
     result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
     output.selftest_matrix(result, json_)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)

@@ -28,7 +28,7 @@ from lora_parity.backends.base import (
 )
 from lora_parity.checkpoint import Checkpoint, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
-from lora_parity.faults import Faults
+from lora_parity.faults import Faults, require_applies
 from lora_parity.phases import Run, StopRun, run_sequence
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
 from lora_parity.receipt import (
@@ -76,6 +76,12 @@ class RunOptions:
     """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
+    sampler_url: str | None = None
+    """A sampler served over HTTP (vllm-server): attach to this server instead of starting one."""
+    api_key_env: str | None = None
+    """Environment variable holding that server's API key (never recorded)."""
+    shared_dir: Path | None = None
+    """Folder the attached server can read; adapters are copied there."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -115,7 +121,8 @@ class Plan:
         """What the backends are built with."""
         o = self.opts
         return BackendOptions(seed=o.seed, tp=o.tp, url=o.tinker_url, base_model=o.base_model,
-                              lora=self.sync.sampler_lora)
+                              lora=self.sync.sampler_lora, sampler_url=o.sampler_url, api_key_env=o.api_key_env,
+                              shared_dir=o.shared_dir)
 
 
 def prepare(opts: RunOptions) -> Plan:
@@ -134,6 +141,7 @@ def prepare(opts: RunOptions) -> Plan:
     _tp_preflight(opts, trainer_cls)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
+    require_applies(opts.inject, sampler_cls.traits, opts.sampler)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
@@ -162,13 +170,17 @@ def _tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
         raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
 
 
-def _service_preflight(opts: RunOptions, *classes: type[TrainerBackend] | type[SamplerBackend]) -> None:
-    """Service options only where a backend takes them; then each backend's own `preflight` (the
-    tinker backends: the service answers within seconds)."""
+def _service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend]) -> None:
+    """Service and server options only where a backend takes them; then each backend's own
+    `preflight` (the tinker backends and an attached vllm-server: the service answers within seconds)."""
+    classes = (trainer_cls, sampler_cls)
     if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options for c in classes):
         raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
+    if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
+        raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to --sampler vllm-server only")
     pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
-                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync)
+                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync, sampler_url=opts.sampler_url,
+                           api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
     for cls in classes:
         cls.preflight(pre)
 
@@ -291,7 +303,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "schema_version": SCHEMA_VERSION,
         "tool_version": __version__,
         "created_at": when.isoformat().replace("+00:00", "Z"),
-        "command": redacted_command(opts.command, opts.tinker_url),
+        "command": redacted_command(opts.command, opts.tinker_url, opts.sampler_url),
         "revision": plan.revision,
         "model": loaded.model_info,
         "trainer": loaded.trainer_info,
