@@ -134,10 +134,18 @@ def prepare(opts: RunOptions) -> Plan:
 
     launch_plan.preflight(cfg, opts.trainer, opts.sampler)
     start = time.perf_counter()
-    trainer_cls = backends.resolve("trainer", opts.trainer)
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start
-    _service_preflight(opts, trainer_cls, sampler_cls)
+    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
+                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync, sampler_url=opts.sampler_url,
+                           api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
+    # The sampler's own checks first: a server that cannot be reached stops the run in seconds,
+    # before the trainer's libraries (torch, transformers: 5-15 s) are imported.
+    _sampler_preflight(opts, sampler_cls, pre)
+    start = time.perf_counter()
+    trainer_cls = backends.resolve("trainer", opts.trainer)
+    import_seconds += time.perf_counter() - start
+    _service_preflight(opts, trainer_cls, sampler_cls, pre)
     _tp_preflight(opts, trainer_cls)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
@@ -170,19 +178,22 @@ def _tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
         raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
 
 
-def _service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend]) -> None:
-    """Service and server options only where a backend takes them; then each backend's own
-    `preflight` (the tinker backends and an attached vllm-server: the service answers within seconds)."""
-    classes = (trainer_cls, sampler_cls)
-    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options for c in classes):
-        raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
+def _sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions) -> None:
+    """Server options only for a sampler served over HTTP; then the sampler's own `preflight` (an
+    attached vllm-server answers within seconds)."""
     if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
         raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to --sampler vllm-server only")
-    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
-                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync, sampler_url=opts.sampler_url,
-                           api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
-    for cls in classes:
-        cls.preflight(pre)
+    sampler_cls.preflight(pre)
+
+
+def _service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend],
+                       pre: PreflightOptions) -> None:
+    """Service options only where a backend takes them; then the trainer's own `preflight` (the
+    tinker backends: the service answers within seconds)."""
+    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options
+                                                        for c in (trainer_cls, sampler_cls)):
+        raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
+    trainer_cls.preflight(pre)
 
 
 def _pending_backend(name: str) -> BackendInfo:
