@@ -9,7 +9,9 @@ target.K.sampler; where sampler and trainer share a service (tinker), also stale
 stale adapter queried again after the synced one) and trainer_after_stale (the trainer after
 that). With `--reference fp32`, also reference_fp32: the base model scored in fp32 by HF, which
 both sides approximate at zero-init (comparisons R.*; with `budgets.a_triangulation` they judge A,
-checks A.fp32.*). A comparison `b vs a` looks at b - a.
+checks A.fp32.*). A sampler that scores through its prefix cache (vllm-server) also
+records stale_cached and updated_cached: the same positions read the way rollouts read them
+(comparisons P.*, checks P.parity.*). A comparison `b vs a` looks at b - a.
 
 Check groups (docs/verdicts.md): a check's group follows from its id, `check_rules.group_of`:
 numerics = A.parity.*, A.fp32.*, A.noise.*; sync = every other check. `Evaluation.verdicts` gives
@@ -51,6 +53,8 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "S.stale_after_sync_vs_zero": ("zero", "stale_after_sync"),
     "R.trainer_vs_fp32": ("reference_fp32", "trainer_zero"),
     "R.sampler_vs_fp32": ("reference_fp32", "zero"),
+    "P.stale_cached_vs_stale": ("stale", "stale_cached"),
+    "P.trainer_vs_cached": ("updated_cached", "trainer_updated"),
 }
 # name -> (sampler_from, sampler_to, trainer_from, trainer_to)
 DELTAS: dict[str, tuple[str, str, str, str]] = {
@@ -256,7 +260,17 @@ def compute_checks(
         c.add("S.trainer_kept", "trainer keeps its update after the old sampling client is queried again",
               kept.max_abs, "<=", trainer_noise,
               f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights")
+    c_thresholds = check_rules.c_parity_thresholds(budgets, get("A.trainer_vs_sampler"))
+    _prefix_cache_checks(c, get("P.trainer_vs_cached"), c_thresholds)
     return c.checks
+
+
+def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,
+                         thresholds: Mapping[str, check_rules.Threshold]) -> None:
+    """P: the synced sampler read through its prefix cache matches the updated trainer (no KV block
+    computed with the old adapter serves the new one), judged as C is. Only where those phases were scored."""
+    if cached is not None:
+        _parity(c, "P", "updated trainer vs synced sampler read through the prefix cache", cached, thresholds)
 
 
 def _delta_checks(

@@ -18,6 +18,7 @@ from lora_parity import __version__, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
+    ApiKeyEnvOpt,
     BudgetsOpt,
     GithubSummaryOpt,
     JsonOpt,
@@ -26,7 +27,9 @@ from lora_parity.commands.options import (
     ProbesOpt,
     RevisionOpt,
     SamplerOpt,
+    SamplerUrlOpt,
     SeedOpt,
+    SharedDirOpt,
     SyncOpt,
     TpOpt,
     TrainerOpt,
@@ -94,6 +97,9 @@ def run(
     ] = None,
     budgets: BudgetsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    sampler_url: SamplerUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    shared_dir: SharedDirOpt = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
     junit: Annotated[
@@ -122,7 +128,8 @@ def run(
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype, budgets=budgets,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
+                      shared_dir=shared_dir)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
@@ -199,6 +206,9 @@ def selftest(
     sync: SyncOpt = "new-id",
     revision: RevisionOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    sampler_url: SamplerUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    shared_dir: SharedDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
@@ -207,7 +217,8 @@ def selftest(
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
                       per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
+                      shared_dir=shared_dir)
     from lora_parity import interrupt
     from lora_parity.runner import RunInterrupted
 

@@ -1,5 +1,6 @@
 """The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage
-(and, where sampler and trainer share a service, the stale adapter again and the trainer once more).
+(and, where sampler and trainer share a service, the stale adapter again and the trainer once more;
+where the sampler scores through its prefix cache, stale and updated read that way too).
 
 `run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores,
 adapters and timing. Checks are not made here: `checks.evaluate` derives them from the recorded
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_parity import stats
-from lora_parity.backends.base import AdapterHandle, Sampler, Scores, Trainer
+from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, Trainer
 from lora_parity.config import ModelConfig
 from lora_parity.errors import LoraParityError, ScoreError
 from lora_parity.faults import Faults
@@ -36,8 +37,12 @@ def run_sequence(run: Run) -> None:
     run.step("perturb", run.perturb)
     run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
     run.step("stale", run.stale)
+    if run.sampler_reads_prefix_cache:  # warm the prefix cache with the old adapter
+        run.step("stale_cached", lambda: run.cached_score("stale_cached", run.handle))
     run.step("sync", run.sync)
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
+    if run.sampler_reads_prefix_cache:  # ... and read it after sync: no block of the old adapter may serve
+        run.step("updated_cached", lambda: run.cached_score("updated_cached", run.handle))
     if run.sampler_shares_trainer_state:
         # The old sampling client again, now that a newer one was used: does the trainer keep its update?
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
@@ -96,6 +101,11 @@ class Run:
         return self.sampler.traits.shares_trainer_state
 
     @property
+    def sampler_reads_prefix_cache(self) -> bool:
+        """True for a sampler that also scores the way rollouts read its prefix cache (a `CachedScoringSampler`)."""
+        return isinstance(self.sampler, CachedScoringSampler)
+
+    @property
     def trainer_has_per_target(self) -> bool:
         """False for a trainer that updates every target together (its traits say why)."""
         return self.trainer.traits.per_target_unavailable is None
@@ -151,6 +161,13 @@ class Run:
         for k in (key, f"{key}_repeat") if repeat else (key,):
             raw = self._timed(k, lambda: self.sampler.score(self.sequences, handle))
             self._record(k, self.faults.sampler_scores(raw))
+
+    def cached_score(self, key: str, handle: AdapterHandle | None) -> None:
+        """Sampler scores under `handle`, read through the prefix cache (`score_cached`)."""
+        sampler = self.sampler
+        assert isinstance(sampler, CachedScoringSampler)
+        raw = self._timed(key, lambda: sampler.score_cached(self.sequences, handle))
+        self._record(key, self.faults.sampler_scores(raw))
 
     def trainer_score(self, key: str, repeat: bool = False) -> None:
         """Trainer scores of its current state, twice with `repeat`."""

@@ -39,7 +39,7 @@ from lora_parity.backends.base import (
 )
 from lora_parity.checkpoint import Checkpoint, preflight_hf_config, require_safetensors, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
-from lora_parity.faults import Faults, check_crash_phase
+from lora_parity.faults import Faults, check_crash_phase, require_applies
 from lora_parity.phases import Run, StopRun, phase_names, run_sequence
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
 from lora_parity.receipt import (
@@ -91,6 +91,12 @@ class RunOptions:
     """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
     trust_remote_code: bool = False
     """`--trust-remote-code`: a config's `model.trust_remote_code: true` is refused without it."""
+    sampler_url: str | None = None
+    """A sampler served over HTTP (vllm-server): attach to this server instead of starting one."""
+    api_key_env: str | None = None
+    """Environment variable holding that server's API key (never recorded)."""
+    shared_dir: Path | None = None
+    """Folder the attached server can read; adapters are copied there."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -130,7 +136,8 @@ class Plan:
         """What the backends are built with."""
         o = self.opts
         return BackendOptions(seed=o.seed, tp=o.tp, url=o.tinker_url, base_model=o.base_model,
-                              lora=self.sync.sampler_lora)
+                              lora=self.sync.sampler_lora, sampler_url=o.sampler_url, api_key_env=o.api_key_env,
+                              shared_dir=o.shared_dir)
 
 
 def prepare(opts: RunOptions) -> Plan:
@@ -145,15 +152,24 @@ def prepare(opts: RunOptions) -> Plan:
 
     launch_plan.preflight(cfg, opts.trainer, opts.sampler)
     start = time.perf_counter()
-    trainer_cls = backends.resolve("trainer", opts.trainer)
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start
-    _service_preflight(opts, trainer_cls, sampler_cls)
+    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
+                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync, sampler_url=opts.sampler_url,
+                           api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
+    # The sampler's own checks first: a server that cannot be reached stops the run in seconds,
+    # before the trainer's libraries (torch, transformers: 5-15 s) are imported.
+    _sampler_preflight(opts, sampler_cls, pre)
+    start = time.perf_counter()
+    trainer_cls = backends.resolve("trainer", opts.trainer)
+    import_seconds += time.perf_counter() - start
+    _service_preflight(opts, trainer_cls, sampler_cls, pre)
     _tp_preflight(opts, trainer_cls)
     _shape_preflight(cfg, opts, trainer_cls)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
     check_crash_phase(opts.inject, phase_names(cfg))
+    require_applies(opts.inject, sampler_cls.traits, opts.sampler)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
@@ -191,15 +207,22 @@ def _shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: typ
         trainer_cls.check_config(hf, opts.tp)
 
 
-def _service_preflight(opts: RunOptions, *classes: type[TrainerBackend] | type[SamplerBackend]) -> None:
-    """Service options only where a backend takes them; then each backend's own `preflight` (the
+def _sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions) -> None:
+    """Server options only for a sampler served over HTTP; then the sampler's own `preflight` (an
+    attached vllm-server answers within seconds)."""
+    if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
+        raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to --sampler vllm-server only")
+    sampler_cls.preflight(pre)
+
+
+def _service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend],
+                       pre: PreflightOptions) -> None:
+    """Service options only where a backend takes them; then the trainer's own `preflight` (the
     tinker backends: the service answers within seconds)."""
-    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options for c in classes):
+    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options
+                                                        for c in (trainer_cls, sampler_cls)):
         raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
-    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
-                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync)
-    for cls in classes:
-        cls.preflight(pre)
+    trainer_cls.preflight(pre)
 
 
 def _pending_backend(name: str) -> BackendInfo:
@@ -356,7 +379,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "schema_version": SCHEMA_VERSION,
         "tool_version": __version__,
         "created_at": when.isoformat().replace("+00:00", "Z"),
-        "command": redacted_command(opts.command, opts.tinker_url),
+        "command": redacted_command(opts.command, opts.tinker_url, opts.sampler_url),
         "revision": plan.revision,
         "model": loaded.model_info,
         "trainer": loaded.trainer_info,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,7 +19,14 @@ GithubSummaryOpt = Annotated[
 ]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
 TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
-SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")]
+SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, hf or tinker.")]
+SamplerUrlOpt = Annotated[str | None, typer.Option(
+    help="Attach --sampler vllm-server to this running vLLM server instead of starting one (recorded without "
+         "credentials).")]
+ApiKeyEnvOpt = Annotated[str | None, typer.Option(
+    help="Environment variable holding the vLLM server's API key (--sampler vllm-server; never recorded).")]
+SharedDirOpt = Annotated[Path | None, typer.Option(
+    help="Folder the attached vLLM server can read; adapters are copied there (--sampler vllm-server).")]
 ProbesOpt = Annotated[str, typer.Option(
     help="Probe source: random[:SET] or a set (default, held-out; SET-xN: N times the sequences), "
          "text[:SET] (shipped English text, real models only), or FILE.jsonl ({\"tokens\": [ids]} or "
