@@ -18,11 +18,13 @@ from lora_parity import __version__, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
+    BatchInvariantOpt,
     GithubSummaryOpt,
     JsonOpt,
     ModelOpt,
     PerTargetOpt,
     ProbesOpt,
+    ReferenceOpt,
     RevisionOpt,
     SamplerOpt,
     SeedOpt,
@@ -81,11 +83,8 @@ def run(
         str | None, typer.Option(help="Base model name on the Tinker service (default: the one it serves).")
     ] = None,
     tp: TpOpt = 1,
-    reference: Annotated[
-        str | None,
-        typer.Option(help="'fp32': also score the base model in fp32 with HF, to show how far each side's "
-                          "zero-init scores are from it (comparisons R.*, no checks)."),
-    ] = None,
+    reference: ReferenceOpt = None,
+    batch_invariant: BatchInvariantOpt = True,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
@@ -117,7 +116,7 @@ def run(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
-                      reference=reference, dtype=dtype)
+                      reference=reference, dtype=dtype, batch_invariant=batch_invariant)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = execute(opts, progress=output.progress, process_exiting=True)
     path = _signing().sign_file(result.path, key) if key is not None else result.path

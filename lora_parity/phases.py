@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_parity import stats
+from lora_parity import calibrate, stats, tracebacks
 from lora_parity.backends.base import AdapterHandle, Sampler, Scores, Trainer
 from lora_parity.config import ModelConfig
-from lora_parity.errors import LoraParityError, ScoreError
+from lora_parity.errors import ScoreError
 from lora_parity.faults import Faults
-from lora_parity.receipt import AdapterVersion, Perturbation, PhaseRecord, PhaseStatus
+from lora_parity.receipt import AdapterVersion, Calibration, ErrorDetail, Perturbation, PhaseRecord, PhaseStatus
 from lora_parity.sync import SyncMode
 from lora_parity.sync import mode as sync_mode_named
 
@@ -33,6 +33,8 @@ def run_sequence(run: Run) -> None:
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
     if run.reference is not None:
         run.step("reference_fp32", run.reference_score)
+    if run.calibrates:
+        run.step("calibrate", run.calibrate)
     run.step("perturb", run.perturb)
     run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
     run.step("stale", run.stale)
@@ -74,6 +76,12 @@ class Run:
     stale_handle: AdapterHandle | None = None
     """The adapter the stale phase scored (the one published before the update)."""
     error: str | None = None
+    error_detail: ErrorDetail | None = None
+    """Where the phase that stopped the run raised."""
+    calibration: Calibration | None = None
+    """The std search of `perturbation.std: auto`, once it ran."""
+    target_calibrations: dict[str, Calibration] = field(default_factory=dict)
+    """Each target kind's own std search (per-target coverage, std auto)."""
     first_adapter_id: int = 1
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
     reference: Callable[[list[list[int]]], Scores] | None = None
@@ -113,9 +121,11 @@ class Run:
             action()
         except Exception as e:
             seconds = time.perf_counter() - start
-            message = str(e) if isinstance(e, LoraParityError) else f"{type(e).__name__}: {e}"
+            message = tracebacks.one_line(e)
             self.error = f"phase {name}: {message}"
-            self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=seconds, message=message))
+            self.error_detail = detail = tracebacks.describe(e, name)
+            self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=seconds, message=message,
+                                           error_type=detail.type, frames=detail.frames))
             self.progress(name, "error", seconds)
             raise StopRun(self.error) from e
         seconds = time.perf_counter() - start
@@ -161,9 +171,41 @@ class Run:
         """Publish the zero-init adapter (version 0)."""
         self.mode.publish(self, version=0)
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether the std is searched on the trainer (`perturbation.std: auto`)."""
+        return self.cfg.perturbation.std == "auto"
+
+    def _std(self, calibration: Calibration | None) -> float:
+        std = self.cfg.perturbation.std
+        return calibration.std if calibration is not None else 0.0 if std == "auto" else std
+
+    def _search(self, only: str | None) -> Calibration:
+        """The std search (see `lora_parity.calibrate`) with the trainer alone; leaves B zero."""
+        before = self.scores["trainer_zero"]
+        a_mean = calibrate.mean_change(self.scores["zero"], before)
+
+        def measure(std: float) -> float:
+            self.trainer.zero_b()
+            self.trainer.perturb(std, self.seed, only=only)
+            return calibrate.mean_change(before, self.trainer.score(self.sequences))
+
+        try:
+            return calibrate.search(measure, a_mean, self.cfg.perturbation.stimulus_factor,
+                                    self.cfg.budgets.min_stimulus)
+        finally:
+            self.trainer.zero_b()
+
+    def calibrate(self) -> None:
+        """std auto: the smallest std of the ladder whose trainer change stands out of A's noise."""
+        self.calibration = self._search(None)
+
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
-        self.perturbation = self.faults.perturb(lambda: self.trainer.perturb(self.cfg.perturbation.std, self.seed))
+        std = self._std(self.calibration)
+        update = self.faults.perturb(lambda: self.trainer.perturb(std, self.seed))
+        self.perturbation = update if update is None or self.calibration is None else \
+            update.model_copy(update={"calibration": self.calibration})
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
@@ -182,8 +224,13 @@ class Run:
 
     def target_coverage(self, kind: str) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides."""
+        if self.calibrates:
+            self.target_calibrations[kind] = self._search(kind)
+            if self.perturbation is not None:
+                self.perturbation = self.perturbation.model_copy(
+                    update={"target_calibrations": dict(self.target_calibrations)})
         self.trainer.zero_b()
-        self.trainer.perturb(self.cfg.perturbation.std, self.seed, only=kind)
+        self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
         self.trainer_score(f"target.{kind}.trainer")
         self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)

@@ -20,6 +20,8 @@ from lora_parity.receipt_io import one_line, parse_json, read_bounded, write_tex
 from lora_parity.receipt_models import (
     BucketStats as BucketStats,
 )
+from lora_parity.receipt_models import Calibration as Calibration
+from lora_parity.receipt_models import CalibrationStep as CalibrationStep
 from lora_parity.receipt_models import (
     Check as Check,
 )
@@ -35,10 +37,12 @@ from lora_parity.receipt_models import (
 from lora_parity.receipt_models import (
     ErrorBreakdown as ErrorBreakdown,
 )
+from lora_parity.receipt_models import ErrorDetail as ErrorDetail
 from lora_parity.receipt_models import JsonScalar as JsonScalar
 from lora_parity.receipt_models import (
     PhaseStatus as PhaseStatus,
 )
+from lora_parity.receipt_models import Reference as Reference
 from lora_parity.receipt_models import (
     RouterAgreement as RouterAgreement,
 )
@@ -211,6 +215,10 @@ class Perturbation(Strict):
     scope: str | None = None
     """What the update changed, in words, where the backend cannot list the tensors (a Tinker service:
     num_tensors and num_elements are 0 and tensors is empty then)."""
+    calibration: Calibration | None = None
+    """How std was chosen (`perturbation.std: auto`); None: the config fixed it."""
+    target_calibrations: dict[str, Calibration] | None = None
+    """Per-target coverage: each target kind's own std search (`perturbation.std: auto`)."""
 
 
 class AdapterVersion(Strict):
@@ -239,6 +247,10 @@ class PhaseRecord(Strict):
     """Wall time of the phase."""
     message: str | None = None
     """The error message, when the phase failed."""
+    error_type: str | None = None
+    """The exception's type name, when the phase failed."""
+    frames: list[str] | None = None
+    """Its innermost frames, 'path:line function' (see `ErrorDetail.frames`), when the phase failed."""
 
 
 SyncModeName = Literal["new-id", "inplace", "merged", "memory"]
@@ -310,6 +322,10 @@ class Receipt(Strict):
     breakdown: dict[str, ErrorBreakdown] | None = None
     """|diff| of A and C (trainer vs sampler) by probability bucket and position quartile; None in
     receipts made before it was recorded."""
+    error_detail: ErrorDetail | None = None
+    """Where the error that stopped the run was raised; None: no error (or a receipt made before)."""
+    reference: Reference | None = None
+    """Whether the fp32 reference was scored, and why (not); None in receipts made before it was recorded."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

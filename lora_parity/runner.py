@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, synthetic
+from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, synthetic, tracebacks
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
@@ -27,16 +27,18 @@ from lora_parity.backends.base import (
     TrainerBackend,
 )
 from lora_parity.checkpoint import Checkpoint, vocab_size, weights_digest
-from lora_parity.errors import ConfigError, LoraParityError
+from lora_parity.errors import ConfigError
 from lora_parity.faults import Faults
 from lora_parity.phases import Run, StopRun, run_sequence
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
 from lora_parity.receipt import (
     SCHEMA_VERSION,
     BackendInfo,
+    ErrorDetail,
     ModelInfo,
     Probes,
     Receipt,
+    Reference,
     Revision,
     RouterAgreement,
     seal,
@@ -73,7 +75,10 @@ class RunOptions:
     tp: int = 1
     """Tensor-parallel size of the trainer (the megatron trainer only)."""
     reference: str | None = None
-    """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
+    """'fp32': score the base model in fp32 with HF, the reference both sides approximate; 'none': don't;
+    None: score it for a bf16/fp16 model whose fp32 copy fits in memory (see `reference_decision`)."""
+    batch_invariant: bool = True
+    """vLLM on CUDA: batch-invariant (deterministic) kernels, where the build has them."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
 
@@ -115,7 +120,7 @@ class Plan:
         """What the backends are built with."""
         o = self.opts
         return BackendOptions(seed=o.seed, tp=o.tp, url=o.tinker_url, base_model=o.base_model,
-                              lora=self.sync.sampler_lora)
+                              lora=self.sync.sampler_lora, batch_invariant=o.batch_invariant)
 
 
 def prepare(opts: RunOptions) -> Plan:
@@ -138,10 +143,17 @@ def prepare(opts: RunOptions) -> Plan:
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
     _reference_preflight(plan)
+    if opts.sampler == "vllm":
+        from lora_parity.backends.vllm import refuse_fp32_on_cuda
+
+        refuse_fp32_on_cuda(cfg)
     return plan
 
 
-REFERENCES = ("fp32",)
+REFERENCES = ("fp32", "none")
+REFERENCE_MARGIN = 1.5
+"""The fp32 reference is scored by default only where 1.5 times its parameter bytes are available
+(activations, the allocator's slack, and the other side still loaded)."""
 
 
 def _reference_preflight(plan: Plan) -> None:
@@ -150,8 +162,29 @@ def _reference_preflight(plan: Plan) -> None:
         return
     if reference not in REFERENCES:
         raise ConfigError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
-    if not plan.needs_checkpoint:
+    if reference == "fp32" and not plan.needs_checkpoint:
         raise ConfigError("--reference fp32 loads the checkpoint with HF; these backends use none")
+
+
+def reference_decision(choice: str | None, needs_checkpoint: bool, dtype: str,
+                       measure: Callable[[], tuple[int, int]]) -> Reference:
+    """Whether to score the fp32 reference: asked for (`fp32`), refused (`none`), or by default (None)
+    for a bf16/fp16 model whose fp32 copy fits (`measure()`: its bytes, the bytes available)."""
+    if choice == "none":
+        return Reference(status="skipped", reason="turned off (--reference none)")
+    if not needs_checkpoint:
+        return Reference(status="skipped", reason="these backends load no checkpoint")
+    if choice == "fp32":
+        return Reference(status="scored", reason="asked for (--reference fp32)")
+    if dtype == "float32":
+        return Reference(status="skipped", reason="the model is fp32: the trainer's own scores are the fp32 reference")
+    need, available = measure()
+    if need * REFERENCE_MARGIN > available:
+        return Reference(status="skipped", fp32_bytes=need, available_bytes=available,
+                         reason=f"an fp32 copy ({need / 2**30:.2f} GiB, x{REFERENCE_MARGIN} margin) does not fit "
+                                f"in the {available / 2**30:.2f} GiB available")
+    return Reference(status="scored", fp32_bytes=need, available_bytes=available,
+                     reason=f"{dtype} model: scored in fp32 by default (the copy fits)")
 
 
 def _tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
@@ -192,6 +225,9 @@ class Backends:
         self.device = "unknown"
         self.next_adapter_id = 1
         self.error: str | None = None
+        self.error_detail: ErrorDetail | None = None
+        self.reference: Reference | None = None
+        """The fp32 reference decision of the latest run."""
         self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
@@ -221,7 +257,8 @@ class Backends:
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
             self.device = str(settings.get("device", "cpu"))
         except Exception as e:
-            self.error = f"setup: {e}" if isinstance(e, LoraParityError) else f"setup: {type(e).__name__}: {e}"
+            self.error = f"setup: {tracebacks.one_line(e)}"
+            self.error_detail = tracebacks.describe(e, "setup")
             say("setup", "error", time.perf_counter() - start)
 
     def close(self, process_exiting: bool = False) -> None:
@@ -314,15 +351,27 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
         "router": router,
         "breakdown": breakdown.compute(scores),
+        "error_detail": (run.error_detail if run else None) or (loaded.error_detail if error else None),
+        "reference": loaded.reference if run else None,
     })
 
 
 def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any] | None:
-    if plan.opts.reference is None or loaded.model_dir is None:
+    """The fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`)."""
+    model_dir = loaded.model_dir
+
+    def measure() -> tuple[int, int]:
+        from lora_parity.backends.hf import fp32_reference_memory
+
+        assert model_dir is not None
+        return fp32_reference_memory(model_dir)
+
+    loaded.reference = reference_decision(plan.opts.reference, model_dir is not None, plan.cfg.model.dtype, measure)
+    if loaded.reference.status != "scored" or model_dir is None:
         return None
     from lora_parity.backends.hf import fp32_reference
 
-    return fp32_reference(plan.cfg, loaded.model_dir)
+    return fp32_reference(plan.cfg, model_dir)
 
 
 def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None,

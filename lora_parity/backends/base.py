@@ -77,6 +77,8 @@ class BackendOptions:
     """Base model name on the service (backends with `takes_service_options`)."""
     lora: bool = True
     """Sampler: serve with LoRA enabled (False in the merged sync modes: merged base weights alone)."""
+    batch_invariant: bool = True
+    """Sampler (vLLM on CUDA): batch-invariant kernels where the build has them (`--no-batch-invariant`)."""
 
 
 @dataclass(frozen=True)

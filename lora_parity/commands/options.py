@@ -25,6 +25,12 @@ ProbesOpt = Annotated[str, typer.Option(
          "{\"text\": ...} per line).")]
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
 SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
+ReferenceOpt = Annotated[str | None, typer.Option(
+    help="fp32: score the base model in fp32 with HF (comparisons R.*); none: don't. Default: scored for a "
+         "bf16/fp16 model whose fp32 copy fits in memory.")]
+BatchInvariantOpt = Annotated[bool, typer.Option(
+    "--batch-invariant/--no-batch-invariant",
+    help="vLLM on CUDA: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so repeated scoring is exact.")]
 PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
 
 
