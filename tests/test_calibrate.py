@@ -233,3 +233,34 @@ def test_vllm_fp32_on_cuda_refusal_is_a_preflight_error(monkeypatch: pytest.Monk
     monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: True)
     with pytest.raises(ConfigError, match="cannot start an fp32 model"):
         prepare(RunOptions(model="tiny-qwen3", trainer="fake", sampler="vllm"))
+
+
+# --- batch-invariant vLLM ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("wanted", "why_not", "user", "env", "said"), [
+    (True, None, None, "1", "on"),
+    (False, None, None, "0", "off (--no-batch-invariant)"),
+    (True, "not on CUDA", None, "0", "off (not on CUDA)"),
+    (True, None, "0", "0", "off (VLLM_BATCH_INVARIANT=0 set by the user)"),
+    (True, "not on CUDA", "1", "1", "on (VLLM_BATCH_INVARIANT=1 set by the user)"),
+])
+def test_batch_invariant_environment(monkeypatch: pytest.MonkeyPatch, wanted: bool, why_not: str | None,
+                                     user: str | None, env: str, said: str) -> None:
+    import os
+
+    from lora_parity.backends import vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "batch_invariant_support", lambda: why_not)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    if user is not None:
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", user)
+    assert vllm_backend._batch_invariant_environment(wanted) == said
+    assert os.environ["VLLM_BATCH_INVARIANT"] == env
+
+
+def test_batch_invariant_is_off_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends import vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: False)
+    assert vllm_backend.batch_invariant_support() is not None

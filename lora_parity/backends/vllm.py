@@ -78,14 +78,12 @@ def batch_invariant_support() -> str | None:
 def _batch_invariant_environment(wanted: bool) -> str:
     """Set VLLM_BATCH_INVARIANT before the engine starts (a value the user set wins); the receipt's
     words for the outcome."""
-    if not wanted:
-        os.environ.setdefault("VLLM_BATCH_INVARIANT", "0")
-        return "off (--no-batch-invariant)"
-    why_not = batch_invariant_support()
-    if why_not is not None:
-        return f"off: {why_not}"
-    os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
-    return "on" if os.environ["VLLM_BATCH_INVARIANT"] == "1" else "off (VLLM_BATCH_INVARIANT set to 0)"
+    why_not = batch_invariant_support() if wanted else "--no-batch-invariant"
+    os.environ.setdefault("VLLM_BATCH_INVARIANT", "1" if why_not is None else "0")
+    on = os.environ["VLLM_BATCH_INVARIANT"].strip() not in ("", "0")
+    if on == (why_not is None):
+        return "on" if on else f"off ({why_not})"
+    return f"{'on' if on else 'off'} (VLLM_BATCH_INVARIANT={os.environ['VLLM_BATCH_INVARIANT']} set by the user)"
 
 
 class VLLMSampler(SamplerBackend):
