@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from lora_parity.receipt import Calibration, CalibrationStep, Perturbation
+
+if TYPE_CHECKING:
+    from lora_parity.backends.base import Trainer
+    from lora_parity.config import ModelConfig
 
 START_STD = 2e-3
 """First std of the ladder."""
@@ -53,6 +58,32 @@ def search(measure: Callable[[float], float], a_mean: float, factor: float, min_
     return Calibration(a_mean=a_mean, factor=factor, min_stimulus=min_stimulus, target=goal, start_std=START_STD,
                        growth=GROWTH, max_steps=MAX_STEPS, steps=steps, std=steps[-1].std,
                        met=steps[-1].trainer_change >= goal)
+
+
+class _NoStd(Exception):
+    """The trainer's update is not B noise: there is no std to calibrate."""
+
+
+def on_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
+               cfg: ModelConfig, only: str | None = None) -> Calibration | None:
+    """`search` with the trainer alone (zero B, perturb(std, seed, only), score), from the recorded
+    scores zero and trainer_zero; leaves B zero. None for a trainer whose update is not B noise (an
+    optimizer step: std does not apply)."""
+    before = scores["trainer_zero"]
+
+    def measure(std: float) -> float:
+        trainer.zero_b()
+        if trainer.perturb(std, seed, only=only).kind != "lora_b_noise":
+            raise _NoStd
+        return mean_change(before, trainer.score(sequences))
+
+    try:
+        return search(measure, mean_change(scores["zero"], before), cfg.perturbation.stimulus_factor,
+                      cfg.budgets.min_stimulus)
+    except _NoStd:
+        return None
+    finally:
+        trainer.zero_b()
 
 
 def _ladder_problem(cal: Calibration) -> str | None:

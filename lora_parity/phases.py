@@ -180,21 +180,8 @@ class Run:
         std = self.cfg.perturbation.std
         return calibration.std if calibration is not None else 0.0 if std == "auto" else std
 
-    def _search(self, only: str | None) -> Calibration:
-        """The std search (see `lora_parity.calibrate`) with the trainer alone; leaves B zero."""
-        before = self.scores["trainer_zero"]
-        a_mean = calibrate.mean_change(self.scores["zero"], before)
-
-        def measure(std: float) -> float:
-            self.trainer.zero_b()
-            self.trainer.perturb(std, self.seed, only=only)
-            return calibrate.mean_change(before, self.trainer.score(self.sequences))
-
-        try:
-            return calibrate.search(measure, a_mean, self.cfg.perturbation.stimulus_factor,
-                                    self.cfg.budgets.min_stimulus)
-        finally:
-            self.trainer.zero_b()
+    def _search(self, only: str | None) -> Calibration | None:
+        return calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg, only)
 
     def calibrate(self) -> None:
         """std auto: the smallest std of the ladder whose trainer change stands out of A's noise."""
@@ -224,8 +211,9 @@ class Run:
 
     def target_coverage(self, kind: str) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides."""
-        if self.calibrates:
-            self.target_calibrations[kind] = self._search(kind)
+        found = self._search(kind) if self.calibrates else None
+        if found is not None:
+            self.target_calibrations[kind] = found
             if self.perturbation is not None:
                 self.perturbation = self.perturbation.model_copy(
                     update={"target_calibrations": dict(self.target_calibrations)})

@@ -264,3 +264,24 @@ def test_batch_invariant_is_off_without_cuda(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: False)
     assert vllm_backend.batch_invariant_support() is not None
+
+
+def test_no_calibration_for_an_optimizer_step_trainer() -> None:
+    cfg = config.load("tiny-qwen3")
+    calls: list[str] = []
+
+    class OptimizerTrainer:
+        def zero_b(self) -> None:
+            calls.append("zero_b")
+
+        def perturb(self, std: float, seed: int, only: str | None = None) -> rc.Perturbation:
+            calls.append("perturb")
+            return rc.Perturbation(kind="optimizer_step", seed=seed, std=0.0, num_tensors=0, num_elements=0,
+                                   tensors=[], learning_rate=0.01)
+
+        def score(self, sequences: list[list[int]]) -> list[list[float]]:
+            raise AssertionError("an optimizer-step trainer is not searched")
+
+    scores = {"zero": [[-1.0, -2.0]], "trainer_zero": [[-1.0, -2.0]]}
+    assert calibrate.on_trainer(OptimizerTrainer(), [[1, 2, 3]], scores, 0, cfg) is None  # type: ignore[arg-type]
+    assert calls == ["zero_b", "perturb", "zero_b"]  # one update, then back to zero-init
