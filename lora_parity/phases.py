@@ -191,8 +191,9 @@ class Run:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
         std = self._std(self.calibration)
         update = self.faults.perturb(lambda: self.trainer.perturb(std, self.seed))
-        self.perturbation = update if update is None or self.calibration is None else \
-            update.model_copy(update={"calibration": self.calibration})
+        if update is not None and self.calibration is not None:
+            update = update.model_copy(update={"calibration": self.calibration})
+        self.perturbation = update
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
