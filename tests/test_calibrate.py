@@ -285,3 +285,14 @@ def test_no_calibration_for_an_optimizer_step_trainer() -> None:
     scores = {"zero": [[-1.0, -2.0]], "trainer_zero": [[-1.0, -2.0]]}
     assert calibrate.on_trainer(OptimizerTrainer(), [[1, 2, 3]], scores, 0, cfg) is None  # type: ignore[arg-type]
     assert calls == ["zero_b", "perturb", "zero_b"]  # one update, then back to zero-init
+
+
+def test_cli_takes_reference_none_and_no_batch_invariant(tmp_path: Path) -> None:
+    from .conftest import cli
+
+    out = tmp_path / "r.json"
+    res = cli("run", "--trainer", "fake", "--sampler", "fake", "--no-per-target", "--reference", "none",
+              "--no-batch-invariant", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    reference = rc.load(out)[0].reference
+    assert reference is not None and reference.status == "skipped" and "--reference none" in reference.reason
