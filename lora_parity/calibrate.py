@@ -98,6 +98,8 @@ def _ladder_problem(cal: Calibration) -> str | None:
         return "a step before the chosen one already met the target"
     if cal.std != cal.steps[-1].std or cal.met != (cal.steps[-1].trainer_change >= cal.target):
         return "the chosen std is not the first that meets the target (or the last step)"
+    if not cal.met and len(cal.steps) != cal.max_steps:
+        return "the search stopped before meeting the target or reaching max_steps"
     return None
 
 

@@ -296,3 +296,11 @@ def test_cli_takes_reference_none_and_no_batch_invariant(tmp_path: Path) -> None
     assert res.returncode == 0, res.stderr[-2000:]
     reference = rc.load(out)[0].reference
     assert reference is not None and reference.status == "skipped" and "--reference none" in reference.reason
+
+
+def test_check_rejects_a_search_that_stopped_early_without_meeting_the_target() -> None:
+    cal = calibrate.search(lambda std: 1e-3 * std, a_mean=0.0, factor=10, min_stimulus=0.1)
+    assert calibrate.check(cal, cal.std, {}, "trainer_updated", 0.1) is None
+    short = cal.model_copy(update={"steps": cal.steps[:3], "std": cal.steps[2].std})
+    assert "stopped before" in (calibrate.check(short, short.std, {}, "trainer_updated", 0.1) or "")
+    assert "min_stimulus" in (calibrate.check(cal, cal.std, {}, "trainer_updated", 0.2) or "")
