@@ -45,17 +45,18 @@ def target(a_mean: float, factor: float, min_stimulus: float) -> float:
     return max(factor * a_mean, min_stimulus)
 
 
-def search(measure: Callable[[float], float], a_mean: float, factor: float, min_stimulus: float) -> Calibration:
-    """Walk the std ladder, `measure(std)` giving the trainer change at each std, until one meets the
-    target; at most MAX_STEPS calls."""
+def search(measure: Callable[[float], float], a_mean: float, factor: float, min_stimulus: float,
+           start: float = START_STD) -> Calibration:
+    """Walk the std ladder from `start`, `measure(std)` giving the trainer change at each std, until
+    one meets the target; at most MAX_STEPS calls."""
     goal = target(a_mean, factor, min_stimulus)
     steps: list[CalibrationStep] = []
     for i in range(MAX_STEPS):
-        std = START_STD * GROWTH**i
+        std = start * GROWTH**i
         steps.append(CalibrationStep(std=std, trainer_change=measure(std)))
         if steps[-1].trainer_change >= goal:
             break
-    return Calibration(a_mean=a_mean, factor=factor, min_stimulus=min_stimulus, target=goal, start_std=START_STD,
+    return Calibration(a_mean=a_mean, factor=factor, min_stimulus=min_stimulus, target=goal, start_std=start,
                        growth=GROWTH, max_steps=MAX_STEPS, steps=steps, std=steps[-1].std,
                        met=steps[-1].trainer_change >= goal)
 
@@ -65,10 +66,11 @@ class _NoStd(Exception):
 
 
 def on_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
-               cfg: ModelConfig, only: str | None = None) -> Calibration | None:
-    """`search` with the trainer alone (zero B, perturb(std, seed, only), score), from the recorded
-    scores zero and trainer_zero; leaves B zero. None for a trainer whose update is not B noise (an
-    optimizer step: std does not apply)."""
+               cfg: ModelConfig, only: str | None = None, start: float = START_STD) -> Calibration | None:
+    """`search` from `start` with the trainer alone (zero B, perturb(std, seed, only), score), from the
+    recorded scores zero and trainer_zero; leaves B zero. Per-target coverage starts from the whole
+    update's std: one target alone moves the model less than all of them together. None for a trainer
+    whose update is not B noise (an optimizer step: std does not apply)."""
     before = scores["trainer_zero"]
 
     def measure(std: float) -> float:
@@ -79,7 +81,7 @@ def on_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, l
 
     try:
         return search(measure, mean_change(scores["zero"], before), cfg.perturbation.stimulus_factor,
-                      cfg.budgets.min_stimulus)
+                      cfg.budgets.min_stimulus, start)
     except _NoStd:
         return None
     finally:

@@ -181,7 +181,8 @@ class Run:
         return calibration.std if calibration is not None else 0.0 if std == "auto" else std
 
     def _search(self, only: str | None) -> Calibration | None:
-        return calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg, only)
+        start = self.calibration.std if self.calibration is not None else calibrate.START_STD
+        return calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg, only, start)
 
     def calibrate(self) -> None:
         """std auto: the smallest std of the ladder whose trainer change stands out of A's noise."""

@@ -101,6 +101,7 @@ def test_per_target_coverage_calibrates_each_target(tmp_path: Path) -> None:
         change = calibrate.mean_change(receipt.scores["trainer_zero"], receipt.scores[f"target.{kind}.trainer"])
         assert change == pytest.approx(cal.steps[-1].trainer_change, rel=1e-12)
         assert cal.met == (change >= cal.target)
+        assert cal.start_std == p.std  # one target moves less than all: its ladder starts at the whole update's std
     verify(tmp_path / "t.json")
 
 
