@@ -19,12 +19,14 @@ from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
     ApiKeyEnvOpt,
+    BatchInvariantOpt,
     BudgetsOpt,
     GithubSummaryOpt,
     JsonOpt,
     ModelOpt,
     PerTargetOpt,
     ProbesOpt,
+    ReferenceOpt,
     RevisionOpt,
     SamplerOpt,
     SamplerUrlOpt,
@@ -86,11 +88,8 @@ def run(
         str | None, typer.Option(help="Base model name on the Tinker service (default: the one it serves).")
     ] = None,
     tp: TpOpt = 1,
-    reference: Annotated[
-        str | None,
-        typer.Option(help="'fp32': also score the base model in fp32 with HF, to show how far each side's "
-                          "zero-init scores are from it (comparisons R.*, no checks)."),
-    ] = None,
+    reference: ReferenceOpt = None,
+    batch_invariant: BatchInvariantOpt = True,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
@@ -129,7 +128,7 @@ def run(
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
-                      shared_dir=shared_dir)
+                      shared_dir=shared_dir, batch_invariant=batch_invariant)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts)
     path = _signing().sign_file(result.path, key) if key is not None else result.path

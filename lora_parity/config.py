@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -157,10 +157,14 @@ class AdapterSpec(_Cfg):
 
 
 class PerturbationSpec(_Cfg):
-    """The trainer-only B update: Gaussian noise of a fixed std, seeded per tensor."""
+    """The trainer-only B update: Gaussian noise of a fixed or calibrated std, seeded per tensor."""
 
-    std: float = Field(gt=0)
-    """Std of the noise added to every LoRA B tensor (trainers that expose their tensors)."""
+    std: Annotated[float, Field(gt=0)] | Literal["auto"]
+    """Std of the noise added to every LoRA B tensor (trainers that expose their tensors); 'auto':
+    searched on the trainer alone until its change is at least stimulus_factor times A's mean
+    disagreement and at least budgets.min_stimulus (`lora_parity.calibrate`)."""
+    stimulus_factor: float = Field(default=10.0, gt=0)
+    """k of std 'auto': the trainer's change must be at least k times A's mean disagreement."""
     learning_rate: float = Field(default=1e-2, gt=0)
     """Learning rate of the one Adam step of trainers that update only through an optimizer (tinker);
     the noise trainers ignore it. 1e-2 moves the tiny synthetic Qwen3's probe logprobs by about
@@ -374,8 +378,8 @@ def budgets_for(dtype: str) -> Budgets:
 
 
 def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
-    """A local HF checkpoint with the embedded default's adapter, perturbation and probes; budgets
-    follow the dtype (`dtype`, else config.json's, else float32)."""
+    """A local HF checkpoint with the embedded default's adapter and probes, a calibrated perturbation
+    (std auto); budgets follow the dtype (`dtype`, else config.json's, else float32)."""
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path}: not an HF checkpoint folder (no config.json)")
     if not any(path.glob("*.safetensors")):
@@ -389,8 +393,10 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
         dtype = hf.get("torch_dtype") or hf.get("dtype")
         dtype = dtype if dtype in DTYPES else "float32"
     model = ModelSpec.model_validate({"path": str(path.resolve()), "dtype": dtype})
+    # A real model's sensitivity to B is unknown before the run: the std is calibrated (see calibrate.py).
+    perturbation = base.perturbation.model_copy(update={"std": "auto"})
     return base.model_copy(update={"name": path.name, "description": f"local checkpoint {path.name}", "model": model,
-                                   "budgets": budgets_for(dtype)})
+                                   "budgets": budgets_for(dtype), "perturbation": perturbation})
 
 
 def load(name_or_path: str | None, dtype: str | None = None, budgets: str | None = None) -> ModelConfig:

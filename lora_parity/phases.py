@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_parity import stats
+from lora_parity import calibrate, stats, tracebacks
 from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, Trainer
 from lora_parity.config import ModelConfig
-from lora_parity.errors import LoraParityError, ScoreError
+from lora_parity.errors import ScoreError
 from lora_parity.faults import Faults
-from lora_parity.receipt import AdapterVersion, Perturbation, PhaseRecord, PhaseStatus
+from lora_parity.receipt import AdapterVersion, Calibration, ErrorDetail, Perturbation, PhaseRecord, PhaseStatus
 from lora_parity.sync import SyncMode
 from lora_parity.sync import mode as sync_mode_named
 
@@ -34,6 +34,8 @@ def run_sequence(run: Run) -> None:
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
     if run.reference is not None:
         run.step("reference_fp32", run.reference_score)
+    if run.calibrates:
+        run.step("calibrate", run.calibrate)
     run.step("perturb", run.perturb)
     run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
     run.step("stale", run.stale)
@@ -79,6 +81,12 @@ class Run:
     stale_handle: AdapterHandle | None = None
     """The adapter the stale phase scored (the one published before the update)."""
     error: str | None = None
+    error_detail: ErrorDetail | None = None
+    """Where the phase that stopped the run raised."""
+    calibration: Calibration | None = None
+    """The std search of `perturbation.std: auto`, once it ran."""
+    target_calibrations: dict[str, Calibration] = field(default_factory=dict)
+    """Each target kind's own std search (per-target coverage, std auto)."""
     first_adapter_id: int = 1
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
     reference: Callable[[list[list[int]]], Scores] | None = None
@@ -123,9 +131,11 @@ class Run:
             action()
         except Exception as e:
             seconds = time.perf_counter() - start
-            message = str(e) if isinstance(e, LoraParityError) else f"{type(e).__name__}: {e}"
+            message = tracebacks.one_line(e)
             self.error = f"phase {name}: {message}"
-            self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=seconds, message=message))
+            self.error_detail = detail = tracebacks.describe(e, name)
+            self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=seconds, message=message,
+                                           error_type=detail.type, frames=detail.frames))
             self.progress(name, "error", seconds)
             raise StopRun(self.error) from e
         except KeyboardInterrupt:  # SIGINT or SIGTERM (lora_parity.interrupt): the runner records why
@@ -182,9 +192,30 @@ class Run:
         """Publish the zero-init adapter (version 0)."""
         self.mode.publish(self, version=0)
 
+    @property
+    def calibrates(self) -> bool:
+        """Whether the std is searched on the trainer (`perturbation.std: auto`)."""
+        return self.cfg.perturbation.std == "auto"
+
+    def _std(self, calibration: Calibration | None) -> float:
+        std = self.cfg.perturbation.std
+        return calibration.std if calibration is not None else 0.0 if std == "auto" else std
+
+    def _search(self, only: str | None) -> Calibration | None:
+        start = self.calibration.std if self.calibration is not None else calibrate.START_STD
+        return calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg, only, start)
+
+    def calibrate(self) -> None:
+        """std auto: the smallest std of the ladder whose trainer change stands out of A's noise."""
+        self.calibration = self._search(None)
+
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
-        self.perturbation = self.faults.perturb(lambda: self.trainer.perturb(self.cfg.perturbation.std, self.seed))
+        std = self._std(self.calibration)
+        update = self.faults.perturb(lambda: self.trainer.perturb(std, self.seed))
+        if update is not None and self.calibration is not None:
+            update = update.model_copy(update={"calibration": self.calibration})
+        self.perturbation = update
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
@@ -203,8 +234,14 @@ class Run:
 
     def target_coverage(self, kind: str) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides."""
+        found = self._search(kind) if self.calibrates else None
+        if found is not None:
+            self.target_calibrations[kind] = found
+            if self.perturbation is not None:
+                self.perturbation = self.perturbation.model_copy(
+                    update={"target_calibrations": dict(self.target_calibrations)})
         self.trainer.zero_b()
-        self.trainer.perturb(self.cfg.perturbation.std, self.seed, only=kind)
+        self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
         self.trainer_score(f"target.{kind}.trainer")
         self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)

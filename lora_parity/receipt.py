@@ -21,6 +21,8 @@ from lora_parity.receipt_models import ATriangulation as ATriangulation
 from lora_parity.receipt_models import (
     BucketStats as BucketStats,
 )
+from lora_parity.receipt_models import Calibration as Calibration
+from lora_parity.receipt_models import CalibrationStep as CalibrationStep
 from lora_parity.receipt_models import (
     Check as Check,
 )
@@ -37,11 +39,13 @@ from lora_parity.receipt_models import (
 from lora_parity.receipt_models import (
     ErrorBreakdown as ErrorBreakdown,
 )
+from lora_parity.receipt_models import ErrorDetail as ErrorDetail
 from lora_parity.receipt_models import GroupVerdict as GroupVerdict
 from lora_parity.receipt_models import JsonScalar as JsonScalar
 from lora_parity.receipt_models import (
     PhaseStatus as PhaseStatus,
 )
+from lora_parity.receipt_models import Reference as Reference
 from lora_parity.receipt_models import (
     RouterAgreement as RouterAgreement,
 )
@@ -226,6 +230,10 @@ class Perturbation(Strict):
     scope: str | None = None
     """What the update changed, in words, where the backend cannot list the tensors (a Tinker service:
     num_tensors and num_elements are 0 and tensors is empty then)."""
+    calibration: Calibration | None = None
+    """How std was chosen (`perturbation.std: auto`); None: the config fixed it."""
+    target_calibrations: dict[str, Calibration] | None = None
+    """Per-target coverage: each target kind's own std search (`perturbation.std: auto`)."""
 
 
 class AdapterVersion(Strict):
@@ -254,6 +262,10 @@ class PhaseRecord(Strict):
     """Wall time of the phase."""
     message: str | None = None
     """The error message, when the phase failed."""
+    error_type: str | None = None
+    """The exception's type name, when the phase failed."""
+    frames: list[str] | None = None
+    """Its innermost frames, 'path:line function' (see `ErrorDetail.frames`), when the phase failed."""
 
 
 SyncModeName = Literal["new-id", "inplace", "merged", "memory"]
@@ -327,6 +339,10 @@ class Receipt(Strict):
     receipts made before it was recorded."""
     verdicts: Verdicts | None = None
     """The sync and numerics verdicts the run's verdict is made of; None in receipts made before."""
+    error_detail: ErrorDetail | None = None
+    """Where the error that stopped the run was raised; None: no error (or a receipt made before)."""
+    reference: Reference | None = None
+    """Whether the fp32 reference was scored, and why (not); None in receipts made before it was recorded."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

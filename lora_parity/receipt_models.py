@@ -214,3 +214,63 @@ class Verdicts(Strict):
     """Is the LoRA path right: B, C, the delta checks, per-target coverage, S.*, A.zero_adapter_noop."""
     numerics: GroupVerdict
     """Do the two sides agree at zero-init as closely as their precision allows: A's parity and noise."""
+class CalibrationStep(Strict):
+    """One std the calibration tried, and the trainer's change at it."""
+
+    std: float
+    """Std of the B noise."""
+    trainer_change: float
+    """Mean |trainer after − trainer_zero| over the scored positions, the trainer alone."""
+
+
+class Calibration(Strict):
+    """The search for the B-noise std (`perturbation.std: auto`, see `lora_parity.calibrate`):
+    `lora-parity verify` rechecks the rule from these numbers and the scores."""
+
+    a_mean: float
+    """A's mean disagreement, mean |zero − trainer_zero|: the noise the update must stand out of."""
+    factor: float
+    """k: the trainer change must be at least k · a_mean (`perturbation.stimulus_factor`)."""
+    min_stimulus: float
+    """And at least this (the budgets' min_stimulus)."""
+    target: float
+    """max(factor · a_mean, min_stimulus)."""
+    start_std: float
+    """First std of the ladder."""
+    growth: float
+    """Each step's std is the previous one's times this."""
+    max_steps: int
+    """Most steps (trainer forwards) the search may take."""
+    steps: list[CalibrationStep]
+    """Each std tried, in order; the last one is the chosen one."""
+    std: float
+    """The chosen std: the first that meets the target, else the last of the ladder."""
+    met: bool
+    """Whether the chosen std meets the target (if not, B's stimulus check decides)."""
+
+
+class ErrorDetail(Strict):
+    """Where a run that errored failed: the exception and its innermost frames."""
+
+    where: str
+    """'setup' or the phase that raised."""
+    type: str
+    """The exception's type name."""
+    message: str
+    """The exception's message (may be empty, as vLLM's bare AssertionError is)."""
+    frames: list[str]
+    """Innermost frames last, 'path:line function', paths relative to the package's parent or to
+    site-packages (never a machine path)."""
+
+
+class Reference(Strict):
+    """Whether the fp32 reference (scores `reference_fp32`) was scored, and why (not)."""
+
+    status: Literal["scored", "skipped"]
+    """scored, or skipped."""
+    reason: str
+    """Why: asked for, a half-precision model whose fp32 copy fits, or why it was skipped."""
+    fp32_bytes: int | None = None
+    """Bytes of the fp32 copy's parameters, where measured."""
+    available_bytes: int | None = None
+    """Memory available for it (free GPU memory, else available host RAM), where measured."""

@@ -24,9 +24,11 @@ from lora_parity import (
     config,
     interrupt,
     outpath,
+    preflight,
     realmodel,
     scratch,
     synthetic,
+    tracebacks,
 )
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
@@ -37,17 +39,21 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.checkpoint import Checkpoint, preflight_hf_config, require_safetensors, vocab_size, weights_digest
+from lora_parity.checkpoint import Checkpoint, require_safetensors, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
 from lora_parity.faults import Faults, check_crash_phase, require_applies
 from lora_parity.phases import Run, StopRun, phase_names, run_sequence
+from lora_parity.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
+from lora_parity.preflight import reference_decision as reference_decision
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
 from lora_parity.receipt import (
     SCHEMA_VERSION,
     BackendInfo,
+    ErrorDetail,
     ModelInfo,
     Probes,
     Receipt,
+    Reference,
     Revision,
     RouterAgreement,
     seal,
@@ -84,7 +90,10 @@ class RunOptions:
     tp: int = 1
     """Tensor-parallel size of the trainer (the megatron trainer only)."""
     reference: str | None = None
-    """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
+    """'fp32': score the base model in fp32 with HF, the reference both sides approximate; 'none': don't;
+    None: score it for a bf16/fp16 model whose fp32 copy fits in memory (see `reference_decision`)."""
+    batch_invariant: bool = True
+    """vLLM on CUDA: batch-invariant (deterministic) kernels, where the build has them."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     budgets: str | None = None
@@ -137,7 +146,7 @@ class Plan:
         o = self.opts
         return BackendOptions(seed=o.seed, tp=o.tp, url=o.tinker_url, base_model=o.base_model,
                               lora=self.sync.sampler_lora, sampler_url=o.sampler_url, api_key_env=o.api_key_env,
-                              shared_dir=o.shared_dir)
+                              shared_dir=o.shared_dir, batch_invariant=o.batch_invariant)
 
 
 def prepare(opts: RunOptions) -> Plan:
@@ -159,13 +168,13 @@ def prepare(opts: RunOptions) -> Plan:
                            api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
     # The sampler's own checks first: a server that cannot be reached stops the run in seconds,
     # before the trainer's libraries (torch, transformers: 5-15 s) are imported.
-    _sampler_preflight(opts, sampler_cls, pre)
+    preflight.sampler_preflight(opts, sampler_cls, pre)
     start = time.perf_counter()
     trainer_cls = backends.resolve("trainer", opts.trainer)
     import_seconds += time.perf_counter() - start
-    _service_preflight(opts, trainer_cls, sampler_cls, pre)
-    _tp_preflight(opts, trainer_cls)
-    _shape_preflight(cfg, opts, trainer_cls)
+    preflight.service_preflight(opts, trainer_cls, sampler_cls, pre)
+    preflight.tp_preflight(opts, trainer_cls)
+    preflight.shape_preflight(cfg, opts, trainer_cls)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
     check_crash_phase(opts.inject, phase_names(cfg))
@@ -173,56 +182,14 @@ def prepare(opts: RunOptions) -> Plan:
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
-    _reference_preflight(plan)
+    preflight.reference_preflight(plan.opts.reference, plan.needs_checkpoint)
     if plan.needs_checkpoint:
         require_safetensors(cfg)
+    if opts.sampler == "vllm":
+        from lora_parity.backends.vllm import refuse_fp32_on_cuda
+
+        refuse_fp32_on_cuda(cfg)
     return plan
-
-
-REFERENCES = ("fp32",)
-
-
-def _reference_preflight(plan: Plan) -> None:
-    reference = plan.opts.reference
-    if reference is None:
-        return
-    if reference not in REFERENCES:
-        raise ConfigError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
-    if not plan.needs_checkpoint:
-        raise ConfigError("--reference fp32 loads the checkpoint with HF; these backends use none")
-
-
-def _tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
-    """--tp is a positive size, and other than 1 only for a trainer that runs tensor parallel."""
-    if opts.tp < 1:
-        raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
-    if opts.tp != 1 and not trainer_cls.traits.supports_tp:
-        raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
-
-
-def _shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
-    """The trainer can build the checkpoint's shape at --tp, judged from config.json before any load."""
-    hf = preflight_hf_config(cfg) if trainer_cls.traits.needs_checkpoint else None
-    if hf is not None:
-        trainer_cls.check_config(hf, opts.tp)
-
-
-def _sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions) -> None:
-    """Server options only for a sampler served over HTTP; then the sampler's own `preflight` (an
-    attached vllm-server answers within seconds)."""
-    if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
-        raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to --sampler vllm-server only")
-    sampler_cls.preflight(pre)
-
-
-def _service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend],
-                       pre: PreflightOptions) -> None:
-    """Service options only where a backend takes them; then the trainer's own `preflight` (the
-    tinker backends: the service answers within seconds)."""
-    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options
-                                                        for c in (trainer_cls, sampler_cls)):
-        raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
-    trainer_cls.preflight(pre)
 
 
 def _pending_backend(name: str) -> BackendInfo:
@@ -246,6 +213,9 @@ class Backends:
         self.error: str | None = None
         self.interrupted: KeyboardInterrupt | None = None
         """A SIGINT or SIGTERM that stopped a run on these backends: they are not used again."""
+        self.error_detail: ErrorDetail | None = None
+        self.reference: Reference | None = None
+        """The fp32 reference decision of the latest run."""
         self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
@@ -275,7 +245,8 @@ class Backends:
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
             self.device = str(settings.get("device", "cpu"))
         except Exception as e:
-            self.error = f"setup: {e}" if isinstance(e, LoraParityError) else f"setup: {type(e).__name__}: {e}"
+            self.error = f"setup: {tracebacks.one_line(e)}"
+            self.error_detail = tracebacks.describe(e, "setup")
             say("setup", "error", time.perf_counter() - start)
         except KeyboardInterrupt as e:
             self.interrupted = e
@@ -403,15 +374,28 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
         "router": router,
         "breakdown": breakdown.compute(scores),
+        "error_detail": (run.error_detail if run else None) or (loaded.error_detail if error else None),
+        "reference": loaded.reference if run else None,
     })
 
 
 def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any] | None:
-    if plan.opts.reference is None or loaded.model_dir is None:
+    """The fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`)."""
+    model_dir = loaded.model_dir
+
+    def measure() -> tuple[int, int]:
+        from lora_parity.backends.hf import fp32_reference_memory
+
+        assert model_dir is not None
+        return fp32_reference_memory(model_dir)
+
+    loaded.reference = preflight.reference_decision(plan.opts.reference, model_dir is not None,
+                                                    plan.cfg.model.dtype, measure)
+    if loaded.reference.status != "scored" or model_dir is None:
         return None
     from lora_parity.backends.hf import fp32_reference
 
-    return fp32_reference(plan.cfg, loaded.model_dir)
+    return fp32_reference(plan.cfg, model_dir)
 
 
 def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None,

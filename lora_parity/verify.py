@@ -111,6 +111,7 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     if receipt.verdicts is not None and receipt.verdicts != ev.verdicts:
         raise ReceiptError(f"{path}: verdicts (sync, numerics) do not follow from its checks")
     _verify_moe_fields(path, receipt)
+    _verify_calibration(path, receipt)
     breakdown.require_reproduces(path, receipt.breakdown, receipt.scores)
     return Verified(receipt, ev.verdict, signature)
 
@@ -165,3 +166,15 @@ def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
         raise ReceiptError(f"{path}: router: agreement outside [0, 1]")
     if not math.isclose(r.agreement, math.fsum(r.per_layer) / len(r.per_layer), rel_tol=1e-12, abs_tol=1e-12):
         raise ReceiptError(f"{path}: router: agreement is not the mean of per_layer")
+
+
+def _verify_calibration(path: Path, receipt: Receipt) -> None:
+    """A calibrated std (`perturbation.std: auto`) must follow its rule (`calibrate.check_perturbation`)."""
+    from lora_parity import calibrate
+
+    if receipt.perturbation is None:
+        return
+    problem = calibrate.check_perturbation(receipt.perturbation, receipt.scores,
+                                           getattr(receipt.budgets, "min_stimulus", None))
+    if problem:
+        raise ReceiptError(f"{path}: {problem}")

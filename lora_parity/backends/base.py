@@ -89,6 +89,8 @@ class BackendOptions:
     """Environment variable holding that server's API key (`served_over_http`; never recorded)."""
     shared_dir: Path | None = None
     """Folder the attached server can read; adapters are copied there (`served_over_http`)."""
+    batch_invariant: bool = True
+    """Sampler (vLLM on CUDA): batch-invariant kernels where the build has them (`--no-batch-invariant`)."""
 
 
 @dataclass(frozen=True)

