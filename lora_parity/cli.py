@@ -18,6 +18,7 @@ from lora_parity import __version__, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
+    AdapterOpt,
     GithubSummaryOpt,
     JsonOpt,
     ModelOpt,
@@ -90,6 +91,7 @@ def run(
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
     ] = None,
+    adapter: AdapterOpt = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
     junit: Annotated[
@@ -117,7 +119,7 @@ def run(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
-                      reference=reference, dtype=dtype)
+                      reference=reference, dtype=dtype, adapter=adapter)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = execute(opts, progress=output.progress, process_exiting=True)
     path = _signing().sign_file(result.path, key) if key is not None else result.path

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from lora_parity import stats
+from lora_parity import generation, stats
 from lora_parity.backends.base import AdapterHandle, Sampler, Scores, Trainer
 from lora_parity.config import ModelConfig
 from lora_parity.errors import LoraParityError, ScoreError
@@ -23,12 +24,19 @@ from lora_parity.receipt import AdapterVersion, Perturbation, PhaseRecord, Phase
 from lora_parity.sync import SyncMode
 from lora_parity.sync import mode as sync_mode_named
 
+T = TypeVar("T")
+
 
 def run_sequence(run: Run) -> None:
     """Every phase in order; stops at the first phase that raises (recorded as an error)."""
+    if run.sampled:
+        # The probes are prompts: the zero-init adapter must be on the sampler to sample from it.
+        run.step("publish_zero", run.publish_zero)
+        run.step("sample", run.sample)
     if run.sampler_scores_base:
-        run.step("base", lambda: run.sampler_score("base", None))
-    run.step("publish_zero", run.publish_zero)
+        run.step("base", lambda: run.sampler_score(run.base_key, None))
+    if not run.sampled:
+        run.step("publish_zero", run.publish_zero)
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
     if run.reference is not None:
@@ -38,6 +46,8 @@ def run_sequence(run: Run) -> None:
     run.step("stale", run.stale)
     run.step("sync", run.sync)
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
+    if run.sampled:
+        run.step("generate_updated", run.generate_updated)
     if run.sampler_shares_trainer_state:
         # The old sampling client again, now that a newer one was used: does the trainer keep its update?
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
@@ -78,11 +88,28 @@ class Run:
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
     reference: Callable[[list[list[int]]], Scores] | None = None
     """Scores the base model in fp32 (`--reference fp32`): what both sides approximate at zero-init."""
+    sampled: bool = False
+    """`--probes sampled`: each sequence's first `generation.prompt_length` tokens are a prompt, and
+    the rest is sampled from the zero-init adapter in the `sample` phase (`generation` module)."""
+    start_adapter: bool = False
+    """`--adapter`: both sides start from the user's adapter; the sampler's base scores are then
+    recorded as `adapter_base` (the adapter must move the sampler from them)."""
+    prompts: list[list[int]] = field(default_factory=list)
+    """The prompts the sampler generated from (`sampled` runs)."""
+    generated: list[list[int]] = field(default_factory=list)
+    """What the sampler generated from `prompts` with the synced adapter (`sampled` runs)."""
+    published_digests: dict[Path, str] = field(default_factory=dict)
+    """sha256 of each adapter folder the sampler was handed, checked again before it scores with it."""
     mode: SyncMode = field(init=False)
     """How weights reach the sampler: the `sync_mode` strategy, as the injected fault (if any) changes it."""
 
     def __post_init__(self) -> None:
         self.mode = self.faults.wrap_sync(sync_mode_named(self.sync_mode))
+
+    @property
+    def base_key(self) -> str:
+        """Where the sampler's base-model scores go: `base`, or `adapter_base` with `--adapter`."""
+        return "adapter_base" if self.start_adapter else "base"
 
     @property
     def sampler_scores_base(self) -> bool:
@@ -130,7 +157,7 @@ class Run:
             raise ScoreError(f"{key}: scored positions {[len(s) for s in scores]}, expected {expected}")
         self.scores[key] = scores
 
-    def _timed(self, key: str, fn: Callable[[], Scores]) -> Scores:
+    def _timed(self, key: str, fn: Callable[[], T]) -> T:
         start = time.perf_counter()
         out = fn()
         self.timings[f"score.{key}"] = time.perf_counter() - start
@@ -144,6 +171,9 @@ class Run:
 
     def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None:
         """Sampler scores under `handle` (None: base model), twice with `repeat`."""
+        if handle is not None:
+            self.faults.before_scoring(handle.path)
+            generation.check_unchanged(handle.path, self.published_digests)
         for k in (key, f"{key}_repeat") if repeat else (key,):
             raw = self._timed(k, lambda: self.sampler.score(self.sequences, handle))
             self._record(k, self.faults.sampler_scores(raw))
@@ -156,10 +186,35 @@ class Run:
     def exported(self, version: int, folder: Path) -> None:
         """Adapter-file faults rewrite each exported folder before the sampler loads it."""
         self.faults.after_export(version, folder)
+        self.published_digests[folder] = generation.folder_digest(folder)
 
     def publish_zero(self) -> None:
         """Publish the zero-init adapter (version 0)."""
         self.mode.publish(self, version=0)
+
+    def sample(self) -> None:
+        """Replace each probe sequence by its prompt + a completion sampled with the zero-init adapter
+        (same lengths); record the sampler's own logprobs of them (`sampled_generation`)."""
+        self.prompts = generation.prompts(self.sequences)
+        sequences, logprobs = self._timed("sampled_generation", lambda: generation.generate(
+            self.sampler, self.prompts, [len(s) for s in self.sequences], self.seed, self.handle))
+        self.sequences = sequences
+        self._record("sampled_generation", logprobs)
+
+    def generate_updated(self) -> None:
+        """The generation path after sync: the sampler generates from the same prompts with the synced
+        adapter; its rollout logprobs, its prompt logprobs and the trainer's scores of those tokens."""
+        lengths = [len(s) for s in self.sequences]
+        handle = self.faults.generation_handle(self.handle)
+        seed = self.seed + generation.UPDATED_SEED_OFFSET
+        self.generated, logprobs = self._timed("updated_generation", lambda: generation.generate(
+            self.sampler, self.prompts, lengths, seed, handle))
+        self._record("updated_generation", logprobs)
+        prompt_handle = self.faults.generation_prompt_handle(self.handle)
+        scored = self._timed("updated_generation_prompt", lambda: self.sampler.score(self.generated, prompt_handle))
+        self._record("updated_generation_prompt", self.faults.sampler_scores(scored))
+        self._record("updated_generation_trainer",
+                     self._timed("updated_generation_trainer", lambda: self.trainer.score(self.generated)))
 
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""

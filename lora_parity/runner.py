@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, synthetic
+from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, start_adapter, synthetic
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
+    GeneratingSampler,
     PreflightOptions,
     Sampler,
     SamplerBackend,
+    StartAdapterTrainer,
     Trainer,
     TrainerBackend,
 )
@@ -40,6 +42,7 @@ from lora_parity.receipt import (
     Revision,
     RouterAgreement,
     seal,
+    sha256_json,
     write_atomic,
 )
 from lora_parity.routing import router_agreement
@@ -76,6 +79,8 @@ class RunOptions:
     """'fp32': also score the base model in fp32 with HF, the reference both sides approximate."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
+    adapter: Path | None = None
+    """A PEFT adapter folder both sides start from instead of zero-init (`lora_parity.start_adapter`)."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -107,6 +112,11 @@ class Plan:
     """Preflight timings (importing the backends' libraries)."""
 
     @property
+    def sampled(self) -> bool:
+        """`--probes sampled`: the sampler completes the probes at the start of the run."""
+        return self.probes.source is not None and self.probes.source.kind == "sampled"
+
+    @property
     def needs_checkpoint(self) -> bool:
         """Whether either backend loads the local checkpoint."""
         return self.trainer_cls.traits.needs_checkpoint or self.sampler_cls.traits.needs_checkpoint
@@ -121,6 +131,8 @@ class Plan:
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
     cfg = config.load(opts.model, opts.dtype)
+    if opts.adapter is not None:
+        cfg = start_adapter.apply(cfg, opts.adapter)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -132,8 +144,14 @@ def prepare(opts: RunOptions) -> Plan:
     import_seconds = time.perf_counter() - start
     _service_preflight(opts, trainer_cls, sampler_cls)
     _tp_preflight(opts, trainer_cls)
+    if opts.adapter is not None:
+        start_adapter.require(trainer_cls, opts.trainer, sampler_cls, opts.sampler)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
-    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
+    sampled = probes.source is not None and probes.source.kind == "sampled"
+    if sampled and not issubclass(sampler_cls, GeneratingSampler):
+        raise ConfigError(f"--probes sampled needs a sampler that generates; {opts.sampler!r} does not")
+    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
+           sampled=sampled)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
@@ -216,6 +234,9 @@ class Backends:
             self.sampler_info = self.sampler.info()
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             self.trainer = plan.trainer_cls.create(plan.cfg, model_dir, timings, options)
+            if plan.opts.adapter is not None:
+                assert isinstance(self.trainer, StartAdapterTrainer)  # preflight checked the class
+                self.trainer.load_start_adapter(plan.opts.adapter)
             self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
@@ -243,7 +264,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
               per_target=plan.opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id,
-              reference=_reference(plan, loaded))
+              reference=_reference(plan, loaded), sampled=plan.sampled, start_adapter=plan.opts.adapter is not None)
     try:
         run_sequence(run)
     except StopRun:
@@ -259,7 +280,8 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     """One pass of the sequence on loaded backends, then the receipt, whatever happened."""
     cfg, probes = plan.cfg, plan.probes
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync)
+    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
+                    sampled=plan.sampled)
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
     start = time.perf_counter()
     run: Run | None = None
@@ -283,7 +305,8 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
 def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreement | None, inject: str | None,
              error: str | None, when: dt.datetime, seconds: float) -> Receipt:
     """The sealed receipt of one run (scores, checks derived from them, provenance, timings)."""
-    cfg, opts, probes = plan.cfg, plan.opts, plan.probes
+    cfg, opts = plan.cfg, plan.opts
+    probes = _run_probes(plan.probes, run)
     timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds}
     scores = run.scores if run else {}
     ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)
@@ -315,6 +338,13 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "router": router,
         "breakdown": breakdown.compute(scores),
     })
+
+
+def _run_probes(probes: Probes, run: Run | None) -> Probes:
+    """The probes the phases scored: with `--probes sampled`, the prompts + what the sampler generated."""
+    if run is None or run.sequences == probes.sequences:
+        return probes
+    return probes.model_copy(update={"sequences": run.sequences, "digest": sha256_json(run.sequences)})
 
 
 def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any] | None:
