@@ -17,7 +17,8 @@ from lora_parity.backends.base import StartAdapterTrainer
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError
 
-_UNSUPPORTED = {"use_dora": "DoRA", "use_rslora": "rsLoRA"}
+_UNSUPPORTED = {"use_dora": "DoRA", "use_rslora": "rsLoRA", "lora_bias": "LoRA-bias",
+                "layers_to_transform": "layers_to_transform (some layers only)"}
 
 
 def read_config(folder: Path) -> dict[str, Any]:
