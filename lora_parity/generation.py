@@ -1,7 +1,7 @@
 """Sampled tokens: prompts, seeded generation through a `GeneratingSampler`, and the published-folder
 digests that catch an adapter changed on disk after it was handed to the sampler.
 
-`--probes sampled` takes the text probes' windows, keeps each one's first `prompt_length(n)` tokens
+`--probes sampled` takes the text probes' windows, keeps each one's first `prompt_length(n)` tokens (half)
 as a prompt, and has the sampler generate the rest (temperature 1, no stop token, so every sequence
 keeps its configured length). After sync the sampler generates from the same prompts again with
 the synced adapter. See docs/probes-and-adapters.md.
@@ -20,8 +20,9 @@ UPDATED_SEED_OFFSET = 1_000_003
 
 
 def prompt_length(n: int) -> int:
-    """Tokens of an n-token probe kept as the prompt: a quarter, at least 2, leaving at least 1 to generate."""
-    return min(max(2, n // 4), n - 1)
+    """Tokens of an n-token probe kept as the prompt: half, at least 2, leaving at least 1 to generate
+    (on the CPU each generated token costs about what scoring a whole sequence does)."""
+    return min(max(2, n // 2), n - 1)
 
 
 def prompts(sequences: Sequences) -> Sequences:

@@ -5,7 +5,7 @@
   uniformly from the vocabulary, seeded per set (the embedded default's source);
 - `text`, `text:SET`: a public-domain English text shipped with the package, tokenized with the
   checkpoint's tokenizer and cut into the configured lengths at a seeded offset per set;
-- `sampled`, `sampled:SET`: the text windows, each cut to a prompt (its first quarter) that the
+- `sampled`, `sampled:SET`: the text windows, each cut to a prompt (its first half) that the
   sampler completes to the same length at the start of the run (`lora_parity.generation`);
 - `PATH.jsonl`: one JSON object per line, `{"tokens": [ids]}` or `{"text": "..."}` (text needs the
   checkpoint's tokenizer). Every line is checked here, at preflight, before any model loads.

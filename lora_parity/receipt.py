@@ -162,7 +162,7 @@ class ProbeSource(Strict):
     kind: Literal["random", "text", "file", "sampled"]
     """random: ids drawn uniformly from the vocabulary, seeded; text: windows of the public-domain
     text shipped with lora-parity, tokenized; file: a `.jsonl` file given on the command line;
-    sampled: the text windows' first quarter as prompts, completed by the sampler at the start of
+    sampled: the text windows' first half as prompts, completed by the sampler at the start of
     the run (temperature 1, seeded, zero-init adapter)."""
     file_name: str | None = None
     """The text or probe file's name (text and file)."""

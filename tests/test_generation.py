@@ -125,7 +125,7 @@ def test_adapter_changed_on_disk_after_publish_is_caught(tmp_path: Path) -> None
     receipt = execute(RunOptions(**FAKE, inject="adapter-changed", out=tmp_path / "r.json")).receipt
     assert receipt.verdict == Verdict.ERROR
     assert receipt.error is not None and "changed on disk after it was published" in receipt.error
-    assert generation.prompt_length(65) == 16 and generation.prompt_length(3) == 2
+    assert generation.prompt_length(65) == 32 and generation.prompt_length(3) == 2
 
 
 def test_check_unchanged_passes_an_untouched_folder(tmp_path: Path) -> None:
