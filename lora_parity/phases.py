@@ -1,5 +1,7 @@
 """The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage
 (and, where sampler and trainer share a service, the stale adapter again and the trainer once more).
+With `--probes sampled` the sampler first completes the probes (`sample`), and after sync generates
+from the same prompts again (`generate_updated`); see docs/probes-and-adapters.md.
 
 `run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores,
 adapters and timing. Checks are not made here: `checks.evaluate` derives them from the recorded
