@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import generation
+from lora_parity import config, generation, probes
 from lora_parity.receipt import CheckStatus, Verdict, load
 from lora_parity.verify import verify
 
@@ -38,9 +38,14 @@ def test_smollm2_with_sampled_probes_passes_and_verifies(tmp_path: Path) -> None
     status = {c.id: c.status for c in receipt.checks}
     for prefix in ("G.sampled", "G.updated", "G.trainer"):
         assert status[f"{prefix}.parity.max"] == CheckStatus.PASS
-    # vLLM's rollout logprobs and its prompt_logprobs of the same tokens agree, but come from
-    # different kernels (decode vs prefill): recorded separately, not copies of each other.
-    assert receipt.scores["sampled_generation"] != receipt.scores["zero"]
+    # Each sequence is a window of the shipped text cut to its prompt, then what the sampler generated.
+    tokenize, _ = probes.checkpoint_tokenizer(config.load("smollm2-135m"))
+    ids = tokenize(probes.shipped_text())
+    for seq in receipt.probes.sequences:
+        prompt = seq[:generation.prompt_length(len(seq))]
+        assert any(ids[i:i + len(prompt)] == prompt for i in range(len(ids) - len(prompt) + 1))
+    assert not all(any(ids[i:i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+                   for seq in receipt.probes.sequences)
     assert verify(out).verdict == Verdict.PASS
 
 
