@@ -65,10 +65,52 @@ def local_folder(cfg: ModelConfig) -> Path | None:
     return None
 
 
+def _weights_problem(folder: Path) -> str | None:
+    if not (folder / "config.json").is_file():
+        return f"{folder}: not an HF checkpoint folder (no config.json)"
+    if any(folder.glob("*.safetensors")):
+        return None
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    found = f" (found {', '.join(pickled[:3])})" if pickled else ""
+    return f"{folder}: no .safetensors weights{found}; lora-parity never loads pickled weights"
+
+
+def _hub_snapshots(hf_id: str) -> list[Path]:
+    repo = "models--" + hf_id.replace("/", "--")
+    return [s for root in hub_cache_dirs() if (root / repo / "snapshots").is_dir()
+            for s in sorted((root / repo / "snapshots").iterdir()) if s.is_dir()]
+
+
+def hub_problem(hf_id: str) -> str | None:
+    """Why hub model `hf_id` has no usable snapshot in the local cache (pickled weights only), or None."""
+    problems = [p for p in (_weights_problem(s) for s in _hub_snapshots(hf_id)) if p]
+    return problems[0] if problems else None
+
+
+def require_safetensors(cfg: ModelConfig) -> None:
+    """Preflight: a config's local checkpoint (its `path`, or its hub id's cached snapshot) holds
+    config.json and safetensors weights; `ConfigError` naming the pickled files otherwise. Synthetic
+    and GGUF models are built as safetensors, so they pass."""
+    if cfg.model.path is not None:
+        folder = Path(cfg.model.path)
+        if not folder.is_dir():
+            raise ConfigError(f"{cfg.name}: model path {folder} not found")
+        problem = _weights_problem(folder)
+        if problem is not None:
+            raise ConfigError(problem)
+    elif cfg.model.hf_id is not None and hub_checkpoint(cfg.model.hf_id) is None:
+        problem = hub_problem(cfg.model.hf_id)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 def weights_digest(folder: Path) -> str:
     """sha256 over the checkpoint's safetensors files, in name order."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:  # the sha256 of nothing would name no weights at all
+        raise ConfigError(f"{folder}: no .safetensors weights to digest")
     h = hashlib.sha256()
-    for f in sorted(Path(folder).glob("*.safetensors")):
+    for f in files:
         h.update(f.name.encode())
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
@@ -115,3 +157,16 @@ def vocab_size(cfg: ModelConfig) -> int:
     if folder is None:
         raise ConfigError(f"{cfg.name}: no local checkpoint to run (hub models are not downloaded)")
     return Checkpoint.open(folder).vocab_size
+
+
+def preflight_hf_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The checkpoint's config.json before anything is loaded or generated: a synthetic spec's own
+    fields, a local folder's file, or None where it is not known yet (a GGUF built on first use, a hub
+    model not in the cache)."""
+    spec = cfg.model.synthetic
+    if spec is not None:
+        from lora_parity.synthetic import hf_config_fields
+
+        return hf_config_fields(spec)
+    folder = Path(cfg.model.path) if cfg.model.path else hub_checkpoint(cfg.model.hf_id) if cfg.model.hf_id else None
+    return Checkpoint.open(folder).config if folder is not None else None

@@ -8,16 +8,23 @@ trainer_updated, stale, updated, updated_repeat, and per target kind K: target.K
 target.K.sampler; where sampler and trainer share a service (tinker), also stale_after_sync (the
 stale adapter queried again after the synced one) and trainer_after_stale (the trainer after
 that). With `--reference fp32`, also reference_fp32: the base model scored in fp32 by HF, which
-both sides approximate at zero-init (informational comparisons R.*, no checks). A comparison
-`b vs a` looks at b - a.
+both sides approximate at zero-init (comparisons R.*; with `budgets.a_triangulation` they judge A,
+checks A.fp32.*). A sampler that scores through its prefix cache (vllm-server) also
+records stale_cached and updated_cached: the same positions read the way rollouts read them
+(comparisons P.*, checks P.parity.*). A comparison `b vs a` looks at b - a.
+
+Check groups (docs/verdicts.md): a check's group follows from its id, `check_rules.group_of`:
+numerics = A.parity.*, A.fp32.*, A.noise.*; sync = every other check. `Evaluation.verdicts` gives
+each group's verdict; the run's verdict is the worse of the two.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from lora_parity import stats
+from lora_parity import check_rules, stats
 from lora_parity.receipt import (
     Budgets,
     Check,
@@ -25,6 +32,7 @@ from lora_parity.receipt import (
     ComparisonStats,
     DeltaStats,
     Verdict,
+    Verdicts,
     WorstPosition,
 )
 
@@ -45,6 +53,8 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "S.stale_after_sync_vs_zero": ("zero", "stale_after_sync"),
     "R.trainer_vs_fp32": ("reference_fp32", "trainer_zero"),
     "R.sampler_vs_fp32": ("reference_fp32", "zero"),
+    "P.stale_cached_vs_stale": ("stale", "stale_cached"),
+    "P.trainer_vs_cached": ("updated_cached", "trainer_updated"),
     # Sampled tokens and the generation path after sync (`generation_checks`).
     "G.sampled_generation_vs_prompt": ("zero", "sampled_generation"),
     "G.updated_generation_vs_prompt": ("updated_generation_prompt", "updated_generation"),
@@ -83,6 +93,7 @@ class Evaluation:
     deltas: dict[str, DeltaStats]
     checks: list[Check]
     verdict: Verdict
+    verdicts: Verdicts
 
 
 def compute_comparisons(
@@ -126,7 +137,11 @@ class _Checker:
         *,
         reached: bool = True,
         failing: CheckStatus = CheckStatus.FAIL,
+        note: str | None = None,
+        undecidable: str | None = None,
     ) -> None:
+        """`note` says how a budget derived from measurements was derived; it ends the reason.
+        `undecidable` (a reason) makes a reached check inconclusive whatever it observed."""
         if not reached:
             status, reason = CheckStatus.NOT_REACHED, "not reached: the phases it needs did not run"
         elif observed is None:
@@ -136,23 +151,46 @@ class _Checker:
             status = CheckStatus.PASS if ok else failing
             verdict = f"{observed:.4g} {op} {budget:.4g}"
             reason = verdict if ok else f"{fail_reason}: {observed:.4g} not {op} {budget:.4g}"
+            if undecidable is not None:
+                status, reason = CheckStatus.INCONCLUSIVE, f"{undecidable}: {verdict}"
+            reason = f"{reason} ({note})" if note else reason
         self.checks.append(
             Check(id=id, name=name, status=status, observed=observed, budget=budget, op=op, reason=reason)  # type: ignore[arg-type]
         )
 
 
-def _parity(c: _Checker, prefix: str, what: str, cmp: ComparisonStats | None, budgets: Budgets) -> None:
-    for stat, budget in (("mean_abs", budgets.mean), ("p99", budgets.p99), ("max_abs", budgets.max)):
-        short = {"mean_abs": "mean", "p99": "p99", "max_abs": "max"}[stat]
-        c.add(
-            f"{prefix}.parity.{short}",
-            f"{what}: {short} |diff| within budget",
-            getattr(cmp, stat) if cmp else None,
-            "<=",
-            budget,
-            f"{what} disagree",
-            reached=cmp is not None,
-        )
+def _parity(
+    c: _Checker, prefix: str, what: str, cmp: ComparisonStats | None,
+    thresholds: Mapping[str, check_rules.Threshold], why: Mapping[str, str] | None = None,
+) -> None:
+    for short, stat in check_rules.STATS:
+        t = thresholds[short]
+        c.add(f"{prefix}.parity.{short}", f"{what}: {short} |diff| within budget", getattr(cmp, stat) if cmp else None,
+              "<=", t.budget, (why or {}).get(short, f"{what} disagree"), reached=cmp is not None, note=t.note)
+
+
+def _absolute(budgets: Budgets) -> dict[str, check_rules.Threshold]:
+    return {short: check_rules.Threshold(float(getattr(budgets, short))) for short, _ in check_rules.STATS}
+
+
+def _check_a_parity(c: _Checker, get: Any, budgets: Budgets) -> None:
+    """A.parity.*: triangulated against the fp32 reference where it was scored, else absolute; with the
+    reference, A.fp32.<side>.* bound each side's distance from fp32."""
+    what = "zero-init trainer vs sampler"
+    tf, sf = get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32")
+    thresholds = check_rules.a_parity_thresholds(budgets, tf, sf)
+    if thresholds is None:
+        _parity(c, "A", what, get("A.trainer_vs_sampler"), _absolute(budgets))
+        return
+    why = {short: f"{what} disagree beyond their precision; {check_rules.farther_side(tf, sf, stat)}"
+           for short, stat in check_rules.STATS}
+    _parity(c, "A", what, get("A.trainer_vs_sampler"), thresholds, why)
+    tri = budgets.a_triangulation
+    assert tri is not None
+    for side, cmp in (("trainer", tf), ("sampler", sf)):
+        for short, stat in check_rules.STATS:
+            c.add(f"A.fp32.{side}.{short}", f"{side} zero-init vs fp32 reference: {short} |diff| within ceiling",
+                  getattr(cmp, stat), "<=", float(getattr(tri, short)), f"the {side} is far from fp32")
 
 
 def compute_checks(
@@ -165,7 +203,7 @@ def compute_checks(
     get = comparisons.get
 
     # A: zero-init parity, and a zero adapter changes nothing on the sampler.
-    _parity(c, "A", "zero-init trainer vs sampler", get("A.trainer_vs_sampler"), budgets)
+    _check_a_parity(c, get, budgets)
     for side, key in (("sampler", "A.sampler_repeat"), ("trainer", "A.trainer_repeat")):
         cmp = get(key)
         c.add(f"A.noise.{side}_repeat", f"{side} repeat noise bounded", cmp.max_abs if cmp else None, "<=",
@@ -187,7 +225,8 @@ def compute_checks(
     moved_failing = CheckStatus.INCONCLUSIVE if no_stimulus else CheckStatus.FAIL
 
     # C: synced parity, both sides moved, and moved the same way.
-    _parity(c, "C", "updated trainer vs synced sampler", get("C.trainer_vs_sampler"), budgets)
+    _parity(c, "C", "updated trainer vs synced sampler", get("C.trainer_vs_sampler"),
+            check_rules.c_parity_thresholds(budgets, get("A.trainer_vs_sampler")))
     cmp = get("C.sampler_repeat")
     c.add("C.noise.sampler_repeat", "sampler repeat noise bounded after sync", cmp.max_abs if cmp else None, "<=",
           budgets.repeat_max, "sampler scores the synced adapter differently twice", reached=cmp is not None)
@@ -196,7 +235,7 @@ def compute_checks(
         c.add(f"C.moved.{side}", f"{side} changed from zero-init to updated (above noise)",
               cmp.mean_abs if cmp else None, ">", noise, f"{side} did not move", reached=cmp is not None,
               failing=moved_failing)
-    _delta_checks(c, "C.delta", deltas.get("C.delta"), budgets, moved_failing)
+    _delta_checks(c, "C.delta", deltas.get("C.delta"), budgets, moved_failing, zero_init_l2=zero_init_l2)
 
     # Per-target coverage: each target kind alone reaches the sampler with the right sign and scale.
     for name, delta in deltas.items():
@@ -210,7 +249,7 @@ def compute_checks(
             why = (f"target {kind}'s own effect (‖Δtrainer‖ {delta.trainer_norm:.3g}) is below {snr:g}x the "
                    f"zero-init disagreement ({zero_init_l2:.3g}), so its direction is lost in the noise")
         _delta_checks(c, f"T.{kind}", delta, budgets, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
-                      rel_l2=False, why=why)
+                      rel_l2=False, why=why, zero_init_l2=zero_init_l2)
 
     # S: querying the old sampling client again leaves the trainer's weights alone. Only where
     # those phases were scored (samplers that share the trainer's service); absent elsewhere.
@@ -225,25 +264,40 @@ def compute_checks(
         c.add("S.trainer_kept", "trainer keeps its update after the old sampling client is queried again",
               kept.max_abs, "<=", trainer_noise,
               f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights")
+    c_thresholds = check_rules.c_parity_thresholds(budgets, get("A.trainer_vs_sampler"))
+    _prefix_cache_checks(c, get("P.trainer_vs_cached"), c_thresholds)
     generation_checks(c, comparisons, budgets)
     return c.checks
 
 
+def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,
+                         thresholds: Mapping[str, check_rules.Threshold]) -> None:
+    """P: the synced sampler read through its prefix cache matches the updated trainer (no KV block
+    computed with the old adapter serves the new one), judged as C is. Only where those phases were scored."""
+    if cached is not None:
+        _parity(c, "P", "updated trainer vs synced sampler read through the prefix cache", cached, thresholds)
+
+
 def _delta_checks(
     c: _Checker, prefix: str, delta: DeltaStats | None, budgets: Budgets, failing: CheckStatus, rel_l2: bool = True,
-    why: str | None = None,
+    why: str | None = None, zero_init_l2: float | None = None,
 ) -> None:
-    """Direction, scale (and rel_l2) of Δsampler vs Δtrainer; `why` replaces the failure reason."""
+    """Direction, scale (and rel_l2) of Δsampler vs Δtrainer; `why` replaces the failure reason. The
+    thresholds are loosened to what the zero-init noise explains (`check_rules.delta_thresholds`)."""
     reached = delta is not None
+    th = check_rules.delta_thresholds(budgets, zero_init_l2, delta.trainer_norm if delta else None)
+    undecidable = "noise as large as the change explains any direction and scale" if th.undecidable else None
     c.add(f"{prefix}.cosine", "Δsampler points the same way as Δtrainer", delta.cosine if delta else None, ">=",
-          budgets.min_delta_cosine, why or "sampler moved in another direction", reached=reached, failing=failing)
+          th.cosine.budget, why or "sampler moved in another direction", reached=reached, failing=failing,
+          note=th.cosine.note, undecidable=undecidable)
     scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
     c.add(f"{prefix}.scale", "|‖Δsampler‖/‖Δtrainer‖ - 1| within budget", scale_err, "<=",
-          budgets.max_delta_scale_error, why or "sampler moved by another amount", reached=reached, failing=failing)
+          th.scale.budget, why or "sampler moved by another amount", reached=reached, failing=failing,
+          note=th.scale.note, undecidable=undecidable)
     if rel_l2:
         c.add(f"{prefix}.rel_l2", "‖Δsampler - Δtrainer‖/‖Δtrainer‖ within budget", delta.rel_l2 if delta else None,
-              "<=", budgets.max_delta_rel_l2, "sampler's change differs from trainer's", reached=reached,
-              failing=failing)
+              "<=", th.rel_l2.budget, "sampler's change differs from trainer's", reached=reached,
+              failing=failing, note=th.rel_l2.note, undecidable=undecidable)
 
 
 def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:
@@ -267,7 +321,8 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     if "trainer_zero" in scores and "zero" in scores:
         zero_init_l2 = stats.l2(stats.differences(scores["trainer_zero"], scores["zero"]))
     checks = compute_checks(comparisons, deltas, budgets, zero_init_l2)
-    return Evaluation(comparisons, deltas, checks, verdict_of(checks, errored))
+    verdicts = check_rules.group_verdicts(checks, errored)
+    return Evaluation(comparisons, deltas, checks, check_rules.combined(verdicts), verdicts)
 
 
 def not_passing(checks: Iterable[Check], *, reached: bool = False) -> list[Check]:
@@ -306,7 +361,7 @@ def generation_checks(c: _Checker, comparisons: Mapping[str, ComparisonStats], b
     that sampled nothing, so receipts without those scores keep their checks."""
     for prefix, (key, what) in GENERATION_PARITY.items():
         if key in comparisons:
-            _parity(c, prefix, what, comparisons[key], budgets)
+            _parity(c, prefix, what, comparisons[key], _absolute(budgets))
 
 
 def _adapter_noop_check(c: _Checker, comparisons: Mapping[str, ComparisonStats], noise: float) -> None:

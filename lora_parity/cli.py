@@ -19,6 +19,8 @@ from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
     AdapterOpt,
+    ApiKeyEnvOpt,
+    BudgetsOpt,
     GithubSummaryOpt,
     JsonOpt,
     ModelOpt,
@@ -26,10 +28,13 @@ from lora_parity.commands.options import (
     ProbesOpt,
     RevisionOpt,
     SamplerOpt,
+    SamplerUrlOpt,
     SeedOpt,
+    SharedDirOpt,
     SyncOpt,
     TpOpt,
     TrainerOpt,
+    TrustRemoteCodeOpt,
     exit_for,
 )
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
@@ -91,6 +96,11 @@ def run(
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
     ] = None,
+    budgets: BudgetsOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    sampler_url: SamplerUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    shared_dir: SharedDirOpt = None,
     adapter: AdapterOpt = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
@@ -108,7 +118,7 @@ def run(
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
         _print_plan(ctx, model, trainer, sampler, tp)
-    from lora_parity.runner import RunOptions, execute
+    from lora_parity.runner import RunOptions
 
     if junit is not None:
         from lora_parity.junit import check_target
@@ -119,9 +129,11 @@ def run(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
-                      reference=reference, dtype=dtype, adapter=adapter)
+                      reference=reference, dtype=dtype, budgets=budgets,
+                      trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
+                      shared_dir=shared_dir, adapter=adapter)
     # The CLI leaves right after the receipt is written (see _exit_fast).
-    result = execute(opts, progress=output.progress, process_exiting=True)
+    result = _execute_interruptible(opts)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
     output.result(result.receipt, str(path), json_)
     if junit is not None:
@@ -133,6 +145,22 @@ def run(
 
         output.github_summary(report_markdown(result.receipt, str(path)))
     raise typer.Exit(exit_for(result.receipt.verdict.value))
+
+
+def _execute_interruptible(opts: Any) -> Any:
+    """`execute`, with SIGINT and SIGTERM ending the run the same way: a receipt (verdict error), one
+    line naming it, the work dir removed, child processes ended, exit code 128 + the signal."""
+    from lora_parity import interrupt
+    from lora_parity.runner import RunInterrupted, execute
+
+    with interrupt.handle_signals():
+        try:
+            return execute(opts, progress=output.progress, process_exiting=True)
+        except RunInterrupted as e:
+            output.error(f"{e}; receipt {e.result.path} (verdict error, `lora-parity verify` exits 1 on it)")
+        except KeyboardInterrupt as e:  # before the run started: nothing loaded, nothing written
+            output.error(f"{interrupt.describe(e)} before the run started; no receipt")
+    raise typer.Exit(interrupt.exit_code())
 
 
 def _print_plan(ctx: typer.Context, model: str | None, trainer: str, sampler: str, tp: int) -> None:
@@ -179,6 +207,10 @@ def selftest(
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     revision: RevisionOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    sampler_url: SamplerUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = None,
+    shared_dir: SharedDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
@@ -186,8 +218,21 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision)
-    result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision,
+                      trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
+                      shared_dir=shared_dir)
+    from lora_parity import interrupt
+    from lora_parity.runner import RunInterrupted
+
+    with interrupt.handle_signals():
+        try:
+            result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
+        except RunInterrupted as e:
+            output.error(f"selftest {e}; receipt of the interrupted run: {e.result.path}")
+            raise typer.Exit(interrupt.exit_code()) from None
+        except KeyboardInterrupt as e:
+            output.error(f"selftest {interrupt.describe(e)}")
+            raise typer.Exit(interrupt.exit_code()) from None
     output.selftest_matrix(result, json_)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)
 

@@ -302,12 +302,16 @@ class ModelConfig(_Cfg):
 
 
 def configs_dir() -> Path:
-    """`LORA_PARITY_CONFIGS`, else the repository's configs/ beside the package, else ./configs."""
+    """`LORA_PARITY_CONFIGS`, else the configs installed with the package (package data
+    lora_parity/configs, from a wheel), else the repository's configs/ beside the package (a source
+    checkout). Never the working directory's: a config can turn on remote code."""
     env = os.environ.get("LORA_PARITY_CONFIGS")
     if env:
         return Path(env)
-    beside = Path(__file__).resolve().parent.parent / "configs"
-    return beside if beside.is_dir() else Path.cwd() / "configs"
+    package = Path(__file__).resolve().parent
+    if (package / "configs").is_dir():
+        return package / "configs"
+    return package.parent / "configs"
 
 
 def available() -> list[Path]:
@@ -339,15 +343,34 @@ def _load_yaml(path: Path) -> ModelConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-HALF_BUDGETS = "qwen3-0.6b-synth"
-"""The config whose budgets a half-precision checkpoint passed by path gets (until recalibrated)."""
+BUDGET_PROFILES = ("seed", "fp32", "bf16")
+"""Budget profiles (configs/budgets/<name>.yaml, `run --budgets`; docs/verdicts.md): seed, the original
+table's absolute rules; fp32, absolute and tight; bf16, relative C, triangulated A, noise-derived deltas."""
+
+
+def profile_budgets(name: str) -> Budgets:
+    """The budgets of profile `name` (configs/budgets/<name>.yaml), with `profile` set to its name."""
+    if name not in BUDGET_PROFILES:
+        raise ConfigError(f"unknown budget profile {name!r}; choose from {', '.join(BUDGET_PROFILES)}")
+    path = configs_dir() / "budgets" / f"{name}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"budget profile {name}: cannot read {path.name}: {type(e).__name__}") from None
+    if not isinstance(data, dict) or nonfinite_field(data) is not None:
+        raise ConfigError(f"budget profile {name}: {path.name} is not a mapping of finite budgets")
+    try:
+        return Budgets.model_validate({**data, "profile": name})
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ConfigError(f"budget profile {name}: {'.'.join(str(p) for p in first.get('loc', ()))}: "
+                          f"{first.get('msg')}") from None
 
 
 def budgets_for(dtype: str) -> Budgets:
-    """Budgets of a checkpoint passed by path: the embedded default's in float32, else the bf16
-    budgets of HALF_BUDGETS; `profile` names which."""
-    source, profile_dtype = (DEFAULT_MODEL, "float32") if dtype == "float32" else (HALF_BUDGETS, "bfloat16")
-    return load(source).budgets.model_copy(update={"profile": f"{source} ({profile_dtype})"})
+    """Budgets of a checkpoint passed by path: profile fp32 in float32, else bf16 (fp16 too: its
+    rounding is finer than bf16's, so the bf16 rules hold for it)."""
+    return profile_budgets("fp32" if dtype == "float32" else "bf16")
 
 
 def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
@@ -370,9 +393,17 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
                                    "budgets": budgets_for(dtype)})
 
 
-def load(name_or_path: str | None, dtype: str | None = None) -> ModelConfig:
+def load(name_or_path: str | None, dtype: str | None = None, budgets: str | None = None) -> ModelConfig:
     """Resolve `--model`: a config name, a YAML path, or a local HF checkpoint folder. `dtype`
-    (`--dtype`) casts a checkpoint folder and picks its budgets; a config names its own dtype."""
+    (`--dtype`) casts a checkpoint folder and picks its budgets; a config names its own dtype.
+    `budgets` (`--budgets`) replaces the budgets with a profile's (`profile_budgets`)."""
+    cfg = _resolve(name_or_path, dtype)
+    if budgets is None:
+        return cfg
+    return cfg.model_copy(update={"budgets": profile_budgets(budgets)})
+
+
+def _resolve(name_or_path: str | None, dtype: str | None) -> ModelConfig:
     ref = name_or_path or DEFAULT_MODEL
     p = Path(ref)
     if dtype is not None and dtype not in DTYPES:

@@ -5,20 +5,25 @@ the run's sync mode (`lora_parity.sync`) in a `SyncWrapper` defined here, beside
 changes what the sync does; scoring-path faults change what the sampler returns (the only
 faults that touch scores, because there the fault *is* in the scores). Each fault names the
 check that must catch it; `lora-parity selftest` runs them all and asserts exactly that.
+
+A fault may not apply to a sampler, as its traits say (`not_applicable`): the serving-layer faults
+need a sampler served over HTTP, and a sampler that refuses a same-name reload with an error never
+silently keeps the old adapter, so the faults that only do that reload do not apply to it.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from lora_parity import adapter_files as af
-from lora_parity.backends.base import AdapterHandle, Scores
-from lora_parity.errors import ConfigError, PhaseError
+from lora_parity.backends.base import AdapterHandle, BackendTraits, Scores
+from lora_parity.errors import ConfigError, PhaseError, ScoreError
 from lora_parity.perturb import is_lora_b, target_kind
 from lora_parity.receipt import Perturbation
 from lora_parity.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
@@ -42,6 +47,11 @@ class FaultSpec:
     """Rewrites the exported PEFT folder (`Faults.after_export`): needs a trainer that exports one."""
     skips_update: bool = False
     """The trainer's update is not applied."""
+    serving_layer: bool = False
+    """A fault of the HTTP serving layer: only for a sampler served over HTTP (`traits.served_over_http`)."""
+    reloads_same_name: bool = False
+    """Reloads a loaded name without load_inplace and counts on the old adapter being kept silently:
+    not for a sampler that refuses that reload with an error (`traits.same_name_reload_refused`)."""
     needs_sampled: bool = False
     """Breaks the generation path after sync, which runs with `--probes sampled` only."""
 
@@ -97,6 +107,43 @@ class StaleTensors(SyncWrapper):
         reloading(ctx.sampler).reload_base(tensors=self.zero)
 
 
+class SameNameNoInplace(SyncWrapper):
+    """same-name-no-inplace: the update is reloaded under the served name without load_inplace, by a
+    client that does not read the reply (a server refuses it and keeps the old adapter)."""
+
+    def sync(self, ctx: SyncContext) -> None:
+        """Export, then load under the handle the sampler has; an error answer is ignored."""
+        assert ctx.handle is not None
+        folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
+        try:
+            ctx.sampler.publish(folder, ctx.handle.name, ctx.handle.adapter_id, inplace=False)
+        except ScoreError:
+            pass  # the reply is what this fault does not read
+
+
+class WarmPrefixCache(SyncWrapper):
+    """warm-prefix-cache: the update overwrites the published folder and is reloaded in place under
+    the same name and path, so a prefix cache keyed by (name, path) keeps the old adapter's blocks."""
+
+    def sync(self, ctx: SyncContext) -> None:
+        """Export, copy over the published folder, reload it in place."""
+        assert ctx.handle is not None
+        folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
+        published = ctx.workdir / "adapter-v0"
+        shutil.copytree(folder, published, dirs_exist_ok=True)
+        ctx.sampler.publish(published, ctx.handle.name, ctx.handle.adapter_id, inplace=True)
+
+
+class UnloadBeforeScore(SyncWrapper):
+    """unload-before-score: after the sync, the adapter about to be scored is unloaded."""
+
+    def sync(self, ctx: SyncContext) -> None:
+        """Sync as the mode does, then unload the synced adapter."""
+        self.inner.sync(ctx)
+        assert ctx.handle is not None
+        ctx.sampler.retire(ctx.handle)
+
+
 class Leak(SyncWrapper):
     """leak: the sampler gets the update before the stale phase."""
 
@@ -108,9 +155,9 @@ class Leak(SyncWrapper):
 FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("skip-sync", "the sync step does nothing", ("C.parity.mean",), "fail", sync=SkipSync),
     FaultSpec("reuse-adapter-id", "republish under the old name and id without an in-place reload",
-              ("C.parity.mean",), "fail", modes=("new-id",), sync=ReuseAdapterId),
+              ("C.parity.mean",), "fail", modes=("new-id",), sync=ReuseAdapterId, reloads_same_name=True),
     FaultSpec("no-reload-flag", "sync in place under the same name and id, without load_inplace",
-              ("C.parity.mean",), "fail", modes=("inplace",), sync=no_reload_flag),
+              ("C.parity.mean",), "fail", modes=("inplace",), sync=no_reload_flag, reloads_same_name=True),
     FaultSpec("stale-path", "the merged weights are written, but the sampler reloads the previous folder",
               ("C.parity.mean",), "fail", modes=("merged",), sync=StalePath),
     FaultSpec("stale-tensors", "the sampler is handed weights copied before the update",
@@ -130,6 +177,14 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("misalign", "sampler scores shifted by one position", ("A.parity.mean",), "fail"),
     FaultSpec("nan", "the sampler returns NaN at one position", (), "error"),
+    FaultSpec("same-name-no-inplace", "sync reloads under the same name without load_inplace and does not read "
+              "the server's reply", ("C.parity.mean",), "fail", modes=ADAPTER_MODES, sync=SameNameNoInplace,
+              serving_layer=True),
+    FaultSpec("warm-prefix-cache", "sync overwrites the published adapter folder and reloads it in place under "
+              "the same name and path, with prefix-cache blocks of the old adapter warm", ("P.parity.mean",),
+              "fail", must_pass=("C.parity.mean",), modes=ADAPTER_MODES, sync=WarmPrefixCache, serving_layer=True),
+    FaultSpec("unload-before-score", "sync unloads the adapter about to be scored instead of the old one",
+              (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error"),
     FaultSpec("adapter-changed", "the published adapter's files change on disk before the sampler scores with it",
               (), "error", modes=ADAPTER_MODES),
@@ -147,10 +202,41 @@ FILE_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.rewrites_files
 """Faults that rewrite the exported PEFT files (a trainer that exports none cannot take them)."""
 
 
-def faults_for(sync_mode: str, sampled: bool = False) -> list[str]:
-    """The selftest's faults that apply to `sync_mode` (with `sampled`, also the generation path's)."""
+SERVING_LAYER_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.serving_layer)
+"""Faults of the HTTP serving layer (a sampler with `traits.served_over_http` only)."""
+
+
+def not_applicable(name: str, sampler: BackendTraits) -> str | None:
+    """Why fault `name` does not apply to a sampler with these traits, or None if it does."""
+    spec = FAULTS[name]
+    if spec.serving_layer and not sampler.served_over_http:
+        return "it is a fault of the serving layer: it needs a sampler served over HTTP (--sampler vllm-server)"
+    if spec.reloads_same_name and sampler.same_name_reload_refused:
+        return f"this sampler {sampler.same_name_reload_refused}"
+    return None
+
+
+def require_applies(spec: str | None, sampler: BackendTraits, sampler_name: str) -> None:
+    """Preflight: `ConfigError` if the injected fault does not apply to this sampler."""
+    why = not_applicable(spec.partition("=")[0], sampler) if spec and spec.partition("=")[0] in FAULTS else None
+    if why is not None:
+        raise ConfigError(f"fault {spec!r} does not apply to sampler {sampler_name!r}: {why}")
+
+
+def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False) -> list[str]:
+    """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
+    one that is not served over HTTP); with `sampled`, also the generation path's."""
+    traits = sampler or BackendTraits()
     names = SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
-    return [f for f in names if not FAULTS[f.partition("=")[0]].modes or sync_mode in FAULTS[f.partition("=")[0]].modes]
+    return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
+            or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None]
+
+
+def check_crash_phase(spec: str | None, phases: list[str]) -> None:
+    """crash-at=PHASE names a phase of the sequence (a typo would never crash, and the run would pass)."""
+    name, _, phase = (spec or "").partition("=")
+    if name == "crash-at" and phase and phase not in phases:
+        raise ConfigError(f"crash-at: no phase {phase!r}; phases: {', '.join(phases)}")
 
 
 class Faults:

@@ -94,7 +94,7 @@ def _v(value: Any) -> str:
 def _budget_lines(budgets: Budgets) -> list[str]:
     lines = []
     for key, field in Budgets.model_fields.items():
-        value = getattr(budgets, key)
+        value = budgets.model_dump(mode="json")[key]
         if value is None:
             continue
         lines += textwrap.wrap(" ".join((field.description or "").split()), 100, initial_indent="  # ",

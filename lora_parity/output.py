@@ -62,6 +62,7 @@ def summary(receipt: Receipt, path: str) -> dict[str, Any]:
     """The machine-readable summary `--json` prints."""
     return {
         "verdict": receipt.verdict.value,
+        "verdicts": receipt.verdicts.model_dump(mode="json") if receipt.verdicts else None,
         "receipt": path,
         "error": receipt.error,
         "failed_checks": [c.id for c in not_passing(receipt.checks, reached=True)],

@@ -1,5 +1,6 @@
 """The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage
-(and, where sampler and trainer share a service, the stale adapter again and the trainer once more).
+(and, where sampler and trainer share a service, the stale adapter again and the trainer once more;
+where the sampler scores through its prefix cache, stale and updated read that way too).
 With `--probes sampled` the sampler first completes the probes (`sample`), and after sync generates
 from the same prompts again (`generate_updated`); see docs/probes-and-adapters.md.
 
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from lora_parity import generation, stats
-from lora_parity.backends.base import AdapterHandle, Sampler, Scores, Trainer
+from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, Trainer
 from lora_parity.config import ModelConfig
 from lora_parity.errors import LoraParityError, ScoreError
 from lora_parity.faults import Faults
@@ -46,8 +47,12 @@ def run_sequence(run: Run) -> None:
     run.step("perturb", run.perturb)
     run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
     run.step("stale", run.stale)
+    if run.sampler_reads_prefix_cache:  # warm the prefix cache with the old adapter
+        run.step("stale_cached", lambda: run.cached_score("stale_cached", run.handle))
     run.step("sync", run.sync)
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
+    if run.sampler_reads_prefix_cache:  # ... and read it after sync: no block of the old adapter may serve
+        run.step("updated_cached", lambda: run.cached_score("updated_cached", run.handle))
     if run.sampled:
         run.step("generate_updated", run.generate_updated)
     if run.sampler_shares_trainer_state:
@@ -125,6 +130,11 @@ class Run:
         return self.sampler.traits.shares_trainer_state
 
     @property
+    def sampler_reads_prefix_cache(self) -> bool:
+        """True for a sampler that also scores the way rollouts read its prefix cache (a `CachedScoringSampler`)."""
+        return isinstance(self.sampler, CachedScoringSampler)
+
+    @property
     def trainer_has_per_target(self) -> bool:
         """False for a trainer that updates every target together (its traits say why)."""
         return self.trainer.traits.per_target_unavailable is None
@@ -147,6 +157,10 @@ class Run:
             self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=seconds, message=message))
             self.progress(name, "error", seconds)
             raise StopRun(self.error) from e
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (lora_parity.interrupt): the runner records why
+            self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=time.perf_counter() - start,
+                                           message="interrupted"))
+            raise
         seconds = time.perf_counter() - start
         self.phases.append(PhaseRecord(name=name, status=PhaseStatus.OK, seconds=seconds))
         self.timings[name] = seconds
@@ -179,6 +193,13 @@ class Run:
         for k in (key, f"{key}_repeat") if repeat else (key,):
             raw = self._timed(k, lambda: self.sampler.score(self.sequences, handle))
             self._record(k, self.faults.sampler_scores(raw))
+
+    def cached_score(self, key: str, handle: AdapterHandle | None) -> None:
+        """Sampler scores under `handle`, read through the prefix cache (`score_cached`)."""
+        sampler = self.sampler
+        assert isinstance(sampler, CachedScoringSampler)
+        raw = self._timed(key, lambda: sampler.score_cached(self.sequences, handle))
+        self._record(key, self.faults.sampler_scores(raw))
 
     def trainer_score(self, key: str, repeat: bool = False) -> None:
         """Trainer scores of its current state, twice with `repeat`."""
@@ -229,8 +250,11 @@ class Run:
         self.sampler_score("stale", self.handle)
 
     def sync(self) -> None:
-        """Publish the updated weights, the way the sync mode does."""
+        """Publish the updated weights, the way the sync mode does; what it published (a folder it
+        may have rewritten in place) is the new baseline of the changed-on-disk check."""
         self.mode.sync(self)
+        if self.handle is not None and self.handle.path.is_dir():
+            self.published_digests[self.handle.path] = generation.folder_digest(self.handle.path)
 
     def retire(self) -> None:
         """Unload the adapter this run left on the sampler; in the merged modes, give the sampler its
@@ -244,3 +268,24 @@ class Run:
         self.trainer_score(f"target.{kind}.trainer")
         self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)
+
+
+class _PhaseLister:
+    """Stands in for a `Run` to list the phase names `run_sequence` can step through: every optional
+    phase is taken (unknown attributes read as a callable, which is true), and no action runs."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg, self.per_target, self.names = cfg, True, list[str]()
+
+    def step(self, name: str, action: Callable[[], object]) -> None:
+        self.names.append(name)
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *args, **kwargs: None
+
+
+def phase_names(cfg: ModelConfig) -> list[str]:
+    """Every phase `run_sequence` may run for `cfg`, in order (optional phases included)."""
+    lister = _PhaseLister(cfg)
+    run_sequence(lister)  # type: ignore[arg-type]
+    return lister.names

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from lora_parity.backends import vllm_options
-from lora_parity.checkpoint import hub_checkpoint
+from lora_parity.checkpoint import hub_checkpoint, hub_problem
 from lora_parity.config import LaunchSpec, ModelConfig
 from lora_parity.errors import ConfigError
 from lora_parity.provenance import source
@@ -88,9 +88,30 @@ def with_trainer(cfg: ModelConfig, trainer: str | None, tp: int | None) -> Model
     return cfg.model_copy(update={"launch": launch})
 
 
-def _run_command(model_ref: str, flags: dict[str, str | int | None]) -> str:
+def _run_command(model_ref: str, flags: dict[str, str | int | None], prog: str = "lora-parity") -> str:
     given = [f"--{k} {shlex.quote(str(v))}" for k, v in flags.items() if v is not None]
-    return " ".join(["lora-parity run --model", shlex.quote(model_ref), *given])
+    return " ".join([prog, "run --model", shlex.quote(model_ref), *given])
+
+
+DEMO_RDZV = "127.0.0.1:29500"
+"""The rendezvous of the multi-node commands printed for a one-process config: torchrun's default
+port on this machine, so that the commands run as printed with every "node" here."""
+
+
+def _torchrun_lines(name: str, model_ref: str, flags: dict[str, str | int | None], tp: int) -> list[str]:
+    """Megatron at TP > 1 for a config without a launch section: torchrun on this machine, and over
+    `tp` nodes with one trainer rank each (docs/multinode.md)."""
+    run = _run_command(model_ref, flags, prog=f"-m {_entry('megatron')}")
+    host = DEMO_RDZV.split(":")[0]
+    nodes = [f"    node {r}:  torchrun --nnodes {tp} --nproc-per-node 1 --node-rank {r} --rdzv-backend c10d "
+             f"--rdzv-endpoint {DEMO_RDZV} --rdzv-id lora-parity-{name} --local-addr {host} {run}" for r in range(tp)]
+    return [f"  under torchrun on this machine:  torchrun --nproc-per-node {tp} {run}",
+            f"  over {tp} nodes, one trainer rank each (the node torchrun ranks 0 runs the sequence and the "
+            "sampler and writes the receipt):",
+            *nodes,
+            f"    as printed every node runs on this machine; across machines, the endpoint's {host} becomes node "
+            "0's address, --local-addr each node's own (or leave it out), and GLOO_SOCKET_IFNAME / "
+            "NCCL_SOCKET_IFNAME name the interface they share (docs/multinode.md)"]
 
 
 def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None = None, tp: int | None = None,
@@ -102,8 +123,12 @@ def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None =
     (`sampler`, where given, is kept in the one-process command)."""
     ref = model_ref or cfg.name
     if cfg.launch is None:
-        command = _run_command(ref, {"trainer": trainer, "sampler": sampler, "tp": tp})
-        return f"lora-parity plan: {cfg.name}\n  runs in one process (the CPU or one GPU) on this machine: {command}\n"
+        flags: dict[str, str | int | None] = {"trainer": trainer, "sampler": sampler, "tp": tp}
+        lines = [f"lora-parity plan: {cfg.name}",
+                 f"  runs in one process (the CPU or one GPU) on this machine: {_run_command(ref, flags)}"]
+        if trainer == "megatron" and tp is not None and tp > 1:
+            lines += _torchrun_lines(cfg.name, ref, flags, tp)
+        return "\n".join(lines) + "\n"
     cfg = with_trainer(cfg, trainer, tp)
     assert cfg.launch is not None
     launch = cfg.launch
@@ -215,7 +240,8 @@ def preflight(cfg: ModelConfig, trainer: str, sampler: str) -> None:
     hf = cfg.model.hf_id
     local = not (trainer in _NO_LOCAL_WEIGHTS and sampler in _NO_LOCAL_WEIGHTS)
     if hf is not None and local and hub_checkpoint(hf) is None:
-        missing.append(f"{hf} is not in the local Hugging Face cache (download it first; lora-parity never downloads)")
+        missing.append(hub_problem(hf) or
+                       f"{hf} is not in the local Hugging Face cache (download it first; lora-parity never downloads)")
     if launch is not None:
         gpus, how = _visible_gpus()
         if gpus < launch.gpus_per_node:

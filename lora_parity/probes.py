@@ -34,6 +34,9 @@ TEXT_FILE = "probe_text.txt"
 MAX_FILE_BYTES = 64 * 1024 * 1024
 """A probe file larger than this is refused before it is read."""
 
+MAX_TOKENS = 1 << 18
+"""Most tokens the probes of one run may hold (every phase scores them all, each sequence on its own)."""
+
 Tokenize = Callable[[str], list[int]]
 SOURCES = ("random", "text", "sampled")
 """The named probe sources (besides a FILE.jsonl)."""
@@ -69,6 +72,10 @@ def _set_seed(spec: ProbeSpec, set_name: str) -> tuple[str, int, int]:
         base, times = set_name, "1"
     if base not in spec.seeds:
         raise ConfigError(f"unknown probe set {set_name!r}; sets: {', '.join(spec.seeds)} (or SET-xN)")
+    num_sequences, num_tokens = int(times) * len(spec.lengths), int(times) * sum(spec.lengths)
+    if num_sequences > spec.max_sequences or num_tokens > MAX_TOKENS:
+        raise ConfigError(f"probe set {set_name!r} has {num_sequences} sequences and {num_tokens} tokens; at most "
+                          f"{spec.max_sequences} sequences (probes.max_sequences) and {MAX_TOKENS} tokens")
     return base, spec.seeds[base], int(times)
 
 
@@ -188,14 +195,23 @@ def make(cfg: ModelConfig, ref: str, vocab_size: Callable[[], int]) -> Probes:
     `vocab_size()` gives the checkpoint's vocabulary size."""
     kind, where = parse_ref(ref)
     if kind == "random":
+        _check_lengths(cfg)
         return random_probes(cfg.probes, where, vocab_size(), record_source=ref.startswith("random"))
     if kind in ("text", "sampled"):
+        _check_lengths(cfg)
         tokenize, name = checkpoint_tokenizer(cfg, kind)
         source = ProbeSource(kind="sampled" if kind == "sampled" else "text", file_name=TEXT_FILE,
                              file_sha256=hashlib.sha256(shipped_text().encode()).hexdigest(), tokenizer=name)
         return text_probes(cfg.probes, where, tokenize(shipped_text()), source)
     return file_probes(Path(where), vocab_size(), cfg.sampler.max_model_len, cfg.probes.max_sequences,
                        lambda: checkpoint_tokenizer(cfg))
+
+
+def _check_lengths(cfg: ModelConfig) -> None:
+    """Every configured probe length fits the sampler's context (else the base phase fails after the load)."""
+    longest, limit = max(cfg.probes.lengths), cfg.sampler.max_model_len
+    if longest > limit:
+        raise ConfigError(f"{cfg.name}: probe length {longest} is above sampler.max_model_len {limit}")
 
 
 def checkpoint_tokenizer(cfg: ModelConfig, kind: str = "text") -> tuple[Tokenize, str]:

@@ -53,11 +53,12 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
-def redacted_command(command: Sequence[str], url: str | None) -> list[str]:
-    """The command line, with the service URL's credentials removed."""
-    if not url:
-        return list(command)
-    return [arg.replace(url, redact_url(url)) for arg in command]
+def redacted_command(command: Sequence[str], *urls: str | None) -> list[str]:
+    """The command line, with the service URLs' credentials removed (None: no such URL)."""
+    out = list(command)
+    for url in filter(None, urls):
+        out = [arg.replace(url, redact_url(url)) for arg in out]
+    return out
 
 
 def source(cfg: ModelConfig) -> str:

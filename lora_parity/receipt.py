@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from lora_parity.errors import ReceiptError
 from lora_parity.receipt_io import MAX_RECEIPT_BYTES as MAX_RECEIPT_BYTES
 from lora_parity.receipt_io import one_line, parse_json, read_bounded, write_text_atomic
+from lora_parity.receipt_models import ATriangulation as ATriangulation
 from lora_parity.receipt_models import (
     BucketStats as BucketStats,
 )
@@ -29,12 +30,14 @@ from lora_parity.receipt_models import (
 from lora_parity.receipt_models import (
     ComparisonStats as ComparisonStats,
 )
+from lora_parity.receipt_models import CRelative as CRelative
 from lora_parity.receipt_models import (
     DeltaStats as DeltaStats,
 )
 from lora_parity.receipt_models import (
     ErrorBreakdown as ErrorBreakdown,
 )
+from lora_parity.receipt_models import GroupVerdict as GroupVerdict
 from lora_parity.receipt_models import JsonScalar as JsonScalar
 from lora_parity.receipt_models import (
     PhaseStatus as PhaseStatus,
@@ -48,6 +51,7 @@ from lora_parity.receipt_models import (  # re-exported: callers import them fro
 from lora_parity.receipt_models import (
     Verdict as Verdict,
 )
+from lora_parity.receipt_models import Verdicts as Verdicts
 from lora_parity.receipt_models import (
     WorstPosition as WorstPosition,
 )
@@ -85,8 +89,19 @@ class Budgets(Strict):
     two sides' own disagreement, L2 over all positions); below it they are inconclusive: the change
     is lost in the noise. Absent (receipts made before this budget existed): always decided."""
     profile: str | None = None
-    """Which budget profile these are: set for a checkpoint passed by path, whose budgets follow its
-    dtype ('tiny-qwen3 (float32)', 'qwen3-0.6b-synth (bfloat16)'); None: the config's own."""
+    """Which budget profile these are ('seed', 'fp32', 'bf16': configs/budgets/; older receipts:
+    'tiny-qwen3 (float32)', 'qwen3-0.6b-synth (bfloat16)'), set for a checkpoint passed by path (its
+    dtype picks one) and by `run --budgets`; None: the config's own."""
+    c_relative: CRelative | None = None
+    """C's parity budgets relative to A's observed disagreement; None: C uses mean, p99, max (absolute)."""
+    a_triangulation: ATriangulation | None = None
+    """A judged against the fp32 reference where it was scored; None, or no reference scored: A uses
+    mean, p99, max (absolute)."""
+    target_noise_k: float | None = Field(default=None, gt=0)
+    """Safety factor k of the noise-derived delta thresholds: with ε = ‖trainer_zero - zero‖ and |t| =
+    ‖Δtrainer‖, cosine >= min(min_delta_cosine, cos(asin(min(1, kε/|t|)))), scale and rel_l2 errors <=
+    max(their budget, kε/|t|) (C.delta and T.*); where kε/|t| >= 1 they are inconclusive (noise explains
+    any change). None: the fixed budgets alone."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Budgets:
@@ -312,6 +327,8 @@ class Receipt(Strict):
     breakdown: dict[str, ErrorBreakdown] | None = None
     """|diff| of A and C (trainer vs sampler) by probability bucket and position quartile; None in
     receipts made before it was recorded."""
+    verdicts: Verdicts | None = None
+    """The sync and numerics verdicts the run's verdict is made of; None in receipts made before."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

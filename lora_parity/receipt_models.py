@@ -6,7 +6,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 JsonScalar = str | int | float | bool | None
 
@@ -170,3 +170,47 @@ class ErrorBreakdown(Strict):
     """By the trainer's logprob of the scored token, most likely first."""
     by_position: list[BucketStats]
     """By position quartile within each sequence (position t of T scored: quartile floor(4t/T) + 1)."""
+
+
+class CRelative(Strict):
+    """Check C judged against check A: after sync the disagreement must return to the zero-init level."""
+
+    factor: float = Field(gt=0)
+    """C's mean, p99 and max |diff| may each be at most factor × A's same statistic + floor."""
+    floor: float = Field(ge=0)
+    """Added to every relative budget, so that a near-zero A does not make C fail on rounding."""
+
+
+class ATriangulation(Strict):
+    """Check A judged on precision, where the fp32 reference was scored (R.trainer_vs_fp32, R.sampler_vs_fp32)."""
+
+    factor: float = Field(gt=0)
+    """A's mean and p99 |diff| may be at most factor × the larger side's distance from fp32 (same statistic)."""
+    mean: float = Field(gt=0)
+    """Ceiling on each side's mean |diff| from fp32."""
+    p99: float = Field(gt=0)
+    """Ceiling on each side's p99 |diff| from fp32."""
+    max: float = Field(gt=0)
+    """Ceiling on each side's max |diff| from fp32, and on A's own max |diff| (one bad token fails)."""
+
+
+class GroupVerdict(Strict):
+    """The verdict of one group of checks."""
+
+    verdict: Verdict
+    """error (the run errored), fail, inconclusive (or a check not reached, or no check) or pass."""
+    decided_by: list[str]
+    """Ids of the checks that decided it: the failing ones for fail, the inconclusive and unreached
+    ones for inconclusive, every check of the group for pass; empty for error."""
+
+
+class Verdicts(Strict):
+    """The run's verdict split in two (see docs/verdicts.md); the run's verdict is the worse of both.
+
+    A check's group follows from its id: numerics = A.parity.*, A.fp32.*, A.noise.* (how far the two
+    sides' arithmetic lets them agree); sync = every other check (is the LoRA path right)."""
+
+    sync: GroupVerdict
+    """Is the LoRA path right: B, C, the delta checks, per-target coverage, S.*, A.zero_adapter_noop."""
+    numerics: GroupVerdict
+    """Do the two sides agree at zero-init as closely as their precision allows: A's parity and noise."""

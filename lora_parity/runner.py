@@ -16,7 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import __version__, backends, breakdown, checks, config, outpath, realmodel, start_adapter, synthetic
+from lora_parity import (
+    __version__,
+    backends,
+    breakdown,
+    checks,
+    config,
+    interrupt,
+    outpath,
+    realmodel,
+    scratch,
+    start_adapter,
+    synthetic,
+)
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
@@ -28,10 +40,10 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.checkpoint import Checkpoint, vocab_size, weights_digest
+from lora_parity.checkpoint import Checkpoint, preflight_hf_config, require_safetensors, vocab_size, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
-from lora_parity.faults import Faults
-from lora_parity.phases import Run, StopRun, run_sequence
+from lora_parity.faults import Faults, check_crash_phase, require_applies
+from lora_parity.phases import Run, StopRun, phase_names, run_sequence
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
 from lora_parity.receipt import (
     SCHEMA_VERSION,
@@ -81,6 +93,16 @@ class RunOptions:
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     adapter: Path | None = None
     """A PEFT adapter folder both sides start from instead of zero-init (`lora_parity.start_adapter`)."""
+    budgets: str | None = None
+    """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
+    trust_remote_code: bool = False
+    """`--trust-remote-code`: a config's `model.trust_remote_code: true` is refused without it."""
+    sampler_url: str | None = None
+    """A sampler served over HTTP (vllm-server): attach to this server instead of starting one."""
+    api_key_env: str | None = None
+    """Environment variable holding that server's API key (never recorded)."""
+    shared_dir: Path | None = None
+    """Folder the attached server can read; adapters are copied there."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -125,12 +147,16 @@ class Plan:
         """What the backends are built with."""
         o = self.opts
         return BackendOptions(seed=o.seed, tp=o.tp, url=o.tinker_url, base_model=o.base_model,
-                              lora=self.sync.sampler_lora)
+                              lora=self.sync.sampler_lora, sampler_url=o.sampler_url, api_key_env=o.api_key_env,
+                              shared_dir=o.shared_dir)
 
 
 def prepare(opts: RunOptions) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
-    cfg = config.load(opts.model, opts.dtype)
+    cfg = config.load(opts.model, opts.dtype, opts.budgets)
+    if cfg.model.trust_remote_code and not opts.trust_remote_code:
+        raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
+                          "pass --trust-remote-code to allow it")
     if opts.adapter is not None:
         cfg = start_adapter.apply(cfg, opts.adapter)
     sync = sync_mode_named(opts.sync)
@@ -139,11 +165,20 @@ def prepare(opts: RunOptions) -> Plan:
 
     launch_plan.preflight(cfg, opts.trainer, opts.sampler)
     start = time.perf_counter()
-    trainer_cls = backends.resolve("trainer", opts.trainer)
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start
-    _service_preflight(opts, trainer_cls, sampler_cls)
+    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
+                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync, sampler_url=opts.sampler_url,
+                           api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
+    # The sampler's own checks first: a server that cannot be reached stops the run in seconds,
+    # before the trainer's libraries (torch, transformers: 5-15 s) are imported.
+    _sampler_preflight(opts, sampler_cls, pre)
+    start = time.perf_counter()
+    trainer_cls = backends.resolve("trainer", opts.trainer)
+    import_seconds += time.perf_counter() - start
+    _service_preflight(opts, trainer_cls, sampler_cls, pre)
     _tp_preflight(opts, trainer_cls)
+    _shape_preflight(cfg, opts, trainer_cls)
     if opts.adapter is not None:
         start_adapter.require(trainer_cls, opts.trainer, sampler_cls, opts.sampler)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
@@ -152,10 +187,14 @@ def prepare(opts: RunOptions) -> Plan:
         raise ConfigError(f"--probes sampled needs a sampler that generates; {opts.sampler!r} does not")
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)
+    check_crash_phase(opts.inject, phase_names(cfg))
+    require_applies(opts.inject, sampler_cls.traits, opts.sampler)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
     _reference_preflight(plan)
+    if plan.needs_checkpoint:
+        require_safetensors(cfg)
     return plan
 
 
@@ -180,15 +219,29 @@ def _tp_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
         raise ConfigError(f"--tp applies to the megatron trainer only, not {opts.trainer!r}")
 
 
-def _service_preflight(opts: RunOptions, *classes: type[TrainerBackend] | type[SamplerBackend]) -> None:
-    """Service options only where a backend takes them; then each backend's own `preflight` (the
+def _shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: type[TrainerBackend]) -> None:
+    """The trainer can build the checkpoint's shape at --tp, judged from config.json before any load."""
+    hf = preflight_hf_config(cfg) if trainer_cls.traits.needs_checkpoint else None
+    if hf is not None:
+        trainer_cls.check_config(hf, opts.tp)
+
+
+def _sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions) -> None:
+    """Server options only for a sampler served over HTTP; then the sampler's own `preflight` (an
+    attached vllm-server answers within seconds)."""
+    if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
+        raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to --sampler vllm-server only")
+    sampler_cls.preflight(pre)
+
+
+def _service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend],
+                       pre: PreflightOptions) -> None:
+    """Service options only where a backend takes them; then the trainer's own `preflight` (the
     tinker backends: the service answers within seconds)."""
-    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options for c in classes):
+    if (opts.tinker_url or opts.base_model) and not any(c.traits.takes_service_options
+                                                        for c in (trainer_cls, sampler_cls)):
         raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
-    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
-                           base_model=opts.base_model, tp=opts.tp, sync=opts.sync)
-    for cls in classes:
-        cls.preflight(pre)
+    trainer_cls.preflight(pre)
 
 
 def _pending_backend(name: str) -> BackendInfo:
@@ -210,6 +263,8 @@ class Backends:
         self.device = "unknown"
         self.next_adapter_id = 1
         self.error: str | None = None
+        self.interrupted: KeyboardInterrupt | None = None
+        """A SIGINT or SIGTERM that stopped a run on these backends: they are not used again."""
         self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
@@ -244,15 +299,23 @@ class Backends:
         except Exception as e:
             self.error = f"setup: {e}" if isinstance(e, LoraParityError) else f"setup: {type(e).__name__}: {e}"
             say("setup", "error", time.perf_counter() - start)
+        except KeyboardInterrupt as e:
+            self.interrupted = e
+            self.error = f"setup: {interrupt.describe(e)}"
 
     def close(self, process_exiting: bool = False) -> None:
         """Free both backends. When the process is about to exit, a backend that holds nothing but
         this process's own memory (`traits.releases_nothing_at_exit`) is left to the exit: tearing
         down an in-process vLLM engine takes about a second and frees only what the exit frees anyway."""
-        for backend in (self.trainer, self.sampler):
-            if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
-                backend.close()
+        if self.interrupted is not None:
+            # The backends may be mid-call: end their processes instead of talking to them.
+            interrupt.end_children()
+        else:
+            for backend in (self.trainer, self.sampler):
+                if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
+                    backend.close()
         self.trainer = self.sampler = None
+        scratch.remove_all()
 
 
 def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
@@ -269,10 +332,23 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
         run_sequence(run)
     except StopRun:
         pass
-    finally:
-        loaded.next_adapter_id = run.next_adapter_id
+    except KeyboardInterrupt as e:
+        loaded.interrupted = e
+    loaded.next_adapter_id = run.next_adapter_id
+    _stop_if_interrupted(run, loaded)
+    if loaded.interrupted is None:
         run.retire()
     return run, router
+
+
+def _stop_if_interrupted(run: Run, loaded: Backends) -> None:
+    """A signal ends the run with an error that says so, even where a library turned the
+    KeyboardInterrupt into another exception (the phase then failed with that exception)."""
+    if loaded.interrupted is None and interrupt.received() is not None:
+        loaded.interrupted = interrupt.Interrupted(interrupt.received() or 0)
+    if loaded.interrupted is not None:
+        where = f" in phase {run.phases[-1].name}" if run.phases and run.phases[-1].status.value == "error" else ""
+        run.error = f"{interrupt.describe(loaded.interrupted)}{where}"
 
 
 def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force: bool,
@@ -291,15 +367,28 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
         if error is None:
             run, router = _sequence(plan, loaded, faults, workdir, say)
             error = run.error
-    except KeyboardInterrupt:
-        error = "interrupted"
-        raise
+    except KeyboardInterrupt as e:  # before the sequence started (zeroing the trainer, routing)
+        loaded.interrupted = e
+        error = interrupt.describe(e)
+    except Exception as e:  # zero_b or the routing capture, before the first phase: still a receipt
+        error = f"start: {e}" if isinstance(e, LoraParityError) else f"start: {type(e).__name__}: {e}"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         seconds = time.perf_counter() - start
         receipt = _receipt(plan, loaded, run, router, inject, error, when, seconds)
         path = write_atomic(receipt, out, force=force)
+    if loaded.interrupted is not None:
+        raise RunInterrupted(RunResult(receipt, path)) from loaded.interrupted
     return RunResult(receipt, path)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM stopped the run; its receipt (verdict error) is written: `result`. A
+    KeyboardInterrupt, so that a caller that lets Ctrl-C through lets this through too."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__(result.receipt.error or "interrupted")
+        self.result = result
 
 
 def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreement | None, inject: str | None,
@@ -314,7 +403,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "schema_version": SCHEMA_VERSION,
         "tool_version": __version__,
         "created_at": when.isoformat().replace("+00:00", "Z"),
-        "command": redacted_command(opts.command, opts.tinker_url),
+        "command": redacted_command(opts.command, opts.tinker_url, opts.sampler_url),
         "revision": plan.revision,
         "model": loaded.model_info,
         "trainer": loaded.trainer_info,
@@ -332,6 +421,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "deltas": ev.deltas,
         "checks": ev.checks,
         "verdict": ev.verdict,
+        "verdicts": ev.verdicts,
         "error": error,
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),

@@ -75,8 +75,9 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
 def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
              progress: Callable[[str, str, float], None] | None = None,
              faults: list[str] | None = None) -> SelftestResult:
-    """Run the clean run (`repeat` times) and every fault that applies to the sync mode (or only
-    `faults`); write each receipt into `out_dir`."""
+    """Run the clean run (`repeat` times) and every fault that applies to the sync mode and the
+    sampler (with vllm-server, the serving-layer faults too; or only `faults`); write each receipt
+    into `out_dir`."""
     say = progress or (lambda phase, status, seconds: None)
     plan = prepare(opts)
     folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
@@ -97,7 +98,7 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
             elif receipt.scores != first_scores:
                 result.identical_repeats = False
         result.repeats = max(1, repeat)
-        for fault in faults if faults is not None else faults_for(opts.sync, plan.sampled):
+        for fault in faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled):
             path = folder / f"fault-{fault.replace('=', '-')}.json"
             path.unlink(missing_ok=True)
             before = {p.name for p in folder.iterdir()}

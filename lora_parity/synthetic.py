@@ -62,6 +62,13 @@ def _family_kwargs(spec: SyntheticSpec) -> dict[str, object]:
     return out
 
 
+def hf_config_fields(spec: SyntheticSpec) -> dict[str, object]:
+    """The shape fields the generated config.json will have (no torch needed)."""
+    fields = spec.model_dump(exclude={"architecture", "seed", "lm_head_std", "generate_on", "moe", "mla"})
+    fields = {k: v for k, v in fields.items() if v is not None}
+    return {**fields, "architectures": [spec.architecture], **_family_kwargs(spec)}
+
+
 def generate(spec: SyntheticSpec, dtype: str, folder: Path) -> None:
     """Write the checkpoint of `spec` into `folder` (created)."""
     import torch

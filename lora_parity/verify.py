@@ -107,6 +107,9 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
         raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
+    # Receipts made before the two verdicts existed have none: judged by their checks alone, as then.
+    if receipt.verdicts is not None and receipt.verdicts != ev.verdicts:
+        raise ReceiptError(f"{path}: verdicts (sync, numerics) do not follow from its checks")
     _verify_moe_fields(path, receipt)
     breakdown.require_reproduces(path, receipt.breakdown, receipt.scores)
     return Verified(receipt, ev.verdict, signature)

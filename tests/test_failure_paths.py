@@ -49,6 +49,7 @@ def errored_like(data: dict[str, Any], phases: list[dict[str, Any]], scores: dic
             "comparisons": {k: v.model_dump(mode="json") for k, v in ev.comparisons.items()},
             "deltas": {k: v.model_dump(mode="json") for k, v in ev.deltas.items()},
             "checks": [c.model_dump(mode="json") for c in ev.checks], "verdict": ev.verdict.value,
+            "verdicts": ev.verdicts.model_dump(mode="json"),
             "worst_positions": {k: [w.model_dump(mode="json") for w in v] for k, v in worst.items()},
             "breakdown": {k: v.model_dump(mode="json") for k, v in error_breakdown.items()}}
 

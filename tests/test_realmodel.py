@@ -86,18 +86,17 @@ def _checkpoint(tmp_path: Path, dtype: str) -> Path:
 
 
 @pytest.mark.parametrize(("written", "flag", "dtype", "profile"), [
-    ("float32", None, "float32", "tiny-qwen3 (float32)"),
-    ("bfloat16", None, "bfloat16", "qwen3-0.6b-synth (bfloat16)"),
-    ("float32", "bfloat16", "bfloat16", "qwen3-0.6b-synth (bfloat16)"),
-    ("bfloat16", "float16", "float16", "qwen3-0.6b-synth (bfloat16)"),
-    ("bfloat16", "float32", "float32", "tiny-qwen3 (float32)"),
+    ("float32", None, "float32", "fp32"),
+    ("bfloat16", None, "bfloat16", "bf16"),
+    ("float32", "bfloat16", "bfloat16", "bf16"),
+    ("bfloat16", "float16", "float16", "bf16"),
+    ("bfloat16", "float32", "float32", "fp32"),
 ])
 def test_dtype_of_a_checkpoint_by_path_picks_its_budgets(tmp_path: Path, written: str, flag: str | None, dtype: str,
                                                          profile: str) -> None:
     cfg = config.load(str(_checkpoint(tmp_path, written)), flag)
     assert cfg.model.dtype == dtype and cfg.budgets.profile == profile
-    source = "tiny-qwen3" if dtype == "float32" else "qwen3-0.6b-synth"
-    assert cfg.budgets.model_copy(update={"profile": None}) == config.load(source).budgets
+    assert cfg.budgets == config.profile_budgets(profile)
 
 
 def test_dtype_flag_is_refused_for_a_config_and_checked() -> None:
@@ -117,7 +116,7 @@ def test_dtype_flag_reaches_the_receipt(tmp_path: Path) -> None:
               "--dtype", "bfloat16", "--out", str(out))
     assert res.returncode in (0, 1), res.stderr
     receipt = load(out)[0]
-    assert receipt.model.dtype == "bfloat16" and receipt.budgets.profile == "qwen3-0.6b-synth (bfloat16)"
+    assert receipt.model.dtype == "bfloat16" and receipt.budgets.profile == "bf16"
     assert receipt.budgets.mean == config.load("qwen3-0.6b-synth").budgets.mean
     res = cli("run", "--trainer", "fake", "--sampler", "fake", "--dtype", "bfloat16", "--out", str(out), "--force")
     assert res.returncode == 2 and "--dtype applies to a checkpoint passed by path" in res.stderr
@@ -132,4 +131,4 @@ def test_report_names_the_budget_profile_and_probe_source(tmp_path: Path) -> Non
     assert res.returncode in (0, 1), res.stderr
     report = cli("report", str(out))
     assert report.returncode == 0, report.stderr
-    assert "profile qwen3-0.6b-synth (bfloat16)" in report.stdout and "(random source)" in report.stdout
+    assert "profile bf16" in report.stdout and "(random source)" in report.stdout

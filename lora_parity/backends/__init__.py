@@ -22,6 +22,7 @@ TRAINERS: dict[str, object] = {
 }
 SAMPLERS: dict[str, object] = {
     "vllm": "lora_parity.backends.vllm:VLLMSampler",
+    "vllm-server": "lora_parity.backends.vllm_server:VLLMServerSampler",
     "hf": "lora_parity.backends.hf:HFSampler",
     "fake": "lora_parity.backends.fake:FakeSampler",
     "tinker": "lora_parity.backends.tinker:TinkerSampler",
@@ -29,6 +30,7 @@ SAMPLERS: dict[str, object] = {
 # The pip extra that provides each backend's packages.
 EXTRAS: dict[str, str] = {"hf": "hf", "vllm": "cpu' (vLLM's CPU build) or 'lora-parity[gpu]", "tinker": "tinker",
                          "megatron": "megatron"}
+EXTRAS["vllm-server"] = EXTRAS["vllm"]
 
 
 def register(kind: Kind, name: str, target: object, extra: str | None = None) -> None:

@@ -11,8 +11,8 @@ request) unless the config batches them, because batching changes numbers on rea
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
-`RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`), which callers test with
-`isinstance`/`issubclass`, never by probing attributes. Every backend is built through
+`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`), which callers
+test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
 `create(cfg, model_dir, timings, options)`.
 """
 
@@ -65,6 +65,12 @@ class BackendTraits:
     start_adapter_unavailable: str | None = "it cannot start from a user's adapter"
     """Why this trainer cannot start from a user's PEFT adapter (`--adapter`), or None (a trainer
     that can is also a `StartAdapterTrainer`)."""
+    served_over_http: bool = False
+    """A sampler served over HTTP (vllm-server): built with `sampler_url`, `api_key_env` and
+    `shared_dir`, and the only one the serving-layer faults apply to."""
+    same_name_reload_refused: str | None = None
+    """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
+    old adapter), so the faults that do only that do not apply; or None."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,12 @@ class BackendOptions:
     """Base model name on the service (backends with `takes_service_options`)."""
     lora: bool = True
     """Sampler: serve with LoRA enabled (False in the merged sync modes: merged base weights alone)."""
+    sampler_url: str | None = None
+    """URL of a running server to attach to, instead of starting one (`served_over_http`)."""
+    api_key_env: str | None = None
+    """Environment variable holding that server's API key (`served_over_http`; never recorded)."""
+    shared_dir: Path | None = None
+    """Folder the attached server can read; adapters are copied there (`served_over_http`)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,9 @@ class PreflightOptions:
     base_model: str | None = None
     tp: int = 1
     sync: str = "new-id"
+    sampler_url: str | None = None
+    api_key_env: str | None = None
+    shared_dir: Path | None = None
 
 
 class Trainer(Protocol):
@@ -186,6 +201,17 @@ class BaseReloadingSampler(Protocol):
 
 
 @runtime_checkable
+class CachedScoringSampler(Protocol):
+    """A sampler that can also score the way rollouts read its prefix cache (the sequence then adds
+    the phases stale_cached and updated_cached)."""
+
+    def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        """The same values as `score` (the alignment rule above), computed as a rollout reads them:
+        one request per prefix, through the prefix cache, the next token forced."""
+        ...
+
+
+@runtime_checkable
 class RoutingIntrospection(Protocol):
     """A backend that reports MoE routing."""
 
@@ -236,6 +262,11 @@ class TrainerBackend(Backend, Trainer):
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, seed: int, timings: dict[str, float]) -> None:
         """Load the model (each backend defines it; this states the signature `create` calls)."""
+
+    @classmethod
+    def check_config(cls, hf_config: dict[str, Any], tp: int) -> None:
+        """Preflight: raise `ConfigError` if the checkpoint's config.json (a dict) cannot be built at
+        tensor-parallel size `tp`. Nothing to check by default."""
 
     @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],

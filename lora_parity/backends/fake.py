@@ -163,10 +163,24 @@ class FakeTrainer(TrainerBackend):
         pass
 
 
+def _with_noise(scores: Scores, sequences: Sequences, coefficients: dict[str, float], std: float) -> Scores:
+    """Scores plus seeded Gaussian noise of `std` per position, a function of the model state (the non-zero
+    coefficients) and the tokens: like bf16 rounding, the same state scores the same twice, any other
+    state differs by fresh noise, and a zero adapter scores like the base model."""
+    state = repr(sorted((k, round(v, 12)) for k, v in coefficients.items() if v != 0.0))
+    out: Scores = []
+    for seq, row in zip(sequences, scores, strict=True):
+        rng = random.Random(f"{state}|{list(seq)}")
+        out.append([min(x + rng.gauss(0.0, std), 0.0) for x in row])
+    return out
+
+
 class FakeSampler(SamplerBackend):
     """A sampler that scores with the coefficients of the adapter folders it loaded, by id."""
 
     traits = BackendTraits(needs_checkpoint=False)
+    noise: float = 0.0
+    """Std of the bf16-like noise added to every score (`_with_noise`); 0: exact. Unit tests set it."""
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], lora: bool = True) -> None:
         self.kinds = list(cfg.adapter.targets)
@@ -176,7 +190,8 @@ class FakeSampler(SamplerBackend):
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
-        return _score(sequences, coefficients, self.kinds)
+        scores = _score(sequences, coefficients, self.kinds)
+        return _with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from lora_parity.backends import moe
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences
-from lora_parity.backends.vllm_options import engine_options, llm_kwargs
+from lora_parity.backends.vllm_options import engine_options, llm_kwargs, private_dist_store
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError, ScoreError
 from lora_parity.receipt import BackendInfo
@@ -71,7 +71,8 @@ class VLLMSampler(SamplerBackend):
         if not self.cuda and lora:
             moe.install_cpu_moe_lora_fallback()
         start = time.perf_counter()
-        self.llm = LLM(**llm_kwargs(self.engine_args))
+        with private_dist_store():
+            self.llm = LLM(**llm_kwargs(self.engine_args))
         timings["sampler.start"] = time.perf_counter() - start
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         self._SamplingParams = SamplingParams

@@ -1,12 +1,18 @@
 """The vLLM engine options of a config, built in one place: read by the `vllm` sampler, by the MoE
-helpers and by `lora-parity run --plan`. Pure: vllm is not imported here."""
+helpers and by `lora-parity run --plan`. Pure: vllm is imported only by `private_dist_store`, which
+the sampler calls."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import sys
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
+from lora_parity import scratch
 from lora_parity.config import ModelConfig
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -48,6 +54,7 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
         "max_model_len": cfg.sampler.max_model_len,
         "seed": 0,
         "trust_remote_code": cfg.model.trust_remote_code,
+        "load_format": "safetensors",  # never a pickle, even beside safetensors files
     }
     if lora:
         options.update(max_lora_rank=max_lora_rank(cfg.adapter.rank), max_loras=1,
@@ -94,3 +101,28 @@ def serve_command(options: dict[str, Any]) -> str:
         elif key != "model":
             parts += _flag(key, value)
     return shlex.join(parts)
+
+
+_STORE_USERS = ("vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor")
+
+
+@contextlib.contextmanager
+def private_dist_store() -> Iterator[None]:
+    """While the engine starts, its file-store rendezvous (`vllm_dist_<uuid>`, which vLLM puts in the
+    temp dir and nothing removes: torch unlinks it only in a destructor an exiting run never reaches)
+    goes into a scratch folder of this run, removed with the backends. A spawned engine process (TP > 1)
+    makes its own and is not covered."""
+    import importlib
+
+    where = scratch.folder("lora-parity-vllm-")
+    attr, patched = "get_file_store_init_method", []
+    for name in _STORE_USERS:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        if hasattr(module, attr):
+            patched.append((module, getattr(module, attr)))
+            setattr(module, attr, lambda: f"file://{where}/vllm_dist_{uuid.uuid4().hex}")
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            setattr(module, attr, original)

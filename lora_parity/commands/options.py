@@ -19,7 +19,14 @@ GithubSummaryOpt = Annotated[
 ]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
 TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
-SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, hf or tinker.")]
+SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, hf or tinker.")]
+SamplerUrlOpt = Annotated[str | None, typer.Option(
+    help="Attach --sampler vllm-server to this running vLLM server instead of starting one (recorded without "
+         "credentials).")]
+ApiKeyEnvOpt = Annotated[str | None, typer.Option(
+    help="Environment variable holding the vLLM server's API key (--sampler vllm-server; never recorded).")]
+SharedDirOpt = Annotated[Path | None, typer.Option(
+    help="Folder the attached vLLM server can read; adapters are copied there (--sampler vllm-server).")]
 ProbesOpt = Annotated[str, typer.Option(
     help="Probe source: random[:SET] or a set (default, held-out; SET-xN: N times the sequences), "
          "text[:SET] (shipped English text, real models only), sampled[:SET] (text prompts the sampler "
@@ -27,7 +34,14 @@ ProbesOpt = Annotated[str, typer.Option(
          "({\"tokens\": [ids]} or {\"text\": ...} per line).")]
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
 SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Allow a config that sets model.trust_remote_code: true to run the checkpoint's "
+                                "own Python code (refused without this flag).")]
 PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
+BudgetsOpt = Annotated[str | None, typer.Option(
+    "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "
+                      "(absolute, tight) or bf16 (C relative to A, A against the fp32 reference, noise-derived "
+                      "delta thresholds); see docs/verdicts.md.")]
 
 
 def exit_for(verdict: str) -> int:

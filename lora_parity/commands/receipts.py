@@ -58,7 +58,13 @@ VERIFY_HELP = (
     "scores and budgets) and not accidentally corrupted (the sha256 digest matches); it does not prove who "
     "made the receipt: anyone can edit one and recompute the digest. For that, sign runs (run --sign KEY) "
     "and check with --public-key KEY.pub: a bad signature exits 2. Only regular files of at most 64 MiB are "
-    "read. Files that are plainly not receipts (receipts/schema.json) are skipped with a note on stderr."
+    "read. Files that are plainly not receipts (receipts/schema.json) are skipped with a note on stderr.\n\n"
+    "--rerun also re-executes the run the receipt describes (its config, probes, seed, backends, sync mode "
+    "and injected fault, with the current working tree, which it says is or is not the recorded revision) "
+    "and compares the raw scores: bit for bit on the CPU in fp32, within the receipt's own recorded repeat "
+    "noise elsewhere. That proves this code and machine produce the receipt's scores again, which makes the "
+    "receipt evidence rather than a claim: 0 they match; 1 they differ (the first phase and position named); "
+    "2 the run cannot be repeated here (a changed config or probe set, a missing backend)."
 )
 
 
@@ -81,10 +87,14 @@ def verify(
     ] = None,
     json_: Annotated[bool, typer.Option("--json", help="A JSON object on stdout (a list of them for many "
                                                        "files).")] = False,
+    rerun: Annotated[bool, typer.Option("--rerun", help="Also re-execute the run the receipt describes and "
+                                                         "compare the scores (one receipt; see below).")] = False,
 ) -> None:
     """Re-check receipts (see VERIFY_HELP)."""
     from lora_parity.verify import PROVES
 
+    if rerun:
+        _verify_rerun(paths, public_key)
     if len(paths) == 1:  # one file: its error is the one line, as ever
         code, data = _verify_one(paths[0], public_key, json_)
         results: Any = data
@@ -104,6 +114,22 @@ def verify(
     else:
         output.hint(PROVES)
     raise typer.Exit(code)
+
+
+def _verify_rerun(paths: list[Path], public_key: Path | None) -> None:
+    """verify --rerun: the receipt must verify; then its run is repeated. One line; exit 0, 1 or 2."""
+    from lora_parity.rerun import rerun
+    from lora_parity.verify import verify as verify_receipt
+
+    if len(paths) != 1:
+        raise ConfigError("--rerun takes one receipt")
+    result = rerun(verify_receipt(paths[0], public_key).receipt, progress=output.progress)
+    line = f"{paths[0]}: {result.message}; ran {result.revision}"
+    if result.code == EXIT_BAD_INPUT:
+        output.error(line)
+    else:
+        output.line(line)
+    raise typer.Exit(result.code)
 
 
 REPORT_HELP = (

@@ -9,6 +9,7 @@ import html
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lora_parity.errors import ConfigError
 
@@ -35,8 +36,11 @@ def fmt_signed(x: float) -> str:
     return "0" if x == 0 else f"{x:+.3g}"
 
 
-def fmt_budget(x: float | str) -> str:
-    """A budget or setting as written in the config ('0.0001', '1e-06'); a string (the budget profile) as is."""
+def fmt_budget(x: float | str | dict[str, Any]) -> str:
+    """A budget or setting as written in the config ('0.0001', '1e-06'); a string (the budget profile) as is;
+    a group of budgets (c_relative, a_triangulation) as '{factor 2, floor 0.02}'."""
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k} {fmt_budget(v)}" for k, v in x.items()) + "}"
     return x if isinstance(x, str) else f"{x:g}"
 
 

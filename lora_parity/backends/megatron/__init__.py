@@ -7,9 +7,12 @@ One module per layer, lowest first (each imports only those above it):
 - `cpu`: what megatron-core needs to run without CUDA, each workaround with its reason.
 - `lora`: the LoRA layers around megatron-core's parallel linears.
 - `shards`: one rank's model (`Shard`): build, load, score, perturb, gather and export.
+- `liveness`: each rank's heartbeats through the rendezvous store (a lost rank is named, within
+  `LORA_PARITY_RANK_TIMEOUT`, instead of a hang) and its placement (node, host digest).
 - `ranks`: the driver's side of TP=N; `serve`: the rank process (`python -m ...megatron.serve`).
 - `trainer`: `MegatronTrainer`, the registered `Trainer`.
 
 This package imports nothing on import, so `layout` and `protocol` load without torch. No module
-here imports the CLI or the runner; torchrun's entry point is `python -m lora_parity.launch`.
+here imports the CLI or the runner; torchrun's entry point is `python -m lora_parity.launch`
+(several nodes: docs/multinode.md).
 """

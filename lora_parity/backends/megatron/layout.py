@@ -28,6 +28,8 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 _REQUIRED_SETTINGS = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                       ("use_sliding_window", False))
 
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
 RowSlice = tuple[str, int, int]
 """(HF part, first row, end row) of a whole HF tensor."""
 
@@ -75,6 +77,9 @@ class Shape:
     def from_hf(cls, hf: dict[str, Any], tp: int) -> Shape:
         """Validate an HF config for this trainer at tensor-parallel size `tp`."""
         arch = _check_supported(hf)
+        missing = [k for k in _REQUIRED_KEYS if not isinstance(hf.get(k), int) or hf[k] < 1]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)} (positive integers the megatron trainer needs)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         heads = int(hf["num_attention_heads"])
         shape = cls(
@@ -97,7 +102,9 @@ class Shape:
         for what, n in (("KV heads", shape.num_groups), ("intermediate_size", shape.ffn_hidden_size),
                         ("vocab_size", shape.vocab_size)):
             if n % tp:
-                raise ConfigError(f"--tp {tp} does not divide {what} ({n})")
+                raise ConfigError(f"--tp {tp} does not divide {what} ({n}); pick a --tp that divides "
+                                  f"{shape.num_heads} attention heads, {shape.num_groups} KV heads, "
+                                  f"intermediate_size {shape.ffn_hidden_size} and vocab_size {shape.vocab_size}")
         return shape
 
 

@@ -4,12 +4,17 @@ The driver writes {"method", "args"} to rank 0's pipe; rank 0 broadcasts it to e
 rank runs it, and rank 0 answers {"ok": result} or {"error": message, "class": name}. A rank
 process started with `PIPE_ENV` set is rank 0 of a driven group; `SPAWNED_ENV` marks ranks spawned
 on this host (which open their own rendezvous store) rather than started by torchrun.
+
+A rank that stops answering (its node died) is found by heartbeats (`liveness`): after
+`RANK_TIMEOUT_ENV` seconds without one, rank 0 answers the driver with an error naming it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from lora_parity import errors
@@ -22,6 +27,11 @@ METHODS = ("init", "score", "perturb", "zero_b", "export", "close")
 CLOSE = b'{"method": "close", "args": {}}\n'
 # Rank processes wait for rank 0's next command while the sampler works; a long wait is not an error.
 CONTROL_TIMEOUT = dt.timedelta(hours=6)
+RANK_TIMEOUT_ENV = "LORA_PARITY_RANK_TIMEOUT"
+"""Seconds without a heartbeat after which a rank counts as lost (its node died or hangs)."""
+DEFAULT_RANK_TIMEOUT = 60.0
+"""Long enough for a rank that is busy (the heartbeat runs in its own thread), short enough not to
+leave a run hanging: a lost rank ends the phase within about this many seconds."""
 
 
 def request(method: str, args: dict[str, Any]) -> bytes:
@@ -48,3 +58,26 @@ def result(reply: dict[str, Any]) -> Any:
 def is_rank_process(environ: dict[str, str]) -> bool:
     """Whether a process started with `environ` is a trainer rank (not torchrun's rank 0, which runs the CLI)."""
     return bool(environ.get(PIPE_ENV)) or int(environ.get("RANK", "0")) != 0
+
+
+def rank_timeout(environ: Mapping[str, str]) -> float:
+    """`RANK_TIMEOUT_ENV` in seconds (default `DEFAULT_RANK_TIMEOUT`); not a positive number: `ConfigError`."""
+    raw = environ.get(RANK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RANK_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise errors.ConfigError(f"{RANK_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return seconds
+
+
+def lost_error(ranks: list[int], nodes: Mapping[int, str], seconds: float, after_failure: bool) -> dict[str, Any]:
+    """The reply that ends the current command when `ranks` stopped sending heartbeats: for
+    `seconds` after a collective failed (`after_failure`), or for the whole `RANK_TIMEOUT_ENV`."""
+    names = ", ".join(f"rank {r}" + (f" (node {nodes[r]})" if r in nodes else "") for r in ranks)
+    why = (f"a collective failed and no heartbeat came in the next {seconds:g} s" if after_failure
+           else f"no heartbeat for {seconds:g} s ({RANK_TIMEOUT_ENV})")
+    return {"error": f"megatron {names} lost: {why}; its process or node died or hangs", "class": "PhaseError"}

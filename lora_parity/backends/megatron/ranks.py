@@ -89,8 +89,11 @@ class RankProcesses:
         """Run `method` on every rank; rank 0's result, or its error raised here."""
         if not self.procs:
             raise PhaseError("the megatron rank processes are not running")
-        self._to_rank0.write(protocol.request(method, args))
-        self._to_rank0.flush()
+        try:
+            self._to_rank0.write(protocol.request(method, args))
+            self._to_rank0.flush()
+        except OSError:
+            pass  # rank 0 has exited; its last words (a lost rank, say) are still in the pipe, or none
         return protocol.result(self._reply())
 
     def _stop(self) -> None:

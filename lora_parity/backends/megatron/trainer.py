@@ -28,8 +28,8 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
     raise ModuleNotFoundError("No module named 'megatron.core'", name="megatron-core")
 
 # Imported after the check above, so that a missing megatron-core names the extra to install.
-from lora_parity.backends.megatron import cpu
-from lora_parity.backends.megatron.layout import read_shape
+from lora_parity.backends.megatron import cpu, protocol
+from lora_parity.backends.megatron.layout import Shape, read_shape
 from lora_parity.backends.megatron.ranks import RankProcesses
 from lora_parity.backends.megatron.shards import Shard
 
@@ -49,6 +49,11 @@ class MegatronTrainer(TrainerBackend):
         "has one A per projection"))
 
     @classmethod
+    def check_config(cls, hf_config: dict[str, Any], tp: int) -> None:
+        """The checkpoint's shape divides at `--tp` (heads, KV heads, intermediate_size, vocabulary)."""
+        Shape.from_hf(hf_config, tp)
+
+    @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
                options: BackendOptions) -> MegatronTrainer:
         """Build the trainer with the run's tensor-parallel size."""
@@ -59,6 +64,7 @@ class MegatronTrainer(TrainerBackend):
         self.cfg, self.tp = cfg, tp
         start = time.perf_counter()
         read_shape(model_dir, tp)  # bad input fails here, before any process starts
+        protocol.rank_timeout(os.environ)
         torchrun = _torchrun_world()
         if torchrun is not None and os.environ.get("RANK") != "0":
             raise ConfigError("under torchrun, launch `-m lora_parity.launch`: its rank 0 runs the "

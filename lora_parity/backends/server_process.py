@@ -1,0 +1,151 @@
+"""A `vllm serve` process owned by lora-parity: started on 127.0.0.1 and a free port in a process
+group of its own, ready once `/health` answers, and stopped (the whole group, by pid) on close, on
+error, at exit and on SIGTERM. SIGINT reaches Python as KeyboardInterrupt, whose unwinding closes it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from lora_parity.errors import BackendUnavailableError
+
+LOG_TAIL_LINES = 20
+_RUNNING: dict[int, ServerProcess] = {}
+_previous_sigterm: object = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:`port` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _stop_all() -> None:
+    for server in list(_RUNNING.values()):
+        server.stop()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _stop_all()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_handlers() -> None:
+    global _previous_sigterm
+    if _previous_sigterm is None and threading.current_thread() is threading.main_thread():
+        _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+        atexit.register(_stop_all)
+
+
+class ServerProcess:
+    """One server process; `start` returns once it is healthy, `stop` is idempotent."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], port: int, start_timeout_s: float) -> None:
+        self.argv, self.env, self.port, self.start_timeout_s = list(argv), env, port, start_timeout_s
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="lora-parity-vllm-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid, which is also its process group id (None before start)."""
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        """Start the server and wait for `/health`; on failure stop it and raise with its log's tail."""
+        _install_handlers()
+        # Another server on the port would answer /health for ours: then ours can only fail (and its
+        # log says why), never be taken as ready.
+        ours = port_free(self.port)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        _RUNNING[self.proc.pid] = self
+        try:
+            self._wait_healthy(self.proc, ours)
+        except BaseException:  # an interrupt while waiting too: nothing is left running
+            self.stop()
+            raise
+
+    def _wait_healthy(self, proc: subprocess.Popen[bytes], port_was_free: bool) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                taken = "" if port_was_free else f" (port {self.port} was taken)"
+                self._fail(f"exited with code {proc.returncode} before it was ready{taken}")
+            if port_was_free and self._healthy():
+                return
+            time.sleep(0.5)
+        self._fail(f"not healthy within {self.start_timeout_s:g} s")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:  # loopback http only
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _fail(self, what: str) -> None:
+        tail = self.log_tail()
+        self.stop()
+        raise BackendUnavailableError(f"vllm serve on port {self.port} {what}; last lines of its log:\n{tail}")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines of the server's log."""
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's process group (the engine core and its worker are in it too), SIGKILL
+        what is left after `grace_s`, and return once the group is empty; remove the log."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        _RUNNING.pop(proc.pid, None)
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            if _group_gone(proc, wait_s):
+                break
+        self.log_path.unlink(missing_ok=True)
+
+
+def _group_gone(proc: subprocess.Popen[bytes], wait_s: float) -> bool:
+    """Wait up to `wait_s` for every process of `proc`'s group to exit (reaping the leader)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,302 @@
+"""The `vllm-server` sampler: vLLM's OpenAI-compatible server, over HTTP, as most RL stacks run it.
+
+lora-parity starts `vllm serve` itself (see `server_process`) with the engine options of the
+in-process `vllm` sampler, or attaches to a server the user runs (`--sampler-url`; nothing is
+started or stopped). Adapters are pushed with `/v1/load_lora_adapter` (a new name per version, or
+the same name with `load_inplace`) and retired with `/v1/unload_lora_adapter`; runtime LoRA updating
+must be allowed on the server (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+
+Scoring follows the alignment rule in `backends/base.py`: `/v1/completions` with token-id prompts,
+`max_tokens: 1` and `prompt_logprobs: 0`, the adapter chosen by its name as `model`; the
+server's entry 0 is null and dropped. vLLM never reads the prefix cache for a prompt_logprobs
+request, so `score_cached` scores the same positions the way a rollout reads them: one
+request per prefix, the next token forced with `allowed_token_ids` and its raw logprob returned
+(`logprobs: 0`), which does read the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Self
+
+from lora_parity.backends.base import (
+    AdapterHandle,
+    BackendOptions,
+    BackendTraits,
+    PreflightOptions,
+    SamplerBackend,
+    Scores,
+    Sequences,
+)
+from lora_parity.backends.server_process import ServerProcess, free_port
+from lora_parity.backends.vllm_options import max_lora_rank
+from lora_parity.config import ModelConfig
+from lora_parity.errors import ConfigError, ScoreError
+from lora_parity.provenance import redact_url as redact
+from lora_parity.receipt import BackendInfo
+
+PREFLIGHT_TIMEOUT_S = 5.0
+"""Longest wait for an attached server's `/health` before the run starts."""
+REQUEST_TIMEOUT_S = 300.0
+START_TIMEOUT_S = float(os.environ.get("LORA_PARITY_VLLM_SERVER_START_TIMEOUT", "600"))
+CACHED_CONCURRENCY = 32
+"""Requests in flight at once when scoring through the prefix cache (one per prefix)."""
+SAME_NAME_RELOAD_REFUSED = ("refuses a reload under a loaded name without load_inplace (vLLM answers 400: an "
+                            "error receipt, not a silent keep of the old adapter)")
+
+
+class ServerError(ScoreError):
+    """The server answered with an error status (its status and body are in the message)."""
+
+
+def preflight(opts: PreflightOptions) -> None:
+    """--sampler-url is http(s) and answers `/health` within seconds; --api-key-env names a set
+    variable; --shared-dir exists. Raises `ConfigError`."""
+    url, key_env, shared_dir = opts.sampler_url, opts.api_key_env, opts.shared_dir
+    if key_env and not os.environ.get(key_env):
+        raise ConfigError(f"--api-key-env {key_env}: that environment variable is not set")
+    if shared_dir is not None and not Path(shared_dir).is_dir():
+        raise ConfigError(f"--shared-dir {shared_dir}: not an existing folder")
+    if url is None:
+        return
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise ConfigError(f"--sampler-url {redact(url)!r} is not an http(s) URL")
+    try:
+        with urllib.request.urlopen(redact(url) + "/health", timeout=PREFLIGHT_TIMEOUT_S):  # http(s): checked
+            pass
+    except urllib.error.HTTPError as e:
+        raise ConfigError(f"vLLM server at {redact(url)}: /health answered {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(f"cannot reach the vLLM server at {redact(url)}: {reason}") from None
+
+
+def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> list[str]:
+    """`vllm serve` with the run's rank, targets and dtype; LoRA limited to the adapter's own targets
+    (the CPU build crashes on batched prompt_logprobs otherwise), prefix caching on (as served)."""
+    rank = max_lora_rank(cfg.adapter.rank)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.model.dtype,
+            "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1",
+            "--lora-target-modules", *cfg.adapter.targets, "--skip-tokenizer-init",
+            "--max-model-len", str(cfg.sampler.max_model_len), "--seed", "0", "--enable-prefix-caching"]
+    if not cuda:
+        # The CPU build's default block of 128 tokens would leave the probes' prefixes (64 to 128
+        # tokens) almost no full block to read back, and the prefix-cache phases nothing to test.
+        argv += ["--block-size", "32"]
+    if cfg.sampler.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.model.trust_remote_code:
+        argv.append("--trust-remote-code")
+    extra = os.environ.get("LORA_PARITY_VLLM_SERVER_ARGS")
+    if extra:
+        import shlex
+
+        argv += shlex.split(extra)
+    return argv
+
+
+def server_env(cfg: ModelConfig, cuda: bool) -> dict[str, str]:
+    """The environment of the server: runtime LoRA updating allowed, and on the CPU the in-process
+    sampler's settings (every core bound, none reserved, an explicit KV cache size). The server keeps
+    its engine in a process of its own (the V1 default)."""
+    env = dict(os.environ)
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if not cuda:
+        cores = len(os.sched_getaffinity(0))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.sampler.kv_cache_gib))))
+    return env
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class VLLMServerSampler(SamplerBackend):
+    """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the
+    way rollouts read the prefix cache too (`score_cached`: a `CachedScoringSampler`)."""
+
+    traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED)
+
+    @classmethod
+    def preflight(cls, opts: PreflightOptions) -> None:
+        """The module's `preflight`."""
+        preflight(opts)
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> Self:
+        """Start a server for the run, or attach to `options.sampler_url`."""
+        return cls(cfg, model_dir, timings, url=options.sampler_url, api_key_env=options.api_key_env,
+                   shared_dir=options.shared_dir)
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], *,
+                 url: str | None = None, api_key_env: str | None = None, shared_dir: Path | None = None) -> None:
+        self.cfg, self.timings = cfg, timings
+        self.api_key = os.environ.get(api_key_env) if api_key_env else None
+        # A folder of this sampler's own under --shared-dir: runs never overwrite each other's adapters.
+        self.shared_dir = Path(tempfile.mkdtemp(prefix="lora-parity-", dir=shared_dir)) if shared_dir else None
+        self.cuda = _has_cuda()
+        self.server: ServerProcess | None = None
+        self.num_calls = 0
+        # Served names carry this sampler's own suffix, so that runs attached to one server never
+        # collide; `loaded` is what this sampler has on the server (unloaded again on close).
+        self.suffix = f"-{os.getpid()}-{time.time_ns() % 10**9}"
+        self.loaded: set[str] = set()
+        # Credentials, query and fragment are never sent or recorded: the key goes in a header.
+        self.url = redact(url) if url else self._start(model_dir)
+        try:
+            self.base_model = self._base_model()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model_dir: Path | None) -> str:
+        """Start `vllm serve` on 127.0.0.1 (port: $LORA_PARITY_VLLM_SERVER_PORT, else a free one)."""
+        if model_dir is None:
+            raise ConfigError("the vllm-server sampler needs a checkpoint to serve")
+        port = int(os.environ.get("LORA_PARITY_VLLM_SERVER_PORT") or free_port())
+        self.server = ServerProcess(server_argv(self.cfg, Path(model_dir), port, self.cuda),
+                                    server_env(self.cfg, self.cuda), port, START_TIMEOUT_S)
+        start = time.perf_counter()
+        self.server.start()
+        self.timings["sampler.start"] = time.perf_counter() - start
+        return self.server.url
+
+    def _call(self, path: str, body: dict[str, Any] | None, label: str) -> Any:
+        """One HTTP call, timed under `http.<label>`; an error status raises `ServerError` with its body."""
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        start = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as r:  # http(s): checked in preflight
+                text = r.read().decode("utf-8", errors="replace")
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode("utf-8", errors="replace")[:500]
+            raise ServerError(f"vLLM server: {path} answered {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ServerError(f"vLLM server: {path}: {getattr(e, 'reason', e)}") from None
+        finally:
+            key = f"http.{label}"
+            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
+            self.num_calls += 1
+        return json.loads(text) if text.startswith(("{", "[")) else text
+
+    def _base_model(self) -> str:
+        models = self._call("/v1/models", None, "models")
+        return str(models["data"][0]["id"])
+
+    def _completion(self, prompt: Any, model: str, label: str, **extra: Any) -> list[dict[str, Any]]:
+        out = self._call("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1,
+                                             "temperature": 1.0, **extra}, label)
+        return list(out["choices"])
+
+    def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        model = adapter.name if adapter is not None else self.base_model
+        batch = self.cfg.scoring.batch_size
+        out: Scores = []
+        for start in range(0, len(sequences), batch):
+            group = sequences[start:start + batch]
+            choices = sorted(self._completion(group, model, "completions", prompt_logprobs=0),
+                             key=lambda c: c["index"])
+            for s, (seq, choice) in enumerate(zip(group, choices, strict=True), start=start):
+                plp = choice.get("prompt_logprobs")
+                if plp is None or len(plp) != len(seq) or plp[0] is not None:
+                    got = "null" if plp is None else f"{len(plp)} entries"
+                    raise ScoreError(f"vLLM server prompt_logprobs for sequence {s}: expected {len(seq)} entries "
+                                     f"starting with null, got {got}")
+                out.append([plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))])
+        return out
+
+    def _forced_next(self, prefix: list[int], token: int, model: str) -> float:
+        choice = self._completion(prefix, model, "completions_cached", logprobs=0, allowed_token_ids=[token],
+                                  return_tokens_as_token_ids=True)[0]
+        logprobs = choice.get("logprobs") or {}
+        if logprobs.get("tokens") != [f"token_id:{token}"]:
+            raise ScoreError(f"vLLM server: forced token {token} not returned ({logprobs.get('tokens')})")
+        return float(logprobs["token_logprobs"][0])
+
+    def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), computed as a rollout reads
+        them: one request per prefix, reading the prefix cache, the next token forced."""
+        model = adapter.name if adapter is not None else self.base_model
+        with ThreadPoolExecutor(CACHED_CONCURRENCY) as pool:
+            return [list(pool.map(lambda t, seq=seq: self._forced_next(seq[:t + 1], seq[t + 1], model),
+                                  range(len(seq) - 1))) for seq in sequences]
+
+    def _served_path(self, directory: Path) -> Path:
+        if self.shared_dir is None:
+            return Path(directory)
+        target = self.shared_dir / Path(directory).name
+        shutil.copytree(directory, target, dirs_exist_ok=True)
+        return target
+
+    def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
+        path = self._served_path(directory)
+        served = name if name.endswith(self.suffix) else name + self.suffix
+        self._call("/v1/load_lora_adapter", {"lora_name": served, "lora_path": str(path), "load_inplace": inplace},
+                   f"load_lora_adapter.{name.removesuffix(self.suffix)}")
+        self.loaded.add(served)
+        return AdapterHandle(served, adapter_id, path)
+
+    def retire(self, handle: AdapterHandle) -> None:
+        """Unload `handle` from the server; one the server no longer has (404) is already retired."""
+        try:
+            self._call("/v1/unload_lora_adapter", {"lora_name": handle.name},
+                       f"unload_lora_adapter.{handle.name.removesuffix(self.suffix)}")
+        except ServerError as e:
+            if " answered 404:" not in str(e):
+                raise
+        self.loaded.discard(handle.name)
+
+    def info(self) -> BackendInfo:
+        settings: dict[str, Any] = {
+            "device": "cuda" if self.cuda else "cpu",
+            "server": "started by lora-parity" if self.server else f"attached at {redact(self.url)}",
+            "scoring": "/v1/completions, one request per "
+                       + ("sequence" if self.cfg.scoring.batch_size == 1 else f"{self.cfg.scoring.batch_size} "
+                          "sequences") + ", prompt_logprobs=0; cached: one request per prefix, allowed_token_ids",
+            "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter",
+        }
+        if self.server is not None:
+            settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
+        versions: dict[str, str] = {}
+        try:
+            versions["vllm"] = str(self._call("/version", None, "version")["version"])
+        except (ScoreError, KeyError, TypeError):
+            versions["vllm"] = "unknown"
+        return BackendInfo(backend="vllm-server", versions=versions, settings=settings)
+
+    def close(self) -> None:
+        """Unload what this sampler left on an attached server; stop a started one."""
+        if self.server is None:
+            for name in sorted(self.loaded):
+                try:
+                    self.retire(AdapterHandle(name, 0, Path()))
+                except ScoreError:
+                    break
+        if self.shared_dir is not None:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None

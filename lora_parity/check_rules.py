@@ -1,0 +1,140 @@
+"""The budget rules that depend on what was measured, and the two verdicts (see docs/verdicts.md).
+
+Pure: numbers in, thresholds and verdicts out; `checks.compute_checks` applies them.
+
+- C relative to A: C's parity budgets are factor × A's observed statistic + floor.
+- A triangulated: with the fp32 reference scored, A's mean and p99 may be factor × the larger
+  side's distance from fp32, and each side stays under absolute ceilings.
+- Noise-derived delta thresholds: noise of norm kε moves a change of norm |t| by an angle of at most
+  asin(kε/|t|) and its length by at most kε, so a cosine or scale error noise alone explains is not a
+  failure.
+- Groups: numerics (A.parity.*, A.fp32.*, A.noise.*) and sync (every other check).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lora_parity.receipt import Budgets, Check, CheckStatus, ComparisonStats, GroupVerdict, Verdict, Verdicts
+
+STATS = (("mean", "mean_abs"), ("p99", "p99"), ("max", "max_abs"))
+"""(check suffix, ComparisonStats field) of the three parity statistics."""
+
+NUMERICS_PREFIXES = ("A.parity.", "A.fp32.", "A.noise.")
+"""Check ids that start with one of these are in the numerics group; every other check is sync."""
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A budget and, where it was derived from measurements, how (for the check's reason)."""
+
+    budget: float
+    note: str | None = None
+
+
+def group_of(check_id: str) -> str:
+    """'numerics' for A's parity, fp32 and repeat-noise checks, else 'sync'."""
+    return "numerics" if check_id.startswith(NUMERICS_PREFIXES) else "sync"
+
+
+def _group_verdict(checks: Sequence[Check], errored: bool) -> GroupVerdict:
+    if errored:
+        return GroupVerdict(verdict=Verdict.ERROR, decided_by=[])
+    failed = [c.id for c in checks if c.status == CheckStatus.FAIL]
+    if failed:
+        return GroupVerdict(verdict=Verdict.FAIL, decided_by=failed)
+    open_ = [c.id for c in checks if c.status in (CheckStatus.INCONCLUSIVE, CheckStatus.NOT_REACHED)]
+    if open_ or not checks:
+        return GroupVerdict(verdict=Verdict.INCONCLUSIVE, decided_by=open_)
+    return GroupVerdict(verdict=Verdict.PASS, decided_by=[c.id for c in checks])
+
+
+def group_verdicts(checks: Sequence[Check], errored: bool) -> Verdicts:
+    """The sync and numerics verdicts of `checks` (`group_of` splits them)."""
+    sync = [c for c in checks if group_of(c.id) == "sync"]
+    numerics = [c for c in checks if group_of(c.id) == "numerics"]
+    return Verdicts(sync=_group_verdict(sync, errored), numerics=_group_verdict(numerics, errored))
+
+
+SEVERITY = (Verdict.ERROR, Verdict.FAIL, Verdict.INCONCLUSIVE, Verdict.PASS)
+"""Worst first: the run's verdict is the first of these that either group has."""
+
+
+def combined(verdicts: Verdicts) -> Verdict:
+    """The run's verdict from both groups: error > fail > inconclusive > pass."""
+    have = {verdicts.sync.verdict, verdicts.numerics.verdict}
+    return next(v for v in SEVERITY if v in have)
+
+
+def c_parity_thresholds(budgets: Budgets, a: ComparisonStats | None) -> dict[str, Threshold]:
+    """C.parity budgets per statistic: relative to A's (budgets.c_relative) where A was measured, else absolute."""
+    rel = budgets.c_relative
+    out: dict[str, Threshold] = {}
+    for short, field in STATS:
+        absolute = float(getattr(budgets, short))
+        if rel is None or a is None:
+            out[short] = Threshold(absolute)
+            continue
+        observed_a = float(getattr(a, field))
+        out[short] = Threshold(rel.factor * observed_a + rel.floor,
+                               f"{rel.factor:g} x A's {observed_a:.4g} + {rel.floor:g}")
+    return out
+
+
+def a_parity_thresholds(
+    budgets: Budgets, trainer_fp32: ComparisonStats | None, sampler_fp32: ComparisonStats | None
+) -> dict[str, Threshold] | None:
+    """A.parity budgets from the fp32 reference (budgets.a_triangulation): mean and p99 at most factor ×
+    the larger side's distance from fp32, max under the absolute max ceiling; None without a reference."""
+    tri = budgets.a_triangulation
+    if tri is None or trainer_fp32 is None or sampler_fp32 is None:
+        return None
+    out: dict[str, Threshold] = {}
+    for short, field in STATS[:2]:
+        larger = max(float(getattr(trainer_fp32, field)), float(getattr(sampler_fp32, field)))
+        out[short] = Threshold(tri.factor * larger, f"{tri.factor:g} x the larger side-vs-fp32 {short} {larger:.4g}")
+    out["max"] = Threshold(tri.max, "the fp32-triangulated max ceiling")
+    return out
+
+
+def farther_side(trainer_fp32: ComparisonStats, sampler_fp32: ComparisonStats, field: str) -> str:
+    """Which side is farther from fp32 on a statistic, in words, for a failing A check's reason."""
+    t, s = float(getattr(trainer_fp32, field)), float(getattr(sampler_fp32, field))
+    side = "sampler" if s > t else "trainer"
+    return f"the {side} is farther from fp32 (trainer {t:.4g}, sampler {s:.4g})"
+
+
+@dataclass(frozen=True)
+class DeltaThresholds:
+    """Thresholds of one delta's cosine, scale error and rel_l2 checks."""
+
+    cosine: Threshold
+    scale: Threshold
+    rel_l2: Threshold
+    undecidable: bool = False
+    """kε/|t| >= 1: noise could turn the change any way, so neither pass nor fail can be claimed."""
+
+
+def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm: float | None) -> DeltaThresholds:
+    """Fixed budgets, loosened to what noise of norm k·ε can explain (budgets.target_noise_k): with
+    r = min(1, kε/|t|), cosine >= min(min_delta_cosine, cos(asin(r))) and scale, rel_l2 <= max(budget, kε/|t|)."""
+    k = budgets.target_noise_k
+    fixed = DeltaThresholds(Threshold(budgets.min_delta_cosine), Threshold(budgets.max_delta_scale_error),
+                            Threshold(budgets.max_delta_rel_l2))
+    if k is None or zero_init_l2 is None or not trainer_norm:
+        return fixed
+    ratio = k * zero_init_l2 / trainer_norm
+    note = f"noise allows {k:g} x {zero_init_l2:.3g} / {trainer_norm:.3g} = {ratio:.3g}"
+    cosine = math.cos(math.asin(min(1.0, ratio)))
+
+    def loosen(t: Threshold, value: float, looser: bool) -> Threshold:
+        return Threshold(value, note) if looser else t
+
+    return DeltaThresholds(
+        loosen(fixed.cosine, cosine, cosine < budgets.min_delta_cosine),
+        loosen(fixed.scale, ratio, ratio > budgets.max_delta_scale_error),
+        loosen(fixed.rel_l2, ratio, ratio > budgets.max_delta_rel_l2),
+        undecidable=ratio >= 1.0,
+    )

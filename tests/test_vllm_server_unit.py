@@ -1,0 +1,198 @@
+"""The vllm-server sampler without vLLM: its options and faults (refused elsewhere), the prefix-cache
+phases and serving-layer faults on a fake served sampler, the server's command line and environment,
+and the server process's lifecycle with small stand-in processes (real processes, no vLLM)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lora_parity import backends, config
+from lora_parity.backends.base import AdapterHandle, BackendTraits, CachedScoringSampler, Scores, Sequences
+from lora_parity.backends.fake import FakeSampler
+from lora_parity.backends.server_process import ServerProcess, free_port
+from lora_parity.backends.vllm_server import SAME_NAME_RELOAD_REFUSED, VLLMServerSampler, server_argv, server_env
+from lora_parity.errors import BackendUnavailableError, ConfigError, ScoreError
+from lora_parity.faults import FAULTS, SERVING_LAYER_FAULTS, faults_for
+from lora_parity.provenance import redacted_command
+from lora_parity.receipt import CheckStatus, Verdict
+from lora_parity.runner import RunOptions, execute
+from lora_parity.selftest import selftest
+from lora_parity.verify import verify
+
+pytestmark = pytest.mark.unit
+
+
+class FakeServedSampler(FakeSampler):
+    """The fake sampler behaving as vllm-server does where it matters: a same-name reload without
+    load_inplace is refused (400), an unloaded adapter cannot be scored (404), and `score_cached` reads
+    a prefix cache keyed by (name, path), as vLLM's block hashes are, that an in-place reload keeps."""
+
+    traits = BackendTraits(needs_checkpoint=False, served_over_http=True,
+                           same_name_reload_refused=SAME_NAME_RELOAD_REFUSED)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.names: dict[str, int] = {}
+        self.cache: dict[tuple[str, str, tuple[int, ...]], list[float]] = {}
+
+    def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
+        if name in self.names and not inplace:
+            raise ScoreError(f"vLLM server: /v1/load_lora_adapter answered 400: {name!r} is already loaded")
+        self.names[name] = adapter_id
+        return super().publish(directory, name, adapter_id, inplace=True)
+
+    def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        if adapter is not None and adapter.name not in self.names:
+            raise ScoreError(f"vLLM server: /v1/completions answered 404: {adapter.name} not found")
+        return super().score(sequences, adapter)
+
+    def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        fresh = self.score(sequences, adapter)
+        key = (adapter.name, str(adapter.path)) if adapter else ("", "")
+        return [self.cache.setdefault((*key, tuple(seq)), row) for seq, row in zip(sequences, fresh, strict=True)]
+
+    def retire(self, handle: AdapterHandle) -> None:
+        self.names.pop(handle.name, None)
+        self.cache = {k: v for k, v in self.cache.items() if k[0] != handle.name}
+        super().retire(handle)
+
+
+@pytest.fixture
+def served_fake(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(backends, "SAMPLERS", {**backends.SAMPLERS, "served-fake": FakeServedSampler})
+    return "served-fake"
+
+
+def test_the_server_sampler_declares_what_it_is() -> None:
+    assert issubclass(VLLMServerSampler, CachedScoringSampler) and issubclass(FakeServedSampler, CachedScoringSampler)
+    assert not issubclass(FakeSampler, CachedScoringSampler)
+    assert VLLMServerSampler.traits.served_over_http and VLLMServerSampler.traits.same_name_reload_refused
+    assert backends.resolve("sampler", "vllm-server") is VLLMServerSampler
+
+
+def test_server_options_and_faults_are_refused_for_other_samplers(tmp_path: Path) -> None:
+    for kw in ({"sampler_url": "http://127.0.0.1:1"}, {"api_key_env": "HOME"}, {"shared_dir": tmp_path}):
+        with pytest.raises(ConfigError, match="apply to --sampler vllm-server only"):
+            execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "r.json", **kw))  # type: ignore[arg-type]
+    for fault in SERVING_LAYER_FAULTS:
+        with pytest.raises(ConfigError, match="fault of the serving layer"):
+            execute(RunOptions(trainer="fake", sampler="fake", inject=fault, out=tmp_path / "r.json"))
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_same_name_reload_faults_do_not_apply_to_a_sampler_that_refuses_them(served_fake: str,
+                                                                            tmp_path: Path) -> None:
+    for fault, sync in (("reuse-adapter-id", "new-id"), ("no-reload-flag", "inplace")):
+        with pytest.raises(ConfigError, match=r"does not apply to sampler 'served-fake'.*answers 400"):
+            execute(RunOptions(trainer="fake", sampler=served_fake, inject=fault, sync=sync, out=tmp_path / "r.json"))
+        assert fault not in faults_for(sync, FakeServedSampler.traits)
+        assert fault in faults_for(sync)
+    assert set(SERVING_LAYER_FAULTS) <= set(faults_for("new-id", FakeServedSampler.traits))
+    assert not set(SERVING_LAYER_FAULTS) & set(faults_for("new-id"))
+
+
+@pytest.mark.parametrize("sync", ["new-id", "inplace"])
+def test_selftest_on_a_served_sampler_runs_and_catches_the_serving_layer_faults(served_fake: str, sync: str,
+                                                                                  tmp_path: Path) -> None:
+    result = selftest(RunOptions(trainer="fake", sampler=served_fake, sync=sync), tmp_path)
+    rows = {r.fault: r for r in result.rows}
+    assert set(SERVING_LAYER_FAULTS) <= set(rows) and "reuse-adapter-id" not in rows and "no-reload-flag" not in rows
+    assert result.ok, [r for r in result.rows if not r.caught]
+    clean = verify(Path(rows["none"].receipt)).receipt
+    assert [p.name for p in clean.phases][5:11] == ["trainer_updated", "stale", "stale_cached", "sync", "updated",
+                                                    "updated_cached"]
+    assert {"P.parity.mean", "P.parity.p99", "P.parity.max"} <= {c.id for c in clean.checks}
+    assert clean.comparisons["P.stale_cached_vs_stale"].max_abs == 0.0
+
+
+def test_a_warm_prefix_cache_fails_p_while_c_passes(served_fake: str, tmp_path: Path) -> None:
+    receipt = execute(RunOptions(trainer="fake", sampler=served_fake, inject="warm-prefix-cache", per_target=False,
+                                 out=tmp_path / "r.json")).receipt
+    status = {c.id: c.status for c in receipt.checks}
+    assert receipt.verdict == Verdict.FAIL
+    assert status["P.parity.mean"] == CheckStatus.FAIL and status["C.parity.mean"] == CheckStatus.PASS
+    assert FAULTS["warm-prefix-cache"].must_pass == ("C.parity.mean",)
+
+
+def test_unload_before_score_is_an_error_at_the_updated_phase(served_fake: str, tmp_path: Path) -> None:
+    receipt = execute(RunOptions(trainer="fake", sampler=served_fake, inject="unload-before-score",
+                                 out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == Verdict.ERROR and receipt.error is not None
+    assert receipt.error.startswith("phase updated:") and "answered 404" in receipt.error
+
+
+def test_samplers_without_a_prefix_cache_record_no_p_phases(tmp_path: Path) -> None:
+    receipt = execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "r.json")).receipt
+    assert not {"stale_cached", "updated_cached"} & {p.name for p in receipt.phases}
+    assert not [c for c in receipt.checks if c.id.startswith("P.")] and receipt.verdict == Verdict.PASS
+
+
+def test_the_sampler_url_is_recorded_without_credentials() -> None:
+    url = "https://user:secret@vllm.example:8000/?key=k"
+    tinker = "http://u:p@tinker.example"
+    command = ("run", "--sampler-url", url, "--tinker-url", tinker)
+    assert redacted_command(command, tinker, url) == ["run", "--sampler-url", "https://vllm.example:8000",
+                                                      "--tinker-url", "http://tinker.example"]
+    assert redacted_command(command, None, None) == list(command)
+
+
+def test_the_server_gets_the_runs_lora_settings_and_runtime_updating() -> None:
+    cfg = config.load(None)
+    argv = server_argv(cfg, Path("ckpt"), 8123, cuda=False)
+    targets = argv[argv.index("--lora-target-modules") + 1:][:len(cfg.adapter.targets)]
+    assert targets == list(cfg.adapter.targets)
+    assert argv[argv.index("--dtype") + 1] == cfg.model.dtype and argv[argv.index("--max-lora-rank") + 1] == "8"
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert "--enable-prefix-caching" in argv and "--skip-tokenizer-init" in argv
+    assert "--block-size" in argv and "--block-size" not in server_argv(cfg, Path("ckpt"), 8123, cuda=True)
+    env = server_env(cfg, cuda=False)
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+
+
+def _group_left(pgid: int) -> str:
+    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
+
+
+def test_a_server_that_exits_is_an_error_with_its_log_tail_and_leaves_nothing() -> None:
+    port = free_port()
+    server = ServerProcess([sys.executable, "-c", "print('boom: bad argument'); raise SystemExit(3)"],
+                           dict(os.environ), port, start_timeout_s=30)
+    with pytest.raises(BackendUnavailableError, match="exited with code 3") as e:
+        server.start()
+    assert "boom: bad argument" in str(e.value) and server.proc is None
+
+
+def test_a_healthy_server_and_its_children_are_stopped_as_a_group(tmp_path: Path) -> None:
+    port = free_port()
+    # A stand-in server that answers /health and, like vLLM's engine core, has a child of its own.
+    script = ("import http.server, subprocess, sys\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+              f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    server = ServerProcess([sys.executable, "-c", script], dict(os.environ), port, start_timeout_s=30)
+    server.start()
+    pgid = server.pid
+    assert pgid is not None and len(_group_left(pgid).split()) == 2
+    server.stop()
+    assert _group_left(pgid) == "" and not server.log_path.exists()
+    server.stop()  # idempotent
+
+
+def test_a_taken_port_is_never_taken_for_a_ready_server() -> None:
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        server = ServerProcess([sys.executable, "-c", "import time; time.sleep(2)"], dict(os.environ), port,
+                               start_timeout_s=30)
+        with pytest.raises(BackendUnavailableError, match=f"port {port} was taken"):
+            server.start()
