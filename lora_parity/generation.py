@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lora_parity.backends.base import AdapterHandle, GeneratingSampler, Scores, Sequences
 from lora_parity.errors import ConfigError, PhaseError
+from lora_parity.receipt import Probes, sha256_json
 
 UPDATED_SEED_OFFSET = 1_000_003
 """The generation after sync is seeded with the run seed plus this (the first sampling uses the run seed)."""
@@ -28,6 +29,21 @@ def prompt_length(n: int) -> int:
 def prompts(sequences: Sequences) -> Sequences:
     """Each sequence's prompt (its first `prompt_length` tokens)."""
     return [list(seq[:prompt_length(len(seq))]) for seq in sequences]
+
+
+def require(probes: Probes, sampler_cls: type, sampler: str) -> bool:
+    """Preflight: whether the probes are sampled; if so, the sampler must generate (`ConfigError` if not)."""
+    sampled = probes.source is not None and probes.source.kind == "sampled"
+    if sampled and not issubclass(sampler_cls, GeneratingSampler):
+        raise ConfigError(f"--probes sampled needs a sampler that generates; {sampler!r} does not")
+    return sampled
+
+
+def scored_probes(probes: Probes, sequences: Sequences | None) -> Probes:
+    """The probes the phases scored: with `--probes sampled`, the prompts + what the sampler generated."""
+    if sequences is None or sequences == probes.sequences:
+        return probes
+    return probes.model_copy(update={"sequences": sequences, "digest": sha256_json(sequences)})
 
 
 def generating(sampler: object) -> GeneratingSampler:

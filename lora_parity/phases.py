@@ -32,14 +32,7 @@ T = TypeVar("T")
 
 def run_sequence(run: Run) -> None:
     """Every phase in order; stops at the first phase that raises (recorded as an error)."""
-    if run.sampled:
-        # The probes are prompts: the zero-init adapter must be on the sampler to sample from it.
-        run.step("publish_zero", run.publish_zero)
-        run.step("sample", run.sample)
-    if run.sampler_scores_base:
-        run.step("base", lambda: run.sampler_score(run.base_key, None))
-    if not run.sampled:
-        run.step("publish_zero", run.publish_zero)
+    _base_and_publish_zero(run)
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
     if run.reference is not None:
@@ -62,6 +55,18 @@ def run_sequence(run: Run) -> None:
     if run.cfg.per_target and run.per_target and run.trainer_has_per_target:
         for kind in run.cfg.adapter.targets:
             run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
+
+
+def _base_and_publish_zero(run: Run) -> None:
+    """The base model, then the zero-init adapter published; with `--probes sampled` the adapter is
+    published first, and the probes sampled from it before anything is scored."""
+    if run.sampled:
+        run.step("publish_zero", run.publish_zero)
+        run.step("sample", run.sample)
+    if run.sampler_scores_base:
+        run.step("base", lambda: run.sampler_score(run.base_key, None))
+    if not run.sampled:
+        run.step("publish_zero", run.publish_zero)
 
 
 class StopRun(Exception):

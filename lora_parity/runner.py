@@ -22,6 +22,7 @@ from lora_parity import (
     breakdown,
     checks,
     config,
+    generation,
     interrupt,
     outpath,
     realmodel,
@@ -32,11 +33,9 @@ from lora_parity import (
 from lora_parity import probes as probe_sources
 from lora_parity.backends.base import (
     BackendOptions,
-    GeneratingSampler,
     PreflightOptions,
     Sampler,
     SamplerBackend,
-    StartAdapterTrainer,
     Trainer,
     TrainerBackend,
 )
@@ -54,7 +53,6 @@ from lora_parity.receipt import (
     Revision,
     RouterAgreement,
     seal,
-    sha256_json,
     write_atomic,
 )
 from lora_parity.routing import router_agreement
@@ -157,8 +155,7 @@ def prepare(opts: RunOptions) -> Plan:
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
-    if opts.adapter is not None:
-        cfg = start_adapter.apply(cfg, opts.adapter)
+    cfg = start_adapter.apply(cfg, opts.adapter)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -179,12 +176,9 @@ def prepare(opts: RunOptions) -> Plan:
     _service_preflight(opts, trainer_cls, sampler_cls, pre)
     _tp_preflight(opts, trainer_cls)
     _shape_preflight(cfg, opts, trainer_cls)
-    if opts.adapter is not None:
-        start_adapter.require(trainer_cls, opts.trainer, sampler_cls, opts.sampler)
+    start_adapter.require(opts.adapter, trainer_cls, opts.trainer, sampler_cls, opts.sampler)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
-    sampled = probes.source is not None and probes.source.kind == "sampled"
-    if sampled and not issubclass(sampler_cls, GeneratingSampler):
-        raise ConfigError(f"--probes sampled needs a sampler that generates; {opts.sampler!r} does not")
+    sampled = generation.require(probes, sampler_cls, opts.sampler)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)
     check_crash_phase(opts.inject, phase_names(cfg))
@@ -289,9 +283,7 @@ class Backends:
             self.sampler_info = self.sampler.info()
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             self.trainer = plan.trainer_cls.create(plan.cfg, model_dir, timings, options)
-            if plan.opts.adapter is not None:
-                assert isinstance(self.trainer, StartAdapterTrainer)  # preflight checked the class
-                self.trainer.load_start_adapter(plan.opts.adapter)
+            start_adapter.load(self.trainer, plan.opts.adapter)
             self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
@@ -395,7 +387,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
              error: str | None, when: dt.datetime, seconds: float) -> Receipt:
     """The sealed receipt of one run (scores, checks derived from them, provenance, timings)."""
     cfg, opts = plan.cfg, plan.opts
-    probes = _run_probes(plan.probes, run)
+    probes = generation.scored_probes(plan.probes, run.sequences if run else None)
     timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds}
     scores = run.scores if run else {}
     ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)
@@ -428,13 +420,6 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "router": router,
         "breakdown": breakdown.compute(scores),
     })
-
-
-def _run_probes(probes: Probes, run: Run | None) -> Probes:
-    """The probes the phases scored: with `--probes sampled`, the prompts + what the sampler generated."""
-    if run is None or run.sequences == probes.sequences:
-        return probes
-    return probes.model_copy(update={"sequences": run.sequences, "digest": sha256_json(run.sequences)})
 
 
 def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any] | None:

@@ -56,8 +56,10 @@ def _refuse_variants(folder: Path, config: dict[str, Any]) -> None:
         raise ConfigError(f"--adapter {folder}: target_modules must be a list of module names, not {targets!r}")
 
 
-def apply(cfg: ModelConfig, folder: Path) -> ModelConfig:
-    """`cfg` with the adapter's rank, alpha and targets."""
+def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:
+    """`cfg` with the adapter's rank, alpha and targets (`cfg` itself without an adapter)."""
+    if folder is None:
+        return cfg
     config = read_config(folder)
     try:
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
@@ -68,11 +70,22 @@ def apply(cfg: ModelConfig, folder: Path) -> ModelConfig:
     return cfg.model_copy(update={"adapter": adapter})
 
 
-def require(trainer_cls: type, trainer: str, sampler_cls: type, sampler: str) -> None:
-    """Preflight: the trainer can start from an adapter (its traits say why not), and the sampler
-    holds its own copy of what it is published."""
+def require(folder: Path | None, trainer_cls: type, trainer: str, sampler_cls: type, sampler: str) -> None:
+    """Preflight, with an adapter: the trainer can start from one (its traits say why not), and the
+    sampler holds its own copy of what it is published."""
+    if folder is None:
+        return
     why = trainer_cls.traits.start_adapter_unavailable  # type: ignore[attr-defined]
     if why is not None or not issubclass(trainer_cls, StartAdapterTrainer):
         raise ConfigError(f"--adapter: the {trainer!r} trainer cannot start from a user's adapter ({why})")
     if sampler_cls.traits.shares_trainer_state:  # type: ignore[attr-defined]
         raise ConfigError(f"--adapter: the {sampler!r} sampler serves the trainer's own state; use vllm or hf")
+
+
+def load(trainer: object, folder: Path | None) -> None:
+    """Start `trainer` from the adapter in `folder` (nothing without one; preflight checked the class)."""
+    if folder is None:
+        return
+    if not isinstance(trainer, StartAdapterTrainer):
+        raise ConfigError(f"{type(trainer).__name__} cannot start from a user's adapter")
+    trainer.load_start_adapter(folder)
