@@ -55,6 +55,12 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "R.sampler_vs_fp32": ("reference_fp32", "zero"),
     "P.stale_cached_vs_stale": ("stale", "stale_cached"),
     "P.trainer_vs_cached": ("updated_cached", "trainer_updated"),
+    # Sampled tokens and the generation path after sync (`generation_checks`).
+    "G.sampled_generation_vs_prompt": ("zero", "sampled_generation"),
+    "G.updated_generation_vs_prompt": ("updated_generation_prompt", "updated_generation"),
+    "G.trainer_vs_generation": ("updated_generation", "updated_generation_trainer"),
+    # A user's adapter (`--adapter`): it moves the sampler from its base model.
+    "A.sampler_base_vs_adapter": ("adapter_base", "zero"),
 }
 # name -> (sampler_from, sampler_to, trainer_from, trainer_to)
 DELTAS: dict[str, tuple[str, str, str, str]] = {
@@ -204,9 +210,7 @@ def compute_checks(
               budgets.repeat_max, f"{side} scores the same state differently twice", reached=cmp is not None)
     repeat = get("A.sampler_repeat")
     noise = max(budgets.noise_factor * repeat.max_abs, budgets.noise_floor) if repeat else budgets.noise_floor
-    cmp = get("A.sampler_base_vs_zero")
-    c.add("A.zero_adapter_noop", "sampler: zero-init adapter changes nothing vs base", cmp.max_abs if cmp else None,
-          "<=", noise, "the zero-init adapter changes the sampler's scores", reached=cmp is not None)
+    _adapter_noop_check(c, comparisons, noise)
 
     # B: the unpublished update is invisible, and the update is big enough to be caught.
     cmp = get("B.stale_vs_zero")
@@ -262,6 +266,7 @@ def compute_checks(
               f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights")
     c_thresholds = check_rules.c_parity_thresholds(budgets, get("A.trainer_vs_sampler"))
     _prefix_cache_checks(c, get("P.trainer_vs_cached"), c_thresholds)
+    generation_checks(c, comparisons, budgets)
     return c.checks
 
 
@@ -341,3 +346,33 @@ def compute_worst_positions(
         if a in scores and b in scores:
             out[name] = [WorstPosition(**w) for w in stats.worst_positions(scores[a], scores[b], sequences, k)]  # type: ignore[arg-type]
     return out
+
+
+GENERATION_PARITY = {
+    "G.sampled": ("G.sampled_generation_vs_prompt", "sampler: generation logprobs vs prompt logprobs (zero-init)"),
+    "G.updated": ("G.updated_generation_vs_prompt", "sampler: generation logprobs vs prompt logprobs (synced)"),
+    "G.trainer": ("G.trainer_vs_generation", "updated trainer vs synced sampler's rollout logprobs"),
+}
+"""Check prefix -> (comparison, what it compares) of the generation path (`--probes sampled`)."""
+
+
+def generation_checks(c: _Checker, comparisons: Mapping[str, ComparisonStats], budgets: Budgets) -> None:
+    """Parity (mean, p99, max) of each generation-path comparison that was recorded; none for a run
+    that sampled nothing, so receipts without those scores keep their checks."""
+    for prefix, (key, what) in GENERATION_PARITY.items():
+        if key in comparisons:
+            _parity(c, prefix, what, comparisons[key], _absolute(budgets))
+
+
+def _adapter_noop_check(c: _Checker, comparisons: Mapping[str, ComparisonStats], noise: float) -> None:
+    """A.zero_adapter_noop: the zero-init adapter changes nothing on the sampler. With a user's adapter
+    (`--adapter`, comparison A.sampler_base_vs_adapter recorded) it gives way to A.adapter_moved: the
+    adapter moved the sampler from its base model (above noise)."""
+    moved = comparisons.get("A.sampler_base_vs_adapter")
+    if moved is not None:
+        c.add("A.adapter_moved", "sampler: the starting adapter moves it from the base model", moved.mean_abs, ">",
+              noise, "the starting adapter does not change the sampler's scores")
+        return
+    cmp = comparisons.get("A.sampler_base_vs_zero")
+    c.add("A.zero_adapter_noop", "sampler: zero-init adapter changes nothing vs base", cmp.max_abs if cmp else None,
+          "<=", noise, "the zero-init adapter changes the sampler's scores", reached=cmp is not None)

@@ -18,6 +18,7 @@ from lora_parity import __version__, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
+    AdapterOpt,
     ApiKeyEnvOpt,
     BatchInvariantOpt,
     BudgetsOpt,
@@ -99,6 +100,7 @@ def run(
     sampler_url: SamplerUrlOpt = None,
     api_key_env: ApiKeyEnvOpt = None,
     shared_dir: SharedDirOpt = None,
+    adapter: AdapterOpt = None,
     json_: JsonOpt = False,
     github_summary: GithubSummaryOpt = False,
     junit: Annotated[
@@ -128,7 +130,7 @@ def run(
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
-                      shared_dir=shared_dir, batch_invariant=batch_invariant)
+                      shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts)
     path = _signing().sign_file(result.path, key) if key is not None else result.path

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity import adapter_files as af
-from lora_parity.backends.base import BackendTraits, Scores
+from lora_parity.backends.base import AdapterHandle, BackendTraits, Scores
 from lora_parity.errors import ConfigError, PhaseError, ScoreError
 from lora_parity.perturb import is_lora_b, target_kind
 from lora_parity.receipt import Perturbation
@@ -52,6 +52,8 @@ class FaultSpec:
     reloads_same_name: bool = False
     """Reloads a loaded name without load_inplace and counts on the old adapter being kept silently:
     not for a sampler that refuses that reload with an error (`traits.same_name_reload_refused`)."""
+    needs_sampled: bool = False
+    """Breaks the generation path after sync, which runs with `--probes sampled` only."""
 
 
 ADAPTER_MODES = ("new-id", "inplace")
@@ -184,8 +186,18 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("unload-before-score", "sync unloads the adapter about to be scored instead of the old one",
               (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error"),
+    FaultSpec("adapter-changed", "the published adapter's files change on disk before the sampler scores with it",
+              (), "error", modes=ADAPTER_MODES),
+    FaultSpec("gen-no-adapter", "after sync the sampler generates without the adapter (prompt scoring has it)",
+              ("G.updated.parity.mean", "G.trainer.parity.mean"), "fail", modes=ADAPTER_MODES, needs_sampled=True),
+    FaultSpec("prompt-no-adapter", "after sync the sampler scores the generated tokens without the adapter "
+              "(generation has it)", ("G.updated.parity.mean",), "fail", must_pass=("G.trainer.parity.mean",),
+              modes=ADAPTER_MODES, needs_sampled=True),
 )}
-SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name in FAULTS]
+SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name, spec in FAULTS.items()
+                   if not spec.needs_sampled]
+SAMPLED_FAULTS = [name for name, spec in FAULTS.items() if spec.needs_sampled]
+"""Faults of the generation path: the selftest runs them only with `--probes sampled`."""
 FILE_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.rewrites_files)
 """Faults that rewrite the exported PEFT files (a trainer that exports none cannot take them)."""
 
@@ -211,11 +223,12 @@ def require_applies(spec: str | None, sampler: BackendTraits, sampler_name: str)
         raise ConfigError(f"fault {spec!r} does not apply to sampler {sampler_name!r}: {why}")
 
 
-def faults_for(sync_mode: str, sampler: BackendTraits | None = None) -> list[str]:
+def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False) -> list[str]:
     """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
-    one that is not served over HTTP)."""
+    one that is not served over HTTP); with `sampled`, also the generation path's."""
     traits = sampler or BackendTraits()
-    return [f for f in SELFTEST_FAULTS if (not FAULTS[f.partition("=")[0]].modes
+    names = SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
+    return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
             or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None]
 
 
@@ -230,9 +243,10 @@ class Faults:
     """The injected fault of a run (or none): hooks the sequence calls at each seam."""
 
     def __init__(self, spec: str | None, targets: list[str], num_positions: int, mean_budget: float,
-                 sync_mode: str = "new-id") -> None:
+                 sync_mode: str = "new-id", sampled: bool = False) -> None:
         self.name: str | None = None
         self.crash_phase: str | None = None
+        self.changed: set[Path] = set()
         if spec:
             name, _, arg = spec.partition("=")
             if name not in FAULTS:
@@ -240,6 +254,8 @@ class Faults:
             if FAULTS[name].modes and sync_mode not in FAULTS[name].modes:
                 raise ConfigError(f"fault {name!r} applies to sync modes {', '.join(FAULTS[name].modes)}, "
                                   f"not {sync_mode!r}")
+            if FAULTS[name].needs_sampled and not sampled:
+                raise ConfigError(f"fault {name!r} breaks the generation path after sync: it needs --probes sampled")
             if (name == "crash-at") != bool(arg):
                 raise ConfigError("crash-at needs a phase (crash-at=PHASE); other faults take no argument")
             self.name, self.crash_phase = name, arg or None
@@ -293,6 +309,23 @@ class Faults:
             tensors = {n: af.Tensor.from_floats(t.dtype, t.shape, [rng.gauss(0, 0.02) for _ in t.to_floats()])
                        if is_lora_b(n) else t for n, t in tensors.items()}
         af.write_adapter(folder, config, tensors)
+
+    def before_scoring(self, folder: Path) -> None:
+        """adapter-changed: the first published folder the sampler scores with is rewritten on disk
+        (lora_alpha doubled) after it was published."""
+        if self.is_("adapter-changed") and not self.changed:
+            config, tensors = af.read_adapter(folder)
+            config["lora_alpha"] = 2 * config["lora_alpha"]
+            af.write_adapter(folder, config, tensors)
+            self.changed.add(folder)
+
+    def generation_handle(self, handle: AdapterHandle | None) -> AdapterHandle | None:
+        """The adapter the sampler generates with after sync (gen-no-adapter: none)."""
+        return None if self.is_("gen-no-adapter") else handle
+
+    def generation_prompt_handle(self, handle: AdapterHandle | None) -> AdapterHandle | None:
+        """The adapter the sampler scores the generated tokens with (prompt-no-adapter: none)."""
+        return None if self.is_("prompt-no-adapter") else handle
 
     def sampler_scores(self, scores: Scores) -> Scores:
         """Scoring-path faults, applied to every sampler scoring."""

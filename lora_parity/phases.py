@@ -1,6 +1,8 @@
 """The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage
 (and, where sampler and trainer share a service, the stale adapter again and the trainer once more;
 where the sampler scores through its prefix cache, stale and updated read that way too).
+With `--probes sampled` the sampler first completes the probes (`sample`), and after sync generates
+from the same prompts again (`generate_updated`); see docs/probes-and-adapters.md.
 
 `run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores,
 adapters and timing. Checks are not made here: `checks.evaluate` derives them from the recorded
@@ -14,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from lora_parity import calibrate, stats, tracebacks
+from lora_parity import calibrate, generation, stats, tracebacks
 from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, Trainer
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ScoreError
@@ -24,12 +27,12 @@ from lora_parity.receipt import AdapterVersion, Calibration, ErrorDetail, Pertur
 from lora_parity.sync import SyncMode
 from lora_parity.sync import mode as sync_mode_named
 
+T = TypeVar("T")
+
 
 def run_sequence(run: Run) -> None:
     """Every phase in order; stops at the first phase that raises (recorded as an error)."""
-    if run.sampler_scores_base:
-        run.step("base", lambda: run.sampler_score("base", None))
-    run.step("publish_zero", run.publish_zero)
+    _base_and_publish_zero(run)
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
     if run.reference is not None:
@@ -45,6 +48,8 @@ def run_sequence(run: Run) -> None:
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
     if run.sampler_reads_prefix_cache:  # ... and read it after sync: no block of the old adapter may serve
         run.step("updated_cached", lambda: run.cached_score("updated_cached", run.handle))
+    if run.sampled:
+        run.step("generate_updated", run.generate_updated)
     if run.sampler_shares_trainer_state:
         # The old sampling client again, now that a newer one was used: does the trainer keep its update?
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
@@ -52,6 +57,18 @@ def run_sequence(run: Run) -> None:
     if run.cfg.per_target and run.per_target and run.trainer_has_per_target:
         for kind in run.cfg.adapter.targets:
             run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
+
+
+def _base_and_publish_zero(run: Run) -> None:
+    """The base model, then the zero-init adapter published; with `--probes sampled` the adapter is
+    published first, and the probes sampled from it before anything is scored."""
+    if run.sampled:
+        run.step("publish_zero", run.publish_zero)
+        run.step("sample", run.sample)
+    if run.sampler_scores_base:
+        run.step("base", lambda: run.sampler_score(run.base_key, None))
+    if not run.sampled:
+        run.step("publish_zero", run.publish_zero)
 
 
 class StopRun(Exception):
@@ -91,11 +108,28 @@ class Run:
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
     reference: Callable[[list[list[int]]], Scores] | None = None
     """Scores the base model in fp32 (`--reference fp32`): what both sides approximate at zero-init."""
+    sampled: bool = False
+    """`--probes sampled`: each sequence's first `generation.prompt_length` tokens are a prompt, and
+    the rest is sampled from the zero-init adapter in the `sample` phase (`generation` module)."""
+    start_adapter: bool = False
+    """`--adapter`: both sides start from the user's adapter; the sampler's base scores are then
+    recorded as `adapter_base` (the adapter must move the sampler from them)."""
+    prompts: list[list[int]] = field(default_factory=list)
+    """The prompts the sampler generated from (`sampled` runs)."""
+    generated: list[list[int]] = field(default_factory=list)
+    """What the sampler generated from `prompts` with the synced adapter (`sampled` runs)."""
+    published_digests: dict[Path, str] = field(default_factory=dict)
+    """sha256 of each adapter folder the sampler was handed, checked again before it scores with it."""
     mode: SyncMode = field(init=False)
     """How weights reach the sampler: the `sync_mode` strategy, as the injected fault (if any) changes it."""
 
     def __post_init__(self) -> None:
         self.mode = self.faults.wrap_sync(sync_mode_named(self.sync_mode))
+
+    @property
+    def base_key(self) -> str:
+        """Where the sampler's base-model scores go: `base`, or `adapter_base` with `--adapter`."""
+        return "adapter_base" if self.start_adapter else "base"
 
     @property
     def sampler_scores_base(self) -> bool:
@@ -154,7 +188,7 @@ class Run:
             raise ScoreError(f"{key}: scored positions {[len(s) for s in scores]}, expected {expected}")
         self.scores[key] = scores
 
-    def _timed(self, key: str, fn: Callable[[], Scores]) -> Scores:
+    def _timed(self, key: str, fn: Callable[[], T]) -> T:
         start = time.perf_counter()
         out = fn()
         self.timings[f"score.{key}"] = time.perf_counter() - start
@@ -168,6 +202,9 @@ class Run:
 
     def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None:
         """Sampler scores under `handle` (None: base model), twice with `repeat`."""
+        if handle is not None:
+            self.faults.before_scoring(handle.path)
+            generation.check_unchanged(handle.path, self.published_digests)
         for k in (key, f"{key}_repeat") if repeat else (key,):
             raw = self._timed(k, lambda: self.sampler.score(self.sequences, handle))
             self._record(k, self.faults.sampler_scores(raw))
@@ -187,6 +224,7 @@ class Run:
     def exported(self, version: int, folder: Path) -> None:
         """Adapter-file faults rewrite each exported folder before the sampler loads it."""
         self.faults.after_export(version, folder)
+        self.published_digests[folder] = generation.folder_digest(folder)
 
     def publish_zero(self) -> None:
         """Publish the zero-init adapter (version 0)."""
@@ -209,6 +247,30 @@ class Run:
         """std auto: the smallest std of the ladder whose trainer change stands out of A's noise."""
         self.calibration = self._search(None)
 
+    def sample(self) -> None:
+        """Replace each probe sequence by its prompt + a completion sampled with the zero-init adapter
+        (same lengths); record the sampler's own logprobs of them (`sampled_generation`)."""
+        self.prompts = generation.prompts(self.sequences)
+        sequences, logprobs = self._timed("sampled_generation", lambda: generation.generate(
+            self.sampler, self.prompts, [len(s) for s in self.sequences], self.seed, self.handle))
+        self.sequences = sequences
+        self._record("sampled_generation", logprobs)
+
+    def generate_updated(self) -> None:
+        """The generation path after sync: the sampler generates from the same prompts with the synced
+        adapter; its rollout logprobs, its prompt logprobs and the trainer's scores of those tokens."""
+        lengths = [len(s) for s in self.sequences]
+        handle = self.faults.generation_handle(self.handle)
+        seed = self.seed + generation.UPDATED_SEED_OFFSET
+        self.generated, logprobs = self._timed("updated_generation", lambda: generation.generate(
+            self.sampler, self.prompts, lengths, seed, handle))
+        self._record("updated_generation", logprobs)
+        prompt_handle = self.faults.generation_prompt_handle(self.handle)
+        scored = self._timed("updated_generation_prompt", lambda: self.sampler.score(self.generated, prompt_handle))
+        self._record("updated_generation_prompt", self.faults.sampler_scores(scored))
+        self._record("updated_generation_trainer",
+                     self._timed("updated_generation_trainer", lambda: self.trainer.score(self.generated)))
+
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
         std = self._std(self.calibration)
@@ -224,8 +286,11 @@ class Run:
         self.sampler_score("stale", self.handle)
 
     def sync(self) -> None:
-        """Publish the updated weights, the way the sync mode does."""
+        """Publish the updated weights, the way the sync mode does; what it published (a folder it
+        may have rewritten in place) is the new baseline of the changed-on-disk check."""
         self.mode.sync(self)
+        if self.handle is not None and self.handle.path.is_dir():
+            self.published_digests[self.handle.path] = generation.folder_digest(self.handle.path)
 
     def retire(self) -> None:
         """Unload the adapter this run left on the sampler; in the merged modes, give the sampler its

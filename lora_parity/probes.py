@@ -5,10 +5,12 @@
   uniformly from the vocabulary, seeded per set (the embedded default's source);
 - `text`, `text:SET`: a public-domain English text shipped with the package, tokenized with the
   checkpoint's tokenizer and cut into the configured lengths at a seeded offset per set;
+- `sampled`, `sampled:SET`: the text windows, each cut to a prompt (its first half) that the
+  sampler completes to the same length at the start of the run (`lora_parity.generation`);
 - `PATH.jsonl`: one JSON object per line, `{"tokens": [ids]}` or `{"text": "..."}` (text needs the
   checkpoint's tokenizer). Every line is checked here, at preflight, before any model loads.
 
-A synthetic checkpoint has no tokenizer: the text sources are refused for it with one line.
+A synthetic checkpoint has no tokenizer: the text and sampled sources are refused for it with one line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ MAX_TOKENS = 1 << 18
 """Most tokens the probes of one run may hold (every phase scores them all, each sequence on its own)."""
 
 Tokenize = Callable[[str], list[int]]
+SOURCES = ("random", "text", "sampled")
+"""The named probe sources (besides a FILE.jsonl)."""
 
 
 def parse_ref(ref: str) -> tuple[str, str]:
@@ -43,12 +47,13 @@ def parse_ref(ref: str) -> tuple[str, str]:
     if ref.endswith(".jsonl"):
         return "file", ref
     kind, sep, rest = ref.partition(":")
-    if sep and kind in ("random", "text"):
+    if sep and kind in SOURCES:
         return kind, rest or "default"
-    if ref in ("random", "text"):
+    if ref in SOURCES:
         return ref, "default"
     if sep:
-        raise ConfigError(f"unknown probe source {kind!r}; choose random[:SET], text[:SET] or a FILE.jsonl")
+        raise ConfigError(f"unknown probe source {kind!r}; choose random[:SET], text[:SET], sampled[:SET] "
+                          "or a FILE.jsonl")
     return "random", ref
 
 
@@ -57,7 +62,7 @@ def label(ref: str) -> str:
     kind, where = parse_ref(ref)
     if kind == "file":
         return Path(where).stem
-    return where if kind == "random" else f"text-{where}" if where != "default" else "text"
+    return where if kind == "random" else f"{kind}-{where}" if where != "default" else kind
 
 
 def _set_seed(spec: ProbeSpec, set_name: str) -> tuple[str, int, int]:
@@ -192,10 +197,10 @@ def make(cfg: ModelConfig, ref: str, vocab_size: Callable[[], int]) -> Probes:
     if kind == "random":
         _check_lengths(cfg)
         return random_probes(cfg.probes, where, vocab_size(), record_source=ref.startswith("random"))
-    if kind == "text":
+    if kind in ("text", "sampled"):
         _check_lengths(cfg)
-        tokenize, name = checkpoint_tokenizer(cfg)
-        source = ProbeSource(kind="text", file_name=TEXT_FILE,
+        tokenize, name = checkpoint_tokenizer(cfg, kind)
+        source = ProbeSource(kind="sampled" if kind == "sampled" else "text", file_name=TEXT_FILE,
                              file_sha256=hashlib.sha256(shipped_text().encode()).hexdigest(), tokenizer=name)
         return text_probes(cfg.probes, where, tokenize(shipped_text()), source)
     return file_probes(Path(where), vocab_size(), cfg.sampler.max_model_len, cfg.probes.max_sequences,
@@ -209,17 +214,17 @@ def _check_lengths(cfg: ModelConfig) -> None:
         raise ConfigError(f"{cfg.name}: probe length {longest} is above sampler.max_model_len {limit}")
 
 
-def checkpoint_tokenizer(cfg: ModelConfig) -> tuple[Tokenize, str]:
+def checkpoint_tokenizer(cfg: ModelConfig, kind: str = "text") -> tuple[Tokenize, str]:
     """The checkpoint's tokenizer as a function text -> ids (no special tokens added), and what
     names it in the receipt ('tokenizer.json sha256 ...'). Refused for a synthetic checkpoint."""
     if cfg.model.synthetic is not None:
-        raise ConfigError(f"{cfg.name} is a synthetic checkpoint without a tokenizer; text probes need a "
+        raise ConfigError(f"{cfg.name} is a synthetic checkpoint without a tokenizer; {kind} probes need a "
                           "real model (e.g. --model smollm2-135m) or token ids (--probes random or FILE.jsonl)")
     from lora_parity import synthetic
 
     folder = synthetic.materialize(cfg)
     if not (folder / "tokenizer.json").is_file():
-        raise ConfigError(f"{folder}: no tokenizer.json; text probes need the checkpoint's tokenizer")
+        raise ConfigError(f"{folder}: no tokenizer.json; {kind} probes need the checkpoint's tokenizer")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))

@@ -178,9 +178,11 @@ class Environment(Strict):
 class ProbeSource(Strict):
     """Where the probe token ids came from (`--probes`)."""
 
-    kind: Literal["random", "text", "file"]
+    kind: Literal["random", "text", "file", "sampled"]
     """random: ids drawn uniformly from the vocabulary, seeded; text: windows of the public-domain
-    text shipped with lora-parity, tokenized; file: a `.jsonl` file given on the command line."""
+    text shipped with lora-parity, tokenized; file: a `.jsonl` file given on the command line;
+    sampled: the text windows' first half as prompts, completed by the sampler at the start of
+    the run (temperature 1, seeded, zero-init adapter)."""
     file_name: str | None = None
     """The text or probe file's name (text and file)."""
     file_sha256: str | None = None

@@ -22,11 +22,13 @@ from lora_parity import (
     breakdown,
     checks,
     config,
+    generation,
     interrupt,
     outpath,
     preflight,
     realmodel,
     scratch,
+    start_adapter,
     synthetic,
     tracebacks,
 )
@@ -96,6 +98,8 @@ class RunOptions:
     """vLLM on CUDA: batch-invariant (deterministic) kernels, where the build has them."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
+    adapter: Path | None = None
+    """A PEFT adapter folder both sides start from instead of zero-init (`lora_parity.start_adapter`)."""
     budgets: str | None = None
     """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
     trust_remote_code: bool = False
@@ -137,6 +141,11 @@ class Plan:
     """Preflight timings (importing the backends' libraries)."""
 
     @property
+    def sampled(self) -> bool:
+        """`--probes sampled`: the sampler completes the probes at the start of the run."""
+        return self.probes.source is not None and self.probes.source.kind == "sampled"
+
+    @property
     def needs_checkpoint(self) -> bool:
         """Whether either backend loads the local checkpoint."""
         return self.trainer_cls.traits.needs_checkpoint or self.sampler_cls.traits.needs_checkpoint
@@ -155,6 +164,7 @@ def prepare(opts: RunOptions) -> Plan:
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
+    cfg = start_adapter.apply(cfg, opts.adapter)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -175,8 +185,11 @@ def prepare(opts: RunOptions) -> Plan:
     preflight.service_preflight(opts, trainer_cls, sampler_cls, pre)
     preflight.tp_preflight(opts, trainer_cls)
     preflight.shape_preflight(cfg, opts, trainer_cls)
+    start_adapter.require(opts.adapter, trainer_cls, opts.trainer, sampler_cls, opts.sampler)
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
-    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync)
+    sampled = generation.require(probes, sampler_cls, opts.sampler)
+    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
+           sampled=sampled)
     check_crash_phase(opts.inject, phase_names(cfg))
     require_applies(opts.inject, sampler_cls.traits, opts.sampler)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
@@ -240,6 +253,7 @@ class Backends:
             self.sampler_info = self.sampler.info()
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             self.trainer = plan.trainer_cls.create(plan.cfg, model_dir, timings, options)
+            start_adapter.load(self.trainer, plan.opts.adapter)
             self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
@@ -276,7 +290,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
               per_target=plan.opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id,
-              reference=_reference(plan, loaded))
+              reference=_reference(plan, loaded), sampled=plan.sampled, start_adapter=plan.opts.adapter is not None)
     try:
         run_sequence(run)
     except StopRun:
@@ -305,7 +319,8 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     """One pass of the sequence on loaded backends, then the receipt, whatever happened."""
     cfg, probes = plan.cfg, plan.probes
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync)
+    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
+                    sampled=plan.sampled)
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
     start = time.perf_counter()
     run: Run | None = None
@@ -342,7 +357,8 @@ class RunInterrupted(KeyboardInterrupt):
 def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreement | None, inject: str | None,
              error: str | None, when: dt.datetime, seconds: float) -> Receipt:
     """The sealed receipt of one run (scores, checks derived from them, provenance, timings)."""
-    cfg, opts, probes = plan.cfg, plan.opts, plan.probes
+    cfg, opts = plan.cfg, plan.opts
+    probes = generation.scored_probes(plan.probes, run.sequences if run else None)
     timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds}
     scores = run.scores if run else {}
     ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)

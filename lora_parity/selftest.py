@@ -53,7 +53,8 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
     observed = f"{receipt.verdict.value}: {shown or receipt.error or 'all checks pass'}"
     if fault is None:
         return "pass", observed, receipt.verdict == Verdict.PASS
-    spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode).expected()
+    sampled = receipt.probes.source is not None and receipt.probes.source.kind == "sampled"
+    spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled).expected()
     status = {c.id: c.status for c in receipt.checks}
     expected = f"{spec.verdict}: {', '.join(spec.caught_by) or 'error recorded'}"
     caught = receipt.verdict.value == spec.verdict
@@ -97,7 +98,7 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
             elif receipt.scores != first_scores:
                 result.identical_repeats = False
         result.repeats = max(1, repeat)
-        for fault in faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits):
+        for fault in faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled):
             path = folder / f"fault-{fault.replace('=', '-')}.json"
             path.unlink(missing_ok=True)
             before = {p.name for p in folder.iterdir()}

@@ -22,8 +22,9 @@ def test_there_is_committed_evidence() -> None:
 EXPECTED_NOT_PASSING = {
     # bf16 on the synthetic Qwen3-8B shape: every pair of bf16 stacks measured disagrees beyond the
     # 0.05 mean budget at zero-init already (mean 0.12-0.14): HF+PEFT vs vLLM, Megatron (TP1, TP2) vs
-    # vLLM, and Megatron vs HF without vLLM at all. The finding the tool exists to make legible.
-    "qwen3-8b-synth__hf__vllm__h200.json",
+    # vLLM, and Megatron vs HF without vLLM at all. These receipts predate the bf16 profile (issue 16):
+    # the re-run with the fp32 reference (qwen3-8b-synth__hf__vllm__h200.json) passes, numerics
+    # judged against each side's distance from fp32.
     "qwen3-8b-synth.held-out__hf__vllm__h200.json",
     "qwen3-8b-synth__megatron__vllm__h200.json",
     "qwen3-8b-synth.held-out__megatron__vllm__h200.json",

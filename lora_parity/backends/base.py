@@ -11,8 +11,9 @@ request) unless the config batches them, because batching changes numbers on rea
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
-`CachedScoringSampler`, `RoutingIntrospection`), which callers test with `isinstance`/`issubclass`,
-never by probing attributes. Every backend is built through `create(cfg, model_dir, timings, options)`.
+`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`), which callers
+test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
+`create(cfg, model_dir, timings, options)`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class BackendTraits:
     """Why per-target coverage cannot run (every target updates together), or None."""
     routing_unavailable: str | None = None
     """Why router top-k cannot be read from this backend, or None."""
+    start_adapter_unavailable: str | None = "it cannot start from a user's adapter"
+    """Why this trainer cannot start from a user's PEFT adapter (`--adapter`), or None (a trainer
+    that can is also a `StartAdapterTrainer`)."""
     served_over_http: bool = False
     """A sampler served over HTTP (vllm-server): built with `sampler_url`, `api_key_env` and
     `shared_dir`, and the only one the serving-layer faults apply to."""
@@ -216,6 +220,31 @@ class RoutingIntrospection(Protocol):
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k expert ids per MoE layer ([sequence][token][layer]); None for a
         dense model."""
+        ...
+
+
+@runtime_checkable
+class GeneratingSampler(Protocol):
+    """A sampler that also generates (the `sampled` probes and the generation path after sync)."""
+
+    def generate(self, prompts: Sequences, max_tokens: int, seed: int,
+                 adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
+        """Sample exactly `max_tokens` tokens after each prompt (temperature 1, no stop token, request
+        i seeded with `seed + i`) under `adapter` (None: the base model). Returns each prompt +
+        completion, and its logprobs by the alignment rule above: entry t is the logprob the same
+        request gave token t+1, its prompt logprob for a prompt token, the logprob it was sampled
+        with for a generated one."""
+        ...
+
+
+@runtime_checkable
+class StartAdapterTrainer(Protocol):
+    """A trainer that can start from a user's PEFT adapter (`--adapter`) instead of zero-init."""
+
+    def load_start_adapter(self, folder: Path) -> None:
+        """Load the adapter's A and B (rank, alpha and targets already match it: the run's config
+        is taken from its adapter_config.json). From then on `zero_b` restores this B, and `perturb`
+        accepts a B equal to it."""
         ...
 
 

@@ -61,10 +61,27 @@ def _coefficients(config: dict, tensors: dict[str, af.Tensor]) -> dict[str, floa
     return {k: scale * math.fsum(x * y for x, y in zip(a[k], b[k], strict=True)) for k in a if k in b}
 
 
+def _score_at(prev: int, tok: int, t: int, coefficients: dict[str, float], kinds: list[str]) -> float:
+    return _base_logprob(prev, tok) + sum(coefficients.get(kind, 0.0) * _feature(k, prev, tok, t)
+                                          for k, kind in enumerate(kinds))
+
+
+def _sample(prev: int, t: int, coefficients: dict[str, float], kinds: list[str], rng: random.Random) -> int:
+    """One token after `prev` at position t, drawn with weights exp(`_score`) over the first
+    `GENERATION_VOCAB` ids (the fake's generation logprobs are its prompt scores, by construction)."""
+    values = [_score_at(prev, tok, t, coefficients, kinds) for tok in range(GENERATION_VOCAB)]
+    top = max(values)
+    return rng.choices(range(GENERATION_VOCAB), weights=[math.exp(v - top) for v in values])[0]
+
+
+GENERATION_VOCAB = 64
+"""The fake sampler generates ids below this."""
+
+
 class FakeTrainer(TrainerBackend):
     """A trainer whose model is `_score` over the adapter's B·A per target kind."""
 
-    traits = BackendTraits(needs_checkpoint=False)
+    traits = BackendTraits(needs_checkpoint=False, start_adapter_unavailable=None)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, seed: int, timings: dict[str, float]) -> None:
         self.cfg = cfg
@@ -76,6 +93,17 @@ class FakeTrainer(TrainerBackend):
             self.params[f"{_module_path(kind)}.lora_A.default.weight"] = [rng.uniform(-1, 1) for _ in range(r)]
             self.params[f"{_module_path(kind)}.lora_B.default.weight"] = [0.0] * r
         self.trainable_base = False
+        self.start_b = {name: [0.0] * r for name in self.params if is_lora_b(name)}
+
+    def load_start_adapter(self, folder: Path) -> None:
+        """Take A and B from a PEFT folder of the fake's layout (the config matches it)."""
+        _, tensors = af.read_adapter(folder)
+        for name, tensor in tensors.items():
+            key = name.replace(".weight", ".default.weight")
+            if key not in self.params:
+                raise PhaseError(f"the adapter has {name}, which the fake trainer does not")
+            self.params[key] = tensor.to_floats()
+        self.start_b = {name: list(self.params[name]) for name in self.params if is_lora_b(name)}
 
     def _coefficients(self) -> dict[str, float]:
         scale = self.cfg.adapter.alpha / self.cfg.adapter.rank
@@ -94,17 +122,18 @@ class FakeTrainer(TrainerBackend):
             raise PhaseError("refusing to perturb: a non-adapter parameter is trainable")
         names = [n for n in self.params if is_lora_b(n) and (only is None or target_kind(n) == only)]
         for name in names:
-            if any(self.params[name]):
-                raise PhaseError(f"refusing to perturb: {name} is non-zero before the update")
+            if self.params[name] != self.start_b[name]:
+                raise PhaseError(f"refusing to perturb: {name} is non-zero before the update "
+                                 "(relative to the starting adapter's B)")
             rng = random.Random(noise_seed(name, seed))
-            self.params[name] = [rng.gauss(0.0, std) for _ in self.params[name]]
+            self.params[name] = [b + rng.gauss(0.0, std) for b in self.params[name]]
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(names),
                             num_elements=sum(len(self.params[n]) for n in names), tensors=names)
 
     def zero_b(self) -> None:
         for name in self.params:
             if is_lora_b(name):
-                self.params[name] = [0.0] * len(self.params[name])
+                self.params[name] = list(self.start_b[name])
 
     def export_adapter(self, directory: Path) -> Path:
         r = self.cfg.adapter.rank
@@ -163,6 +192,19 @@ class FakeSampler(SamplerBackend):
         coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
         scores = _score(sequences, coefficients, self.kinds)
         return _with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores
+
+    def generate(self, prompts: Sequences, max_tokens: int, seed: int,
+                 adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
+        """Seeded sampling from the fake model (ids below `GENERATION_VOCAB`); see `GeneratingSampler`."""
+        coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
+        sequences: Sequences = []
+        for i, prompt in enumerate(prompts):
+            rng = random.Random(seed + i)
+            seq = list(prompt)
+            for _ in range(max_tokens):
+                seq.append(_sample(seq[-1], len(seq) - 1, coefficients, self.kinds, rng))
+            sequences.append(seq)
+        return sequences, _score(sequences, coefficients, self.kinds)
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         if adapter_id not in self.loaded or inplace:

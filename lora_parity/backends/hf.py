@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import peft
 import torch
 import transformers
 
-from lora_parity.backends.base import AdapterHandle, SamplerBackend, Scores, Sequences, TrainerBackend
+from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.backends.moe import Routes, hf_router_topk
 from lora_parity.config import ModelConfig
 from lora_parity.errors import PhaseError
@@ -64,6 +65,27 @@ def score_sequences(model: Any, sequences: Sequences, device: torch.device, batc
             logprobs = torch.log_softmax(logits[i, :n - 1].float(), dim=-1).gather(1, ids[i, 1:n, None])[:, 0]
             out.append(logprobs.cpu().tolist())
     return out
+
+
+@torch.inference_mode()
+def generate_one(model: Any, prompt: list[int], max_tokens: int, seed: int, device: torch.device) -> tuple[
+        list[int], list[float]]:
+    """Sample `max_tokens` tokens after `prompt` at temperature 1 (a CPU generator seeded with `seed`,
+    KV cache, no stop token); the prompt + completion and its logprobs as `GeneratingSampler` states."""
+    generator = torch.Generator().manual_seed(seed)
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+    logits = out.logits[0].float()
+    target = torch.tensor(prompt[1:], device=device)
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, target[:, None])[:, 0].cpu().tolist()
+    seq, last, past = list(prompt), logits[-1], out.past_key_values
+    for _ in range(max_tokens):
+        dist = torch.log_softmax(last, dim=-1)
+        token = int(torch.multinomial(dist.exp().cpu(), 1, generator=generator).item())
+        seq.append(token)
+        logprobs.append(float(dist[token].item()))
+        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
+        last, past = out.logits[0, -1].float(), out.past_key_values
+    return seq, logprobs
 
 
 def forward_description(cfg: ModelConfig) -> str:
@@ -122,7 +144,9 @@ def versions() -> dict[str, str]:
 
 class HFTrainer(TrainerBackend):
     """transformers + PEFT LoRA: A seeded (PEFT's init under `torch.manual_seed(seed)`), B zero,
-    dropout 0, eval mode."""
+    dropout 0, eval mode; or a user's adapter (`load_start_adapter`)."""
+
+    traits = BackendTraits(start_adapter_unavailable=None)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float]) -> None:
         self.cfg = cfg
@@ -140,7 +164,29 @@ class HFTrainer(TrainerBackend):
             init_lora_weights=True,
         )
         self.model = peft.get_peft_model(base, lora).to(self.device).eval()
+        self.start_b: dict[str, torch.Tensor] | None = None
+        """The starting adapter's B tensors (`load_start_adapter`); None: zero-init."""
         timings["trainer.load"] = time.perf_counter() - start
+
+    @torch.no_grad()
+    def load_start_adapter(self, folder: Path) -> None:
+        """Load a PEFT adapter's A and B (safetensors) into the LoRA tensors; every one must be there."""
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(folder) / "adapter_model.safetensors"))
+        expected = {n.replace(".default.weight", ".weight") for n, _ in self.model.named_parameters() if "lora_" in n}
+        if set(state) != expected:
+            odd = sorted(set(state) ^ expected)
+            raise PhaseError(f"the adapter's tensors do not match its config's LoRA layers ({len(odd)} differ, "
+                             f"e.g. {odd[0]})")
+        params = dict(self.model.named_parameters())
+        for name, tensor in state.items():
+            param = params[name.replace(".weight", ".default.weight")]
+            if param.shape != tensor.shape:
+                raise PhaseError(f"the adapter's {name} has shape {list(tensor.shape)}, the model needs "
+                                 f"{list(param.shape)}")
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        self.start_b = {n: p.detach().clone() for n, p in self._lora_b()}
 
     def score(self, sequences: Sequences) -> Scores:
         return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
@@ -162,8 +208,10 @@ class HFTrainer(TrainerBackend):
         if not params:
             raise PhaseError(f"no LoRA B tensors{' of ' + only if only else ''} to perturb")
         for name, p in params:
-            if torch.count_nonzero(p).item():
-                raise PhaseError(f"refusing to perturb: {name} is non-zero before the update")
+            start = self.start_b[name] if self.start_b is not None else torch.zeros_like(p)
+            if not torch.equal(p, start):
+                raise PhaseError(f"refusing to perturb: {name} is non-zero before the update "
+                                 "(relative to the starting adapter's B)")
         for name, p in params:
             generator = torch.Generator().manual_seed(noise_seed(name, seed))
             noise = torch.randn(p.shape, generator=generator, dtype=torch.float32) * std
@@ -173,8 +221,12 @@ class HFTrainer(TrainerBackend):
 
     @torch.no_grad()
     def zero_b(self) -> None:
-        for _, p in self._lora_b():
-            p.zero_()
+        """Every B back to the starting adapter's (zero at zero-init)."""
+        for name, p in self._lora_b():
+            if self.start_b is None:
+                p.zero_()
+            else:
+                p.copy_(self.start_b[name])
 
     def export_adapter(self, directory: Path) -> Path:
         self.model.save_pretrained(str(directory), safe_serialization=True)
@@ -232,14 +284,28 @@ class HFSampler(SamplerBackend):
         self.names: dict[int, str] = {}
         timings["sampler.load"] = time.perf_counter() - start
 
-    def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        if adapter is None:
-            if not self.names:
-                return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
+    @contextlib.contextmanager
+    def _serving(self, adapter: AdapterHandle | None) -> Iterator[None]:
+        """The model with `adapter` active, or without any (None)."""
+        if adapter is not None:
+            self.model.set_adapter(self.names[adapter.adapter_id])
+            yield
+        elif not self.names:
+            yield
+        else:
             with self.model.disable_adapter():
-                return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
-        self.model.set_adapter(self.names[adapter.adapter_id])
-        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
+                yield
+
+    def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        with self._serving(adapter):
+            return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
+
+    def generate(self, prompts: Sequences, max_tokens: int, seed: int,
+                 adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
+        """One prompt at a time, incremental decoding with a KV cache (see `generate_one`)."""
+        with self._serving(adapter):
+            pairs = [generate_one(self.model, p, max_tokens, seed + i, self.device) for i, p in enumerate(prompts)]
+        return [seq for seq, _ in pairs], [lps for _, lps in pairs]
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k experts per MoE layer of the base model (None: dense model)."""

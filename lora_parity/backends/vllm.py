@@ -124,6 +124,7 @@ class VLLMSampler(SamplerBackend):
             self.llm = LLM(**llm_kwargs(self.engine_args))
         timings["sampler.start"] = time.perf_counter() - start
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        self._SamplingParams = SamplingParams
         # An in-process engine holds only this process's memory; a multiprocess one owns workers.
         self.traits = replace(self.traits,
                               releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
@@ -156,6 +157,30 @@ class VLLMSampler(SamplerBackend):
                                      f"starting with None, got {got}")
                 out.append([plp[t][seq[t]].logprob for t in range(1, len(seq))])  # type: ignore[index]
         return out
+
+    def generate(self, prompts: Sequences, max_tokens: int, seed: int,
+                 adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
+        """One request per prompt: temperature 1, request i seeded with `seed + i`, exactly `max_tokens`
+        tokens (EOS ignored), `logprobs=0` (the sampled token's) and `prompt_logprobs=0` in the same
+        request; see `GeneratingSampler`."""
+        request = self._request(adapter)
+        sequences: Sequences = []
+        logprobs: Scores = []
+        for i, prompt in enumerate(prompts):
+            params = self._SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens, min_tokens=max_tokens,
+                                          ignore_eos=True, logprobs=0, prompt_logprobs=0, detokenize=False)
+            result = self.llm.generate([self._TokensPrompt(prompt_token_ids=prompt)], params, lora_request=request,
+                                       use_tqdm=False)[0]
+            completion = result.outputs[0]
+            tokens, plp = list(completion.token_ids), result.prompt_logprobs
+            if len(tokens) != max_tokens or completion.logprobs is None or plp is None or len(plp) != len(prompt):
+                raise ScoreError(f"vLLM generation for prompt {i}: expected {max_tokens} tokens with logprobs "
+                                 f"and {len(prompt)} prompt logprobs")
+            row = [plp[t][prompt[t]].logprob for t in range(1, len(prompt))]  # type: ignore[index]
+            row += [completion.logprobs[j][tok].logprob for j, tok in enumerate(tokens)]
+            sequences.append(list(prompt) + tokens)
+            logprobs.append(row)
+        return sequences, logprobs
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         handle = AdapterHandle(name, adapter_id, Path(directory))

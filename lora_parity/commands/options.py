@@ -29,8 +29,9 @@ SharedDirOpt = Annotated[Path | None, typer.Option(
     help="Folder the attached vLLM server can read; adapters are copied there (--sampler vllm-server).")]
 ProbesOpt = Annotated[str, typer.Option(
     help="Probe source: random[:SET] or a set (default, held-out; SET-xN: N times the sequences), "
-         "text[:SET] (shipped English text, real models only), or FILE.jsonl ({\"tokens\": [ids]} or "
-         "{\"text\": ...} per line).")]
+         "text[:SET] (shipped English text, real models only), sampled[:SET] (text prompts the sampler "
+         "completes at the start of the run; also checks its generation path after sync), or FILE.jsonl "
+         "({\"tokens\": [ids]} or {\"text\": ...} per line).")]
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
 SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(
@@ -52,3 +53,6 @@ BudgetsOpt = Annotated[str | None, typer.Option(
 def exit_for(verdict: str) -> int:
     """0 for pass, 1 for fail or inconclusive, 2 for error."""
     return EXIT_PASS if verdict == "pass" else EXIT_FAIL if verdict in ("fail", "inconclusive") else EXIT_BAD_INPUT
+AdapterOpt = Annotated[Path | None, typer.Option(
+    "--adapter", help="A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) both sides start "
+                      "from instead of zero-init; its rank, alpha and targets replace the config's.")]

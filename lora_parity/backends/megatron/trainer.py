@@ -44,7 +44,9 @@ def _torchrun_world() -> int | None:
 class MegatronTrainer(TrainerBackend):
     """megatron-core GPTModel with LoRA; TP=1 in this process, TP=N in N rank processes it drives."""
 
-    traits = BackendTraits(supports_tp=True)
+    traits = BackendTraits(supports_tp=True, start_adapter_unavailable=(
+        "not yet: its fused LoRA layers share one A across q/k/v and across gate/up, where a PEFT adapter "
+        "has one A per projection"))
 
     @classmethod
     def check_config(cls, hf_config: dict[str, Any], tp: int) -> None:

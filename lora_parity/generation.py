@@ -1,0 +1,87 @@
+"""Sampled tokens: prompts, seeded generation through a `GeneratingSampler`, and the published-folder
+digests that catch an adapter changed on disk after it was handed to the sampler.
+
+`--probes sampled` takes the text probes' windows, keeps each one's first `prompt_length(n)` tokens (half)
+as a prompt, and has the sampler generate the rest (temperature 1, no stop token, so every sequence
+keeps its configured length). After sync the sampler generates from the same prompts again with
+the synced adapter. See docs/probes-and-adapters.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from lora_parity.backends.base import AdapterHandle, GeneratingSampler, Scores, Sequences
+from lora_parity.errors import ConfigError, PhaseError
+from lora_parity.receipt import Probes, sha256_json
+
+UPDATED_SEED_OFFSET = 1_000_003
+"""The generation after sync is seeded with the run seed plus this (the first sampling uses the run seed)."""
+
+
+def prompt_length(n: int) -> int:
+    """Tokens of an n-token probe kept as the prompt: half, at least 2, leaving at least 1 to generate
+    (on the CPU each generated token costs about what scoring a whole sequence does)."""
+    return min(max(2, n // 2), n - 1)
+
+
+def prompts(sequences: Sequences) -> Sequences:
+    """Each sequence's prompt (its first `prompt_length` tokens)."""
+    return [list(seq[:prompt_length(len(seq))]) for seq in sequences]
+
+
+def require(probes: Probes, sampler_cls: type, sampler: str) -> bool:
+    """Preflight: whether the probes are sampled; if so, the sampler must generate (`ConfigError` if not)."""
+    sampled = probes.source is not None and probes.source.kind == "sampled"
+    if sampled and not issubclass(sampler_cls, GeneratingSampler):
+        raise ConfigError(f"--probes sampled needs a sampler that generates; {sampler!r} does not")
+    return sampled
+
+
+def scored_probes(probes: Probes, sequences: Sequences | None) -> Probes:
+    """The probes the phases scored: with `--probes sampled`, the prompts + what the sampler generated."""
+    if sequences is None or sequences == probes.sequences:
+        return probes
+    return probes.model_copy(update={"sequences": sequences, "digest": sha256_json(sequences)})
+
+
+def generating(sampler: object) -> GeneratingSampler:
+    """`sampler` as a `GeneratingSampler` (preflight checked it; this guards direct callers)."""
+    if not isinstance(sampler, GeneratingSampler):
+        raise ConfigError(f"{type(sampler).__name__} cannot generate")
+    return sampler
+
+
+def generate(sampler: object, prompt_ids: Sequences, lengths: list[int], seed: int,
+             adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
+    """Prompt s completed to `lengths[s]` tokens, request s seeded with `seed + s`, one request per
+    sequence (as scoring does); the logprobs as `GeneratingSampler.generate` states them."""
+    gen = generating(sampler)
+    sequences: Sequences = []
+    logprobs: Scores = []
+    for s, (prompt, n) in enumerate(zip(prompt_ids, lengths, strict=True)):
+        seqs, lps = gen.generate([prompt], n - len(prompt), seed + s, adapter)
+        if len(seqs) != 1 or len(seqs[0]) != n or seqs[0][:len(prompt)] != prompt or len(lps[0]) != n - 1:
+            raise PhaseError(f"generation for sequence {s}: expected the prompt + {n - len(prompt)} tokens "
+                             f"and {n - 1} logprobs")
+        sequences.append(seqs[0])
+        logprobs.append(lps[0])
+    return sequences, logprobs
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over the names and bytes of a folder's files, in name order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        h.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def check_unchanged(folder: Path, digests: dict[Path, str]) -> None:
+    """Raise `PhaseError` if the adapter folder the sampler was handed changed on disk since (an
+    engine may read it again: vLLM reloads an evicted adapter from its path)."""
+    expected = digests.get(Path(folder))
+    if expected is not None and folder_digest(folder) != expected:
+        raise PhaseError(f"the published adapter {Path(folder).name} changed on disk after it was published")

