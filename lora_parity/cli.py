@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from lora_parity import __version__, output
+from lora_parity import __version__, live, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
@@ -34,6 +35,8 @@ from lora_parity.commands.options import (
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
 
 PROG = "lora-parity"
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' own output and every phase.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the closing verdict line.")]
 app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -102,6 +105,8 @@ def run(
         Path | None, typer.Option(help="Sign the receipt with this ed25519 private key (PEM): it is written as a "
                                        "DSSE envelope (see `lora-parity keygen`).")
     ] = None,
+    verbose: VerboseOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
@@ -118,10 +123,15 @@ def run(
                       seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype)
-    # The CLI leaves right after the receipt is written (see _exit_fast).
-    result = execute(opts, progress=output.progress, process_exiting=True)
+    start = time.perf_counter()
+    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts))
+    with session:
+        # The CLI leaves right after the receipt is written (see _exit_fast).
+        result = execute(opts, progress=session.progress, process_exiting=True)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
-    output.result(result.receipt, str(path), json_)
+    log = session.keep_log(Path(path))
+    output.result(result.receipt, str(path), json_, time.perf_counter() - start, str(log) if log else None,
+                  quiet=quiet)
     if junit is not None:
         from lora_parity.junit import write_junit
 
@@ -178,6 +188,8 @@ def selftest(
     sync: SyncOpt = "new-id",
     revision: RevisionOpt = None,
     json_: JsonOpt = False,
+    verbose: VerboseOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
     from lora_parity.runner import RunOptions
@@ -185,8 +197,13 @@ def selftest(
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
                       per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision)
-    result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
-    output.selftest_matrix(result, json_)
+    start = time.perf_counter()
+    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts, "selftest"))
+    with session:
+        result = run_selftest(opts, out_dir, repeat=repeat, progress=session.progress,
+                              watch=output.selftest_watcher(session))
+    log = session.keep_log(out_dir)
+    output.selftest_summary(result, json_, time.perf_counter() - start, str(log) if log else None)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)
 
 

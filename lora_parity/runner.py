@@ -126,6 +126,7 @@ def prepare(opts: RunOptions) -> Plan:
     from lora_parity import plan as launch_plan
 
     launch_plan.preflight(cfg, opts.trainer, opts.sampler)
+    check_options(opts, cfg)
     start = time.perf_counter()
     trainer_cls = backends.resolve("trainer", opts.trainer)
     sampler_cls = backends.resolve("sampler", opts.sampler)
@@ -142,6 +143,23 @@ def prepare(opts: RunOptions) -> Plan:
 
 
 REFERENCES = ("fp32",)
+
+
+def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
+    """Every option value that can be checked without importing a backend (torch, vLLM, transformers
+    come with the backends): backend names, --inject, --reference, --tp, an existing --out. Bad
+    input is refused in well under a second."""
+    for kind, name, table in (("trainer", opts.trainer, backends.TRAINERS), ("sampler", opts.sampler,
+                                                                            backends.SAMPLERS)):
+        if name not in table:
+            raise ConfigError(f"unknown {kind} backend {name!r}; choose from {', '.join(sorted(table))}")
+    Faults(opts.inject, list(cfg.adapter.targets), 1, cfg.budgets.mean, opts.sync)
+    if opts.reference is not None and opts.reference not in REFERENCES:
+        raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
+    if opts.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
+    if opts.out is not None:
+        outpath.check_writable(opts.out, opts.force)
 
 
 def _reference_preflight(plan: Plan) -> None:

@@ -7,6 +7,7 @@ from zero-init B and uses adapter ids no earlier run used, so runs cannot see ea
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,17 @@ class Row:
     observed: str
     caught: bool
     receipt: str
+    seconds: float = 0.0
+    """Wall time of this run."""
+
+    @property
+    def expected_error(self) -> bool:
+        """The fault is meant to end the run in an error (nan, crash-at), and it did."""
+        return self.caught and self.expected.startswith("error")
+
+
+Watch = Callable[[str, "Row | None"], None]
+"""Called with (fault, None) when a run starts and (fault, row) when it ends ('none' is the clean run)."""
 
 
 @dataclass
@@ -73,10 +85,11 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
 
 def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
              progress: Callable[[str, str, float], None] | None = None,
-             faults: list[str] | None = None) -> SelftestResult:
+             faults: list[str] | None = None, watch: Watch | None = None) -> SelftestResult:
     """Run the clean run (`repeat` times) and every fault that applies to the sync mode (or only
-    `faults`); write each receipt into `out_dir`."""
+    `faults`); write each receipt into `out_dir`; `watch` hears of each run as it starts and ends."""
     say = progress or (lambda phase, status, seconds: None)
+    tell: Watch = watch or (lambda fault, row: None)
     plan = prepare(opts)
     folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -88,9 +101,13 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
         first_scores = None
         for i in range(max(1, repeat)):
             path = folder / (f"clean-{i:02d}.json" if repeat > 1 else "clean.json")
+            name = "none" if repeat == 1 else f"none #{i + 1}"
+            tell(name, None)
+            t0 = time.perf_counter()
             receipt = run_once(plan, loaded, None, path, True, say).receipt
             expected, observed, caught = judge(None, receipt, set(), set(), targets, n)
-            result.rows.append(Row("none" if repeat == 1 else f"none #{i + 1}", expected, observed, caught, str(path)))
+            result.rows.append(Row(name, expected, observed, caught, str(path), time.perf_counter() - t0))
+            tell(name, result.rows[-1])
             if first_scores is None:
                 first_scores = receipt.scores
             elif receipt.scores != first_scores:
@@ -100,10 +117,13 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
             path = folder / f"fault-{fault.replace('=', '-')}.json"
             path.unlink(missing_ok=True)
             before = {p.name for p in folder.iterdir()}
+            tell(fault, None)
+            t0 = time.perf_counter()
             receipt = run_once(plan, loaded, fault, path, True, say).receipt
             after = {p.name for p in folder.iterdir()}
             expected, observed, caught = judge(fault, receipt, before, after, targets, n)
-            result.rows.append(Row(fault, expected, observed, caught, str(path)))
+            result.rows.append(Row(fault, expected, observed, caught, str(path), time.perf_counter() - t0))
+            tell(fault, result.rows[-1])
     finally:
         loaded.close()
     return result
