@@ -61,11 +61,10 @@ class Session:
         self._saved: tuple[int, int] | None = None
         self._terminal: IO[str] | None = None
         self._live: Live | None = None
-        self._ticker = _Ticker("starting")
+        self._ticker = _Ticker(first_line)
 
     def __enter__(self) -> Session:
-        if self.mode != "quiet":
-            output.err.print(escape(self.first_line), soft_wrap=True)
+        # No line of its own before the inputs are checked: bad input is one line, the error.
         if self.log is None:
             return self
         sys.stdout.flush()
@@ -110,14 +109,11 @@ class Session:
         if self.mode == "verbose":
             output.progress(phase, status, seconds)
             return
-        self._ticker.text = f"{phase} {'done' if status == 'ok' else status}"
-        if self.log is not None:
-            with self.log.open("a", encoding="utf-8") as f:
-                f.write(f"lora-parity: {status:>5} {phase:<28} {seconds:8.2f} s\n")
+        self._ticker.text = f"{self.first_line} · {phase} {'done' if status == 'ok' else status}"
 
     def status(self, text: str) -> None:
         """Replace the live line's text (what runs now)."""
-        self._ticker.text = text
+        self._ticker.text = f"{self.first_line} · {text}"
 
     def note(self, markup: str) -> None:
         """One line on the terminal's stderr (above the live line), unless quiet."""
