@@ -86,6 +86,17 @@ def meaning(check_id: str) -> str | None:
     return text.format(target=target)
 
 
-def line(check: CheckLike) -> str:
-    """One line for a failing or inconclusive check: its meaning (or its own reason for an unknown id)."""
+# prefix -> (the check whose failure causes it, the line that says so): shown instead of the meaning
+CONSEQUENCES: dict[str, tuple[str, str]] = {
+    "C.delta.": ("C.moved.sampler", "follows from C.moved.sampler: a sampler that did not move has no direction "
+                                    "or size of change to compare"),
+}
+
+
+def line(check: CheckLike, failing: frozenset[str] = frozenset()) -> str:
+    """One line for a failing or inconclusive check: its meaning (or its own reason for an unknown id);
+    where it only follows from another failing check in `failing`, that."""
+    for prefix, (cause, text) in CONSEQUENCES.items():
+        if check.id.startswith(prefix) and cause in failing:
+            return text
     return meaning(check.id) or check.reason

@@ -124,23 +124,26 @@ def _fault_line(receipt: Receipt) -> str | None:
 
     name = receipt.injected_fault.partition("=")[0]
     spec = FAULTS.get(name)
-    caught = " and ".join(spec.caught_by) if spec and spec.caught_by else "an error in the receipt"
-    what = f": {spec.description}; it must give {spec.verdict}, through {caught}" if spec else ""
-    return f"injected fault: {receipt.injected_fault}{what}"
+    if spec is None:
+        return f"injected fault: {receipt.injected_fault}"
+    caught = f", caught by {' and '.join(spec.caught_by)}" if spec.caught_by else ""
+    return f"injected fault: {receipt.injected_fault} ({spec.description}); expected: {spec.verdict}{caught}"
 
 
 def explanations(receipt: Receipt) -> list[str]:
     """One line per failing or inconclusive check (checks that mean the same thing share a line): the
     observed value against its budget, what it means, and what to look at next."""
     groups: dict[tuple[str, str], list[Any]] = {}
-    for c in not_passing(receipt.checks, reached=True):
-        groups.setdefault((c.status.value, explain.line(c)), []).append(c)
+    failing = not_passing(receipt.checks, reached=True)
+    ids = frozenset(c.id for c in failing)
+    for c in failing:
+        groups.setdefault((c.status.value, explain.line(c, ids)), []).append(c)
     lines = []
     for (status, meaning), group in groups.items():
         c = group[0]
         observed = f"{_fmt(c.observed)} not {c.op} {_fmt(c.budget)}" if c.observed is not None else "undefined"
-        ids = ", ".join(x.id for x in group)
-        lines.append(f"{status} {ids} ({explain.measure(c.id) or 'observed'} {observed}): {meaning}")
+        names = ", ".join(x.id for x in group)
+        lines.append(f"{status} {names} ({explain.measure(c.id) or 'observed'} {observed}): {meaning}")
     return lines
 
 

@@ -51,11 +51,15 @@ def test_failing_run_explains_itself_and_ends_with_a_count_line(tmp_path: Path) 
     assert res.returncode == 1
     lines = res.stdout.strip().splitlines()
     assert re.fullmatch(rf"fail: 31 passed, 7 failed in \d+\.\d s · receipt {re.escape(str(out))}", lines[-1])
-    assert "injected fault: skip-sync: the sync step does nothing" in res.stdout
+    assert "injected fault: skip-sync (the sync step does nothing); expected: fail, caught by C.parity.mean" \
+        in res.stdout
+    assert "fail C.delta.cosine, C.delta.scale, C.delta.rel_l2 (cosine undefined): follows from C.moved.sampler" \
+        in res.stdout
     reason = next(x for x in lines if x.startswith("fail C.parity.mean"))
     assert "stale scores" in reason and "never reached the engine" in reason
     assert f"lora-parity report {out}" in res.stdout
     assert "|scale-1|" in next(x for x in lines if "C.delta.scale" in x)
+    assert "|scale-1|" in explain.meaning("C.delta.scale")  # type: ignore[operator]
     # Piped: no colour codes, nothing wrapped at 80 columns.
     assert "\x1b[" not in res.stdout + res.stderr and max(len(x) for x in lines) > 120
 
