@@ -188,3 +188,16 @@ def test_bad_option_values_are_refused_before_heavy_imports(args: tuple[str, str
     assert time.perf_counter() - start < 2.0
     assert res.stdout.strip().endswith("exit 2 heavy []"), res.stdout + res.stderr
     assert res.stderr.count("lora-parity: error:") == 1 and "Traceback" not in res.stderr
+
+
+@unit
+def test_selftest_runs_per_target_coverage_only_where_a_fault_needs_it(tmp_path: Path) -> None:
+    from lora_parity.receipt import load
+    from lora_parity.runner import RunOptions
+    from lora_parity.selftest import selftest
+
+    result = selftest(RunOptions(trainer="fake", sampler="fake"), tmp_path, faults=["skip-sync", "drop-target"])
+    assert result.ok
+    has_targets = {r.fault: any(c.id.startswith("T.") for c in load(Path(r.receipt))[0].checks)
+                   for r in result.rows}
+    assert has_targets == {"none": True, "skip-sync": False, "drop-target": True}
