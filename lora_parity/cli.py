@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from lora_parity import __version__, live, output
+from lora_parity import __version__, lean, live, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
@@ -124,6 +124,7 @@ def run(
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype)
     start = time.perf_counter()
+    lean.skip_unused_imports()
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts))
     with session:
         # The CLI leaves right after the receipt is written (see _exit_fast).
@@ -198,6 +199,7 @@ def selftest(
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
                       per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision)
     start = time.perf_counter()
+    lean.skip_unused_imports()
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts, "selftest"))
     with session:
         result = run_selftest(opts, out_dir, repeat=repeat, progress=session.progress,

@@ -201,3 +201,16 @@ def test_selftest_runs_per_target_coverage_only_where_a_fault_needs_it(tmp_path:
     has_targets = {r.fault: any(c.id.startswith("T.") for c in load(Path(r.receipt))[0].checks)
                    for r in result.rows}
     assert has_targets == {"none": True, "skip-sync": False, "drop-target": True}
+
+
+@unit
+def test_opentelemetry_is_kept_out_unless_tracing_is_configured() -> None:
+    probe = ("from lora_parity import lean; import sys; print(lean.skip_unused_imports())\n"
+             "try:\n    import opentelemetry\n    print('imported')\nexcept ImportError:\n    print('absent')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert res.stdout.split() == ["['opentelemetry']", "absent"]
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHONPATH": str(ROOT), "OTEL_SERVICE_NAME": "x"}, timeout=60)
+    assert res.stdout.split()[0] == "[]"
