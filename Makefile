@@ -38,6 +38,7 @@ typecheck: install
 
 bench: install
 	$(PY) scripts/bench.py
+	$(PY) scripts/bench.py --selftest
 	$(PY) scripts/bench.py --model smollm2-135m --probes random,text
 	@for mode in inplace merged memory; do $(PY) scripts/bench.py --sync $$mode | grep -E "bench:|wall time|sync \("; done
 

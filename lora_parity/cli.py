@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from lora_parity import __version__, output
+from lora_parity import __version__, lean, live, output
 from lora_parity.commands import models as models_cmd
 from lora_parity.commands import receipts as receipts_cmd
 from lora_parity.commands.options import (
@@ -42,6 +43,8 @@ from lora_parity.commands.options import (
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
 
 PROG = "lora-parity"
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' own output and every phase.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the closing verdict line.")]
 app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -113,6 +116,8 @@ def run(
         Path | None, typer.Option(help="Sign the receipt with this ed25519 private key (PEM): it is written as a "
                                        "DSSE envelope (see `lora-parity keygen`).")
     ] = None,
+    verbose: VerboseOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
@@ -131,10 +136,15 @@ def run(
                       reference=reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter)
+    start = time.perf_counter()
+    lean.skip_unused_imports()
+    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts))
     # The CLI leaves right after the receipt is written (see _exit_fast).
-    result = _execute_interruptible(opts)
+    result = _execute_interruptible(opts, session)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
-    output.result(result.receipt, str(path), json_)
+    log = session.keep_log(Path(path))
+    output.result(result.receipt, str(path), json_, time.perf_counter() - start, str(log) if log else None,
+                  quiet=quiet)
     if junit is not None:
         from lora_parity.junit import write_junit
 
@@ -146,7 +156,7 @@ def run(
     raise typer.Exit(exit_for(result.receipt.verdict.value))
 
 
-def _execute_interruptible(opts: Any) -> Any:
+def _execute_interruptible(opts: Any, session: Any) -> Any:
     """`execute`, with SIGINT and SIGTERM ending the run the same way: a receipt (verdict error), one
     line naming it, the work dir removed, child processes ended, exit code 128 + the signal."""
     from lora_parity import interrupt
@@ -154,7 +164,8 @@ def _execute_interruptible(opts: Any) -> Any:
 
     with interrupt.handle_signals():
         try:
-            return execute(opts, progress=output.progress, process_exiting=True)
+            with session:  # left (output restored) before an interrupt is reported below
+                return execute(opts, progress=session.progress, process_exiting=True)
         except RunInterrupted as e:
             output.error(f"{e}; receipt {e.result.path} (verdict error, `lora-parity verify` exits 1 on it)")
         except KeyboardInterrupt as e:  # before the run started: nothing loaded, nothing written
@@ -211,6 +222,8 @@ def selftest(
     api_key_env: ApiKeyEnvOpt = None,
     shared_dir: SharedDirOpt = None,
     json_: JsonOpt = False,
+    verbose: VerboseOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
     from lora_parity.runner import RunOptions
@@ -223,16 +236,22 @@ def selftest(
     from lora_parity import interrupt
     from lora_parity.runner import RunInterrupted
 
+    start = time.perf_counter()
+    lean.skip_unused_imports()
+    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts, "selftest"))
     with interrupt.handle_signals():
         try:
-            result = run_selftest(opts, out_dir, repeat=repeat, progress=None if json_ else output.quiet_progress)
+            with session:
+                result = run_selftest(opts, out_dir, repeat=repeat, progress=session.progress,
+                                      watch=output.selftest_watcher(session))
         except RunInterrupted as e:
             output.error(f"selftest {e}; receipt of the interrupted run: {e.result.path}")
             raise typer.Exit(interrupt.exit_code()) from None
         except KeyboardInterrupt as e:
             output.error(f"selftest {interrupt.describe(e)}")
             raise typer.Exit(interrupt.exit_code()) from None
-    output.selftest_matrix(result, json_)
+    log = session.keep_log(out_dir)
+    output.selftest_summary(result, json_, time.perf_counter() - start, str(log) if log else None)
     raise typer.Exit(EXIT_PASS if result.ok else EXIT_FAIL)
 
 

@@ -15,12 +15,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from lora_parity import explain
 from lora_parity.checks import not_passing
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import Receipt
 
 err = Console(stderr=True, highlight=False, emoji=False)
 out = Console(highlight=False, emoji=False)
+if not out.is_terminal and "COLUMNS" not in os.environ:
+    out.width = 1000  # piped or redirected: tables at their natural width, never wrapped at 80 columns
 
 _STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "error": "red", "not_reached": "dim",
           "ok": "green"}
@@ -32,29 +35,51 @@ def error(message: str) -> None:
 
 
 def progress(phase: str, status: str, seconds: float) -> None:
-    """One line per finished phase, on stderr."""
+    """One line per finished phase, on stderr (`--verbose`)."""
     err.print(f"  [{_STYLE.get(status, '')}]{status:>5}[/] {escape(f'{phase:<28}')} {seconds:8.2f} s")
-
-
-def quiet_progress(phase: str, status: str, seconds: float) -> None:
-    """Only errors and the backends' start, on stderr (selftest runs many sequences)."""
-    if status != "ok" or phase in ("sampler.start", "trainer.load", "model"):
-        progress(phase, status, seconds)
 
 
 def _fmt(x: float | None) -> str:
     return "—" if x is None else f"{x:.3g}"
 
 
-def checks_table(receipt: Receipt) -> Table:
-    """The checks with observed values and budgets."""
-    table = Table(title=escape(f"{receipt.model.name}: {receipt.trainer.backend} trainer vs "
-                               f"{receipt.sampler.backend} sampler"))
-    for col in ("check", "observed", "", "budget", "status"):
+def _row(table: Table, c: Any) -> None:
+    style = _STYLE.get(c.status.value, "")
+    table.add_row(escape(c.id), explain.measure(c.id), _fmt(c.observed), c.op, _fmt(c.budget),
+                  f"[{style}]{c.status.value}[/]")
+
+
+def _reference_rows(table: Table, receipt: Receipt) -> None:
+    """The fp32 reference beside A: how far each side's zero-init scores are from it (no checks)."""
+    for key in ("R.trainer_vs_fp32", "R.sampler_vs_fp32"):
+        cmp = receipt.comparisons.get(key)
+        if cmp is not None:
+            table.add_row(f"[dim]{escape(key)}[/]", "mean |diff|", _fmt(cmp.mean_abs), "", "",
+                          f"[dim]max {_fmt(cmp.max_abs)}[/]")
+
+
+def checks_table(receipt: Receipt, fold_passing_targets: bool = True) -> Table:
+    """The checks with what each observed value is, and budgets; the fp32 reference (R.*) beside A;
+    per-target checks folded into one row when they all pass."""
+    title = f"{receipt.model.name}: {receipt.trainer.backend} trainer vs {receipt.sampler.backend} sampler"
+    if receipt.injected_fault:
+        title += f" · injected fault {receipt.injected_fault}"
+    table = Table(title=escape(title))
+    for col in ("check", "measure", "observed", "", "budget", "status"):
         table.add_column(col, justify="right" if col in ("observed", "budget") else "left", no_wrap=True)
+    targets = [c for c in receipt.checks if c.id.startswith("T.")]
+    fold = fold_passing_targets and targets and all(c.status.value == "pass" for c in targets)
+    shown_reference = False
     for c in receipt.checks:
-        style = _STYLE.get(c.status.value, "")
-        table.add_row(escape(c.id), _fmt(c.observed), c.op, _fmt(c.budget), f"[{style}]{c.status.value}[/]")
+        if fold and c.id.startswith("T."):
+            continue
+        if not shown_reference and not c.id.startswith("A.parity"):
+            _reference_rows(table, receipt)
+            shown_reference = True
+        _row(table, c)
+    if fold:
+        kinds = {c.id.split(".")[1] for c in targets}
+        table.add_row(f"T.* ({len(targets)} checks)", f"{len(kinds)} targets", "", "", "", "[green]pass[/]")
     return table
 
 
@@ -78,35 +103,118 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-def result(receipt: Receipt, path: str, as_json: bool) -> None:
-    """The outcome of a run: the checks table and verdict, or the JSON summary."""
+def counts(statuses: list[str]) -> str:
+    """pytest-style counts: '35 passed, 2 failed, 1 inconclusive' (zero counts left out but 'passed')."""
+    names = (("pass", "passed"), ("fail", "failed"), ("inconclusive", "inconclusive"), ("not_reached", "not reached"))
+    parts = [f"{statuses.count(s)} {word}" for s, word in names if s == "pass" or statuses.count(s)]
+    return ", ".join(parts)
+
+
+def closing_line(receipt: Receipt, path: str, seconds: float) -> str:
+    """The last line of a run, pytest-style: 'fail: 35 passed, 2 failed in 29.1 s · receipt PATH'."""
+    verdict = receipt.verdict.value
+    error = f" ({' '.join(receipt.error.split())})" if receipt.error else ""
+    return (f"{verdict}{error}: {counts([c.status.value for c in receipt.checks])} in {seconds:.1f} s"
+            f" · receipt {path}")
+
+
+def _fault_line(receipt: Receipt) -> str | None:
+    if not receipt.injected_fault:
+        return None
+    from lora_parity.faults import FAULTS
+
+    name = receipt.injected_fault.partition("=")[0]
+    spec = FAULTS.get(name)
+    if spec is None:
+        return f"injected fault: {receipt.injected_fault}"
+    caught = f", caught by {' and '.join(spec.caught_by)}" if spec.caught_by else ""
+    return f"injected fault: {receipt.injected_fault} ({spec.description}); expected: {spec.verdict}{caught}"
+
+
+def explanations(receipt: Receipt) -> list[str]:
+    """One line per failing or inconclusive check (checks that mean the same thing share a line): the
+    observed value against its budget, what it means, and what to look at next."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    failing = not_passing(receipt.checks, reached=True)
+    ids = frozenset(c.id for c in failing)
+    for c in failing:
+        groups.setdefault((c.status.value, explain.line(c, ids)), []).append(c)
+    lines = []
+    for (status, meaning), group in groups.items():
+        c = group[0]
+        observed = f"{_fmt(c.observed)} not {c.op} {_fmt(c.budget)}" if c.observed is not None else "undefined"
+        names = ", ".join(x.id for x in group)
+        lines.append(f"{status} {names} ({explain.measure(c.id) or 'observed'} {observed}): {meaning}")
+    return lines
+
+
+def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log: str | None = None,
+           quiet: bool = False) -> None:
+    """The outcome of a run: the checks table, one line per failing check, the injected fault, and a
+    closing line; with `quiet` only the closing line; or the JSON summary."""
     if as_json:
         print_json(summary(receipt, path))
         return
-    out.print(checks_table(receipt))
+    if not quiet:
+        out.print(checks_table(receipt))
+        notes = [n for n in (_fault_line(receipt),) if n] + explanations(receipt)
+        if receipt.error:
+            notes.append(f"error: {receipt.error}")
+        for note in notes:
+            line(note)
+        if notes:
+            line(f"next: lora-parity report {path}  (worst positions, error breakdown, every comparison)")
+        if log:
+            line(f"third-party logs: {log}")
     style = _STYLE.get(receipt.verdict.value, "")
-    error = f" ({escape(receipt.error)})" if receipt.error else ""
-    out.print(f"verdict: [{style}]{receipt.verdict.value}[/]{error}")
-    err.print(f"receipt: {path}", markup=False, soft_wrap=True)
+    text = closing_line(receipt, path, seconds)
+    verdict, _, rest = text.partition(":")
+    out.print(f"[{style}]{escape(verdict)}[/]:{escape(rest)}", soft_wrap=True)
 
 
-def selftest_matrix(result: Any, as_json: bool) -> None:
-    """The fault → expected → observed → caught matrix."""
+def selftest_row(row: Any) -> str:
+    """One selftest run as rich markup: caught or not, the fault, what was observed (an expected error
+    labelled as such), the seconds it took."""
+    mark = "[green]caught[/]" if row.caught else "[red]MISSED[/]"
+    if row.fault.startswith("none"):
+        mark = "[green]  pass[/]" if row.caught else "[red]  FAIL[/]"
+    observed = row.observed
+    if row.expected_error:
+        observed = "expected error: " + observed.removeprefix("error: ")
+    elif not row.caught:
+        observed += f" (expected {row.expected})"
+    return f"  {mark} {escape(f'{row.fault:<20}')} {escape(observed)} [dim]{row.seconds:.1f} s[/]"
+
+
+def selftest_watcher(session: Any) -> Any:
+    """The selftest's `watch` callback: the live line names the running fault; each result is a line."""
+    def watch(fault: str, row: Any) -> None:
+        if row is None:
+            session.status(f"fault {fault}" if not fault.startswith("none") else "clean run")
+        else:
+            session.note(selftest_row(row))
+    return watch
+
+
+def selftest_summary(result: Any, as_json: bool, seconds: float = 0.0, log: str | None = None) -> None:
+    """After the rows printed as they ran: the repeats, the log, and one closing line."""
     if as_json:
         print_json({"ok": result.ok, "repeats": result.repeats, "identical_repeats": result.identical_repeats,
-                    "rows": [vars(r) for r in result.rows]})
+                    "rows": [{k: v for k, v in vars(r).items() if k != "seconds"} for r in result.rows]})
         return
-    table = Table(title="lora-parity selftest")
-    for col in ("fault", "expected", "observed", "caught"):
-        table.add_column(col, overflow="fold")
+    faults = [r for r in result.rows if not r.fault.startswith("none")]
+    clean = [r for r in result.rows if r.fault.startswith("none")]
     for r in result.rows:
-        table.add_row(escape(r.fault), escape(r.expected), escape(r.observed),
-                      "[green]yes[/]" if r.caught else "[red]NO[/]")
-    out.print(table)
+        if not r.caught:
+            out.print(selftest_row(r), soft_wrap=True)
     if result.repeats > 1:
         same = "bit-identical" if result.identical_repeats else "[red]NOT identical[/]"
         out.print(f"{result.repeats} clean runs: scores {same}")
-    out.print("selftest: " + ("[green]ok[/]" if result.ok else "[red]FAILED[/]"))
+    if log:
+        line(f"third-party logs: {log}")
+    verdict = "[green]selftest ok[/]" if result.ok else "[red]selftest FAILED[/]"
+    out.print(f"{verdict}: {sum(r.caught for r in clean)} of {len(clean)} clean runs passed, "
+              f"{sum(r.caught for r in faults)} of {len(faults)} faults caught in {seconds:.1f} s", soft_wrap=True)
 
 
 def print_text(text: str) -> None:

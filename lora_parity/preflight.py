@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lora_parity import config
+from lora_parity import backends, config, outpath
 from lora_parity.backends.base import PreflightOptions, SamplerBackend, TrainerBackend
 from lora_parity.checkpoint import preflight_hf_config
 from lora_parity.errors import ConfigError
+from lora_parity.faults import Faults
 from lora_parity.receipt import Reference
 
 if TYPE_CHECKING:
@@ -84,3 +85,21 @@ def service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampl
                                                         for c in (trainer_cls, sampler_cls)):
         raise ConfigError("--tinker-url and --base-model apply to the tinker backends only")
     trainer_cls.preflight(pre)
+
+
+def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
+    """Every option value that can be checked without importing a backend (torch, vLLM, transformers
+    come with the backends): backend names, --inject, --reference, --tp, an existing --out. Bad
+    input is refused in well under a second."""
+    for kind, name, table in (("trainer", opts.trainer, backends.TRAINERS), ("sampler", opts.sampler,
+                                                                            backends.SAMPLERS)):
+        if name not in table:
+            raise ConfigError(f"unknown {kind} backend {name!r}; choose from {', '.join(sorted(table))}")
+    Faults(opts.inject, list(cfg.adapter.targets), 1, cfg.budgets.mean, opts.sync,
+           sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
+    if opts.reference is not None and opts.reference not in REFERENCES:
+        raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
+    if opts.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
+    if opts.out is not None:
+        outpath.check_writable(opts.out, opts.force)

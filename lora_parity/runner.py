@@ -170,6 +170,7 @@ def prepare(opts: RunOptions) -> Plan:
     from lora_parity import plan as launch_plan
 
     launch_plan.preflight(cfg, opts.trainer, opts.sampler)
+    preflight.check_options(opts, cfg)
     start = time.perf_counter()
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start

@@ -7,13 +7,14 @@ from zero-init B and uses adapter ids no earlier run used, so runs cannot see ea
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lora_parity.faults import Faults, faults_for
+from lora_parity.faults import FAULTS, Faults, faults_for
 from lora_parity.receipt import CheckStatus, PhaseStatus, Receipt, Verdict
-from lora_parity.runner import Backends, RunOptions, prepare, run_once
+from lora_parity.runner import Backends, Plan, RunOptions, prepare, run_once
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,17 @@ class Row:
     observed: str
     caught: bool
     receipt: str
+    seconds: float = 0.0
+    """Wall time of this run."""
+
+    @property
+    def expected_error(self) -> bool:
+        """The fault is meant to end the run in an error (nan, crash-at), and it did."""
+        return self.caught and self.expected.startswith("error")
+
+
+Watch = Callable[[str, "Row | None"], None]
+"""Called with (fault, None) when a run starts and (fault, row) when it ends ('none' is the clean run)."""
 
 
 @dataclass
@@ -72,13 +84,24 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
     return expected, observed, caught
 
 
+def plan_for(plan: Plan, fault: str) -> Plan:
+    """The plan of one fault's run: per-target coverage only for a fault that a per-target check must
+    catch or must let pass (drop-target); for the others it adds minutes to the selftest and no
+    evidence about the fault (the clean runs keep it, so every T.* check is still shown to pass)."""
+    spec = FAULTS[fault.partition("=")[0]]
+    if not plan.opts.per_target or any(c.startswith("T.") for c in spec.caught_by + spec.must_pass):
+        return plan
+    return replace(plan, opts=replace(plan.opts, per_target=False))
+
+
 def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
              progress: Callable[[str, str, float], None] | None = None,
-             faults: list[str] | None = None) -> SelftestResult:
+             faults: list[str] | None = None, watch: Watch | None = None) -> SelftestResult:
     """Run the clean run (`repeat` times) and every fault that applies to the sync mode and the
     sampler (with vllm-server, the serving-layer faults too; or only `faults`); write each receipt
-    into `out_dir`."""
+    into `out_dir`; `watch` hears of each run as it starts and ends."""
     say = progress or (lambda phase, status, seconds: None)
+    tell: Watch = watch or (lambda fault, row: None)
     plan = prepare(opts)
     folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -90,9 +113,13 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
         first_scores = None
         for i in range(max(1, repeat)):
             path = folder / (f"clean-{i:02d}.json" if repeat > 1 else "clean.json")
+            name = "none" if repeat == 1 else f"none #{i + 1}"
+            tell(name, None)
+            t0 = time.perf_counter()
             receipt = run_once(plan, loaded, None, path, True, say).receipt
             expected, observed, caught = judge(None, receipt, set(), set(), targets, n)
-            result.rows.append(Row("none" if repeat == 1 else f"none #{i + 1}", expected, observed, caught, str(path)))
+            result.rows.append(Row(name, expected, observed, caught, str(path), time.perf_counter() - t0))
+            tell(name, result.rows[-1])
             if first_scores is None:
                 first_scores = receipt.scores
             elif receipt.scores != first_scores:
@@ -102,10 +129,13 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
             path = folder / f"fault-{fault.replace('=', '-')}.json"
             path.unlink(missing_ok=True)
             before = {p.name for p in folder.iterdir()}
-            receipt = run_once(plan, loaded, fault, path, True, say).receipt
+            tell(fault, None)
+            t0 = time.perf_counter()
+            receipt = run_once(plan_for(plan, fault), loaded, fault, path, True, say).receipt
             after = {p.name for p in folder.iterdir()}
             expected, observed, caught = judge(fault, receipt, before, after, targets, n)
-            result.rows.append(Row(fault, expected, observed, caught, str(path)))
+            result.rows.append(Row(fault, expected, observed, caught, str(path), time.perf_counter() - t0))
+            tell(fault, result.rows[-1])
     finally:
         loaded.close()
     return result

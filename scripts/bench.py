@@ -3,12 +3,17 @@
 Each run is a separate `lora-parity run` process (engine start included), timed from outside;
 per-phase times come from the receipts. "Overhead" is the wall time that is not engine start,
 model load or a scoring pass (forward passes); the target is <= 10 % of the wall time.
+
+`--selftest` times `lora-parity selftest` instead (fresh processes, median; target <= 60 s on 2
+cores). `--against DIR` alternates every run with the same run of the code in DIR (another checkout,
+put first on PYTHONPATH), so that before and after are measured in one sitting on a noisy machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,13 +27,21 @@ ENGINE_AND_LOAD = ("backends.import", "sampler.import", "sampler.start", "sample
                    "model.materialize")
 
 
-def _run(args: argparse.Namespace, probes: str, out: Path) -> tuple[float, dict[str, Any]] | None:
+def _env(code: str | None) -> dict[str, str]:
+    """The environment of a run of the code in `code` (a checkout), or of this one."""
+    if code is None:
+        return dict(os.environ)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([code, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _run(args: argparse.Namespace, probes: str, out: Path,
+         code: str | None = None) -> tuple[float, dict[str, Any]] | None:
     cmd = [sys.executable, "-m", "lora_parity", "run", "--out", str(out), "--json", "--sync", args.sync,
            "--probes", probes]
     if args.model:
         cmd += ["--model", args.model]
     start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code))
     wall = time.perf_counter() - start
     if res.returncode not in (0, 1) or not out.is_file():  # 1: a verdict other than pass, still timed
         print(res.stderr[-3000:], file=sys.stderr)
@@ -65,6 +78,38 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
     print(f"  verdicts: {', '.join(r['verdict'] for r in receipts)}")
 
 
+def _selftest(args: argparse.Namespace, tmp: str, code: str | None, i: int) -> float | None:
+    cmd = [sys.executable, "-m", "lora_parity", "selftest", "--json", "--out-dir", str(Path(tmp) / f"st-{i}")]
+    if args.model:
+        cmd += ["--model", args.model]
+    start = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code))
+    wall = time.perf_counter() - start
+    if res.returncode != 0:
+        print(res.stdout[-2000:] + res.stderr[-2000:], file=sys.stderr)
+        print(f"bench: selftest exited {res.returncode}", file=sys.stderr)
+        return None
+    return wall
+
+
+def bench_selftest(args: argparse.Namespace) -> int:
+    """Median wall time of `lora-parity selftest` in fresh processes (alternating with --against)."""
+    codes: list[str | None] = [None] + ([args.against] if args.against else [])
+    walls: dict[str | None, list[float]] = {c: [] for c in codes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            for j, code in enumerate(codes):
+                wall = _selftest(args, tmp, code, 2 * i + j)
+                if wall is None:
+                    return 1
+                walls[code].append(wall)
+    for code in codes:
+        runs = ", ".join(f"{w:.1f}" for w in walls[code])
+        print(f"lora-parity bench: selftest{f' ({code})' if code else ''}: median "
+              f"{statistics.median(walls[code]):.1f} s of {args.runs} fresh processes (target <= 60 s); runs: {runs}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
@@ -73,7 +118,14 @@ def main() -> int:
     parser.add_argument("--probes", default="default",
                         help="probe sets, comma-separated, e.g. default,default-x10: runs alternate between them "
                              "and the median wall time of each is compared with the first's")
+    parser.add_argument("--selftest", action="store_true", help="time `lora-parity selftest` instead of `run`")
+    parser.add_argument("--against", default=None, metavar="DIR",
+                        help="alternate each run with the same run of the code in DIR (another checkout)")
     args = parser.parse_args()
+    if args.selftest:
+        return bench_selftest(args)
+    if args.against:
+        return bench_against(args)
     sets = args.probes.split(",")
     walls: dict[str, list[float]] = {p: [] for p in sets}
     receipts: dict[str, list[dict[str, Any]]] = {p: [] for p in sets}
@@ -91,6 +143,23 @@ def main() -> int:
     for probes in sets[1:]:
         print(f"wall time {probes} / {sets[0]}: {med(walls[probes]) / med(walls[sets[0]]):.2f}x "
               f"(medians of {args.runs}, same invocation)")
+    return 0
+
+
+def bench_against(args: argparse.Namespace) -> int:
+    """The default run, alternating between this code and the code in --against: both medians."""
+    walls: dict[str, list[float]] = {"this": [], args.against: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            for j, code in enumerate(("this", args.against)):
+                result = _run(args, args.probes.split(",")[0], Path(tmp) / f"a-{i}-{j}.json",
+                              None if code == "this" else code)
+                if result is None:
+                    return 1
+                walls[code].append(result[0])
+    for code, values in walls.items():
+        print(f"lora-parity bench: run ({code}): median {statistics.median(values):.2f} s of {args.runs}; "
+              f"runs: {', '.join(f'{w:.2f}' for w in values)}")
     return 0
 
 

@@ -206,7 +206,7 @@ def test_markup_in_paths_is_printed_literally(tmp_path: Path) -> None:
     out = folder / "b]c[red]:thumbs_up:.json"  # "[/b]", "c[red]" and an emoji code, all literal
     res = cli("run", "--trainer", "fake", "--sampler", "fake", "--no-per-target", "--out", str(out))
     assert res.returncode == 0, res.stderr
-    assert f"receipt: {out}" in res.stderr
+    assert f"receipt {out}" in res.stdout
     res = cli("verify", str(out))
     assert res.returncode == 0 and "MarkupError" not in res.stderr
     assert f"{out}: intact" in res.stdout

@@ -1,0 +1,102 @@
+"""What a failing or inconclusive check means, and what to look at next: one line per check, for people.
+
+A table from check id prefix to (what the observed number is, what the failure means and where to
+look). The longest matching prefix wins; `{target}` is filled with the T.* target name. An id with
+no entry (a check added later) falls back to the check's own reason, so every check explains itself.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class CheckLike(Protocol):
+    """What `line` reads from a receipt check."""
+
+    id: str
+    reason: str
+
+
+# prefix -> what the failure means, and what to look at next
+EXPLAIN: dict[str, str] = {
+    "A.parity": "at zero-init the sampler and the trainer already disagree on the base model: look at the "
+                "token alignment (prompt_logprobs[1:] vs forward), the dtype and the kernels, before any sync",
+    "A.noise": "the same side scores the same state differently twice: nondeterministic kernels or batching; "
+               "fix the seed/batch invariance before trusting any other check",
+    "A.zero_adapter_noop": "publishing the zero-init adapter changed the sampler's scores: B is not zero in "
+                           "the exported adapter, or the sampler applies the wrong weights",
+    "B.withheld": "the sampler saw the update before it was synced: it reads the trainer's live weights or a "
+                  "folder written too early, so a stale sampler would go unnoticed",
+    "B.stimulus": "the update is too small to tell a synced sampler from a stale one: raise the perturbation "
+                  "(the config's perturbation.std) or check that the trainer applied its update",
+    "C.parity": "the synced sampler still gives the stale scores, so the new adapter never reached the engine: "
+                "check the sync step (the adapter path, name and id it loads, the in-place reload flag)",
+    "C.noise": "the sampler scores the synced adapter differently twice: the adapter is swapped or reloaded "
+               "between requests",
+    "C.moved.sampler": "the sampler did not change after the sync, so the update did not reach it: the sync "
+                       "was skipped, or the sampler reused a cached adapter under the old name or id",
+    "C.moved.trainer": "the trainer did not change after its update: the perturbation was not applied",
+    "C.delta.cosine": "the sampler moved in another direction than the trainer: a sign flip (negated B), "
+                      "transposed or swapped A/B, or a missing target module",
+    "C.delta.scale": "the sampler moved by another amount than the trainer (the observed value is the scale "
+                     "error |scale-1|): look at lora_alpha / r (scaling), rsLoRA, or a dropped target",
+    "C.delta.rel_l2": "the sampler's change differs from the trainer's: a partial or wrong adapter reached "
+                      "the sampler; see the per-target checks T.* to find which module",
+    "T.": "target {target} alone does not reach the sampler as the trainer applies it: check that module's "
+          "name mapping and tensors in the exported adapter",
+    "S.trainer_kept": "querying an old sampling client changed the trainer's weights: the client shares state "
+                      "with the trainer",
+    "R.": "the fp32 reference comparison (informational)",
+}
+
+# suffix of a check id -> what its observed number is
+MEASURE: dict[str, str] = {
+    "parity.mean": "mean |diff|",
+    "parity.p99": "p99 |diff|",
+    "parity.max": "max |diff|",
+    "repeat": "max |repeat diff|",
+    "zero_adapter_noop": "max |diff|",
+    "withheld": "max |stale-zero|",
+    "stimulus": "mean |diff|",
+    "moved.sampler": "mean |change|",
+    "moved.trainer": "mean |change|",
+    "moved": "‖Δsampler‖",
+    "cosine": "cosine",
+    "scale": "|scale-1|",
+    "rel_l2": "rel L2",
+    "kept": "max |diff|",
+}
+
+
+def measure(check_id: str) -> str:
+    """What the observed number of `check_id` is ('|scale-1|' for a scale check), or '' if unknown."""
+    for suffix, label in MEASURE.items():
+        if check_id.endswith(suffix):
+            return label
+    return ""
+
+
+def meaning(check_id: str) -> str | None:
+    """What a failure of `check_id` means and where to look next, or None for an id the table lacks."""
+    matches = [p for p in EXPLAIN if check_id.startswith(p)]
+    if not matches:
+        return None
+    text = EXPLAIN[max(matches, key=len)]
+    target = check_id.split(".")[1] if check_id.startswith("T.") and check_id.count(".") >= 2 else ""
+    return text.format(target=target)
+
+
+# prefix -> (the check whose failure causes it, the line that says so): shown instead of the meaning
+CONSEQUENCES: dict[str, tuple[str, str]] = {
+    "C.delta.": ("C.moved.sampler", "follows from C.moved.sampler: a sampler that did not move has no direction "
+                                    "or size of change to compare"),
+}
+
+
+def line(check: CheckLike, failing: frozenset[str] = frozenset()) -> str:
+    """One line for a failing or inconclusive check: its meaning (or its own reason for an unknown id);
+    where it only follows from another failing check in `failing`, that."""
+    for prefix, (cause, text) in CONSEQUENCES.items():
+        if check.id.startswith(prefix) and cause in failing:
+            return text
+    return meaning(check.id) or check.reason
