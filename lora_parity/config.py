@@ -189,6 +189,9 @@ class ProbeSpec(_Cfg):
 class SamplerSpec(_Cfg):
     """Engine settings for the vLLM sampler."""
 
+    batch_invariant: bool = True
+    """Batch-invariant kernels on CUDA where the build has them (`--no-batch-invariant` turns them off
+    for one run); false for a model whose attention has no batch-invariant backend (vLLM 0.26: MLA)."""
     max_model_len: int = 512
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True

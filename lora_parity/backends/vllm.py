@@ -81,7 +81,7 @@ def batch_invariant_support() -> str | None:
 def _batch_invariant_environment(wanted: bool) -> str:
     """Set VLLM_BATCH_INVARIANT before the engine starts (a value the user set wins); the receipt's
     words for the outcome."""
-    why_not = batch_invariant_support() if wanted else "--no-batch-invariant"
+    why_not = batch_invariant_support() if wanted else "--no-batch-invariant or the config's sampler.batch_invariant"
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1" if why_not is None else "0")
     on = os.environ["VLLM_BATCH_INVARIANT"].strip() not in ("", "0")
     if on == (why_not is None):
@@ -99,7 +99,7 @@ class VLLMSampler(SamplerBackend):
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.cuda = _has_cuda()
-        self.batch_invariant = _batch_invariant_environment(batch_invariant)
+        self.batch_invariant = _batch_invariant_environment(batch_invariant and cfg.sampler.batch_invariant)
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
         else:

@@ -106,11 +106,14 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
     return argv
 
 
-def server_env(cfg: ModelConfig, cuda: bool) -> dict[str, str]:
-    """The environment of the server: runtime LoRA updating allowed, and on the CPU the in-process
-    sampler's settings (every core bound, none reserved, an explicit KV cache size). The server keeps
-    its engine in a process of its own (the V1 default)."""
+def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> dict[str, str]:
+    """The environment of the server: runtime LoRA updating allowed; on CUDA batch-invariant kernels
+    (`VLLM_BATCH_INVARIANT=1`, as the in-process sampler; a value the user set wins); on the CPU the
+    in-process sampler's settings (every core bound, none reserved, an explicit KV cache size). The
+    server keeps its engine in a process of its own (the V1 default)."""
     env = dict(os.environ)
+    if cuda and batch_invariant and cfg.sampler.batch_invariant:
+        env.setdefault("VLLM_BATCH_INVARIANT", "1")
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if not cuda:
@@ -145,11 +148,12 @@ class VLLMServerSampler(SamplerBackend):
                options: BackendOptions) -> Self:
         """Start a server for the run, or attach to `options.sampler_url`."""
         return cls(cfg, model_dir, timings, url=options.sampler_url, api_key_env=options.api_key_env,
-                   shared_dir=options.shared_dir)
+                   shared_dir=options.shared_dir, batch_invariant=options.batch_invariant)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], *,
-                 url: str | None = None, api_key_env: str | None = None, shared_dir: Path | None = None) -> None:
-        self.cfg, self.timings = cfg, timings
+                 url: str | None = None, api_key_env: str | None = None, shared_dir: Path | None = None,
+                 batch_invariant: bool = True) -> None:
+        self.cfg, self.timings, self.batch_invariant = cfg, timings, batch_invariant
         self.api_key = os.environ.get(api_key_env) if api_key_env else None
         # A folder of this sampler's own under --shared-dir: runs never overwrite each other's adapters.
         self.shared_dir = Path(tempfile.mkdtemp(prefix="lora-parity-", dir=shared_dir)) if shared_dir else None
@@ -174,7 +178,8 @@ class VLLMServerSampler(SamplerBackend):
             raise ConfigError("the vllm-server sampler needs a checkpoint to serve")
         port = int(os.environ.get("LORA_PARITY_VLLM_SERVER_PORT") or free_port())
         self.server = ServerProcess(server_argv(self.cfg, Path(model_dir), port, self.cuda),
-                                    server_env(self.cfg, self.cuda), port, START_TIMEOUT_S)
+                                    server_env(self.cfg, self.cuda, self.batch_invariant), port,
+                                    START_TIMEOUT_S)
         start = time.perf_counter()
         self.server.start()
         self.timings["sampler.start"] = time.perf_counter() - start
@@ -279,6 +284,7 @@ class VLLMServerSampler(SamplerBackend):
             "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter",
         }
         if self.server is not None:
+            settings["batch_invariant"] = self.server.env.get("VLLM_BATCH_INVARIANT", "unset")
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
         versions: dict[str, str] = {}
         try:
