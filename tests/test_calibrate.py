@@ -241,7 +241,7 @@ def test_vllm_fp32_on_cuda_refusal_is_a_preflight_error(monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize(("wanted", "why_not", "user", "env", "said"), [
     (True, None, None, "1", "on"),
-    (False, None, None, "0", "off (--no-batch-invariant)"),
+    (False, None, None, "0", "off (--no-batch-invariant or the config's sampler.batch_invariant)"),
     (True, "not on CUDA", None, "0", "off (not on CUDA)"),
     (True, None, "0", "0", "off (VLLM_BATCH_INVARIANT=0 set by the user)"),
     (True, "not on CUDA", "1", "1", "on (VLLM_BATCH_INVARIANT=1 set by the user)"),
