@@ -175,7 +175,10 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail", sync=Leak),
     FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B", ("A.zero_adapter_noop",), "fail",
               modes=ADAPTER_MODES, rewrites_files=True),
-    FaultSpec("misalign", "sampler scores shifted by one position", ("A.parity.mean",), "fail"),
+    # A.parity.max: under the bf16 profile a shifted sampler is also far from the fp32 reference, so
+    # A's triangulated mean budget widens with it (A.fp32.sampler.* fail instead); the max ceiling
+    # is absolute in every profile (seen on the H200 selftest of SmolLM2-135M bf16).
+    FaultSpec("misalign", "sampler scores shifted by one position", ("A.parity.max",), "fail"),
     FaultSpec("nan", "the sampler returns NaN at one position", (), "error"),
     FaultSpec("same-name-no-inplace", "sync reloads under the same name without load_inplace and does not read "
               "the server's reply", ("C.parity.mean",), "fail", modes=ADAPTER_MODES, sync=SameNameNoInplace,

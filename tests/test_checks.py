@@ -145,22 +145,20 @@ def test_per_target_wrong_direction_above_noise_still_fails() -> None:
 
 
 def test_the_gpu_glm_receipts_query_targets_are_within_noise() -> None:
-    """The committed GLM-5.3-architecture GPU receipt fails T.q_a_proj / T.q_b_proj on direction
-    (recorded before min_target_snr existed); under the SNR budget those become inconclusive, and
-    the targets with a clear effect (kv_a_proj_with_mqa, o_proj) still pass."""
+    """The GLM-5.3-architecture GPU receipt (bf16 profile): the query projections' own effect is about
+    the size of the zero-init noise, so their direction and scale are inconclusive (not failures);
+    the targets with a clear effect (kv_a_proj_with_mqa, o_proj) pass; re-evaluating reproduces it."""
     from lora_parity.receipt import load
 
     from .conftest import ROOT
 
     receipt = load(ROOT / "receipts" / "tiny-glm-dsa__hf__vllm__h200.json")[0]
-    recorded = {c.id: c.status for c in receipt.checks}
-    assert recorded["T.q_a_proj.cosine"] == CheckStatus.FAIL
-    budgets = receipt.budgets.model_copy(update={"min_target_snr": 3.0})
-    status = by_id(checks.evaluate(receipt.scores, budgets, errored=False))
-    for kind in ("q_a_proj", "q_b_proj"):
-        assert status[f"T.{kind}.cosine"] == CheckStatus.INCONCLUSIVE
-    for kind in ("kv_a_proj_with_mqa", "o_proj"):
-        assert status[f"T.{kind}.cosine"] == CheckStatus.PASS and status[f"T.{kind}.scale"] == CheckStatus.PASS
+    for status in ({c.id: c.status for c in receipt.checks},
+                   by_id(checks.evaluate(receipt.scores, receipt.budgets, errored=False))):
+        for kind in ("q_a_proj", "q_b_proj"):
+            assert status[f"T.{kind}.cosine"] == CheckStatus.INCONCLUSIVE
+        for kind in ("kv_a_proj_with_mqa", "o_proj"):
+            assert status[f"T.{kind}.cosine"] == CheckStatus.PASS and status[f"T.{kind}.scale"] == CheckStatus.PASS
 
 
 def test_budgets_must_be_ordered() -> None:

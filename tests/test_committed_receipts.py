@@ -31,9 +31,9 @@ EXPECTED_NOT_PASSING = {
     "qwen3-8b-synth__megatron-tp2__vllm__h200.json",
     "qwen3-8b-synth.held-out__megatron-tp2__vllm__h200.json",
     "qwen3-8b-synth__megatron__hf__h200.json",
-    # GLM-5.3's architecture on vLLM 0.26 (GPU): A and C pass, but per-target coverage of the two
-    # query projections fails on direction and scale; their effect alone is about the size of the
-    # bf16 disagreement (README, "GLM-5.3 and MoE").
+    # GLM-5.3's architecture on vLLM 0.26 (GPU), bf16 profile: A passes against the fp32 reference
+    # and C's mean returns to A's level, but C's tail does not (p99 0.195, max 0.44 against A's 0.046
+    # and 0.049): a finding, not yet explained (router flips after the update are the first suspect).
     "tiny-glm-dsa__hf__vllm__h200.json",
 }
 

@@ -30,10 +30,14 @@ class EvidenceRow:
 
 
 def model_input(receipt: Receipt) -> str:
-    """'tiny-qwen3, held-out (hf → vllm, cpu)': model, a non-default probe set, an injected fault,
+    """'tiny-qwen3, held-out (hf → vllm, cpu)': model, a non-default probe set or source, an injected fault,
     then trainer → sampler and the device."""
     parts = [receipt.model.name]
-    if receipt.probes.set != "default":
+    source = receipt.probes.source
+    if source is not None and source.kind != "random":
+        default = receipt.probes.set == "default"
+        parts.append(f"{source.kind} probes" if default else f"{source.kind} {receipt.probes.set}")
+    elif receipt.probes.set != "default":
         parts.append(receipt.probes.set)
     if receipt.injected_fault:
         parts.append(f"injected {receipt.injected_fault}")
