@@ -138,7 +138,7 @@ def run(
                       shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter)
     start = time.perf_counter()
     lean.skip_unused_imports()
-    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts))
+    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts, session)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
@@ -167,8 +167,12 @@ def _execute_interruptible(opts: Any, session: Any) -> Any:
             with session:  # left (output restored) before an interrupt is reported below
                 return execute(opts, progress=session.progress, process_exiting=True)
         except RunInterrupted as e:
-            output.error(f"{e}; receipt {e.result.path} (verdict error, `lora-parity verify` exits 1 on it)")
+            log = session.keep_log(Path(e.result.path))  # beside the receipt: nothing left in the temp dir
+            output.error(f"{e}; receipt {e.result.path} (verdict error, `lora-parity verify` exits 1 on it)"
+                         + (f"; third-party logs {log}" if log else ""))
         except KeyboardInterrupt as e:  # before the run started: nothing loaded, nothing written
+            if session.log is not None:
+                session.log.unlink(missing_ok=True)
             output.error(f"{interrupt.describe(e)} before the run started; no receipt")
     raise typer.Exit(interrupt.exit_code())
 

@@ -50,8 +50,11 @@ class Session:
     shows progress; `progress` is the phase callback the runner takes; `note` prints one line above
     the live line."""
 
-    def __init__(self, mode: str, first_line: str) -> None:
+    def __init__(self, mode: str, first_line: str, phase_lines: bool = False) -> None:
         self.mode = mode
+        self.phase_lines = phase_lines
+        """Where no live line can be drawn (output to a file or pipe), print a plain line per phase:
+        a CI log of `run` still shows how far a run got."""
         self.first_line = first_line
         fd, name = tempfile.mkstemp(prefix="lora-parity-", suffix=".log")
         os.close(fd)
@@ -101,12 +104,14 @@ class Session:
             self._terminal = None
         if exc is not None:  # no receipt to put the log beside: drop it if empty, else say where it is
             log = self.keep_log(None)
-            if log is not None and not isinstance(exc, LoraParityError):
+            if log is not None and not isinstance(exc, (LoraParityError, KeyboardInterrupt)):
                 output.hint(f"third-party logs: {log}")
 
     def progress(self, phase: str, status: str, seconds: float) -> None:
-        """The runner's phase callback: a line per phase (verbose) or the live line's text."""
-        if self.mode == "verbose":
+        """The runner's phase callback: a line per phase (verbose, or normal output to a file or pipe,
+        where a live line cannot be drawn: CI logs still show where a run is), else the live line's text."""
+        plain = self.phase_lines and self.mode == "normal" and self._live is None and self._saved is not None
+        if self.mode == "verbose" or plain:
             output.progress(phase, status, seconds)
             return
         self._ticker.text = f"{self.first_line} · {phase} {'done' if status == 'ok' else status}"
