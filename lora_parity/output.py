@@ -148,6 +148,20 @@ def explanations(receipt: Receipt) -> list[str]:
     return lines
 
 
+def _verdicts_line(receipt: Receipt) -> str | None:
+    """'sync: fail (C.parity.mean, ...) · numerics: pass': which half of the verdict failed, and on what."""
+    if receipt.verdicts is None or receipt.verdict.value == "pass":
+        return None
+    parts = []
+    for name, group in (("sync", receipt.verdicts.sync), ("numerics", receipt.verdicts.numerics)):
+        ids = group.decided_by
+        shown = ", ".join(ids[:3]) + (f" (+{len(ids) - 3} more)" if len(ids) > 3 else "")
+        failing = group.verdict.value != "pass" and shown
+        parts.append(f"{name}: {group.verdict.value}" + (f" ({shown})" if failing else ""))
+    return (" · ".join(parts) + " - sync judges the LoRA path (B, C, per-target), numerics the zero-init "
+            "agreement (A, the fp32 reference)")
+
+
 def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log: str | None = None,
            quiet: bool = False) -> None:
     """The outcome of a run: the checks table, one line per failing check, the injected fault, and a
@@ -157,7 +171,7 @@ def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log
         return
     if not quiet:
         out.print(checks_table(receipt))
-        notes = [n for n in (_fault_line(receipt),) if n] + explanations(receipt)
+        notes = [n for n in (_fault_line(receipt), _verdicts_line(receipt)) if n] + explanations(receipt)
         if receipt.error:
             notes.append(f"error: {receipt.error}")
         for note in notes:

@@ -216,3 +216,17 @@ def test_opentelemetry_is_kept_out_unless_tracing_is_configured() -> None:
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
                          env={**env, "PYTHONPATH": str(ROOT), "OTEL_SERVICE_NAME": "x"}, timeout=60)
     assert res.stdout.split()[0] == "[]"
+
+
+@pytest.mark.unit
+def test_a_failing_run_says_which_verdict_failed_and_on_what(tmp_path: Path) -> None:
+    from lora_parity.runner import RunOptions, execute
+
+    skipped = execute(RunOptions(trainer="fake", sampler="fake", inject="skip-sync", out=tmp_path / "s.json")).receipt
+    said = output._verdicts_line(skipped)
+    assert said is not None and said.startswith("sync: fail (C.parity.mean") and "numerics: pass" in said
+    token = execute(RunOptions(trainer="fake", sampler="fake", inject="one-token", out=tmp_path / "t.json")).receipt
+    said = output._verdicts_line(token)
+    assert said is not None and "numerics: fail (A.parity.max" in said  # (C.parity.max too: every scoring is off)
+    clean = execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "c.json")).receipt
+    assert output._verdicts_line(clean) is None
