@@ -137,7 +137,7 @@ def run(
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter)
     start = time.perf_counter()
-    lean.skip_unused_imports()
+    lean.skip_unused_imports(opts.trainer, opts.sampler)
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts, session)
@@ -241,7 +241,7 @@ def selftest(
     from lora_parity.runner import RunInterrupted
 
     start = time.perf_counter()
-    lean.skip_unused_imports()
+    lean.skip_unused_imports(opts.trainer, opts.sampler)
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts, "selftest"))
     with interrupt.handle_signals():
         try:

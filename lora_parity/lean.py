@@ -13,14 +13,17 @@ import os
 import sys
 
 SKIPPED = ("opentelemetry",)
+NEEDED_BY = {"tinker": ("opentelemetry",)}
+"""Backends that import a SKIPPED library themselves (the tinker SDK's HTTP client reports metrics)."""
 
 
-def skip_unused_imports() -> list[str]:
-    """Mark the optional libraries in SKIPPED absent for this process, unless an OTEL_* variable is set or
-    they are already imported; return the names marked."""
+def skip_unused_imports(*backend_names: str) -> list[str]:
+    """Mark the optional libraries in SKIPPED absent for this process, unless an OTEL_* variable is set,
+    they are already imported, or one of the run's backends needs them; return the names marked."""
     if any(name.startswith("OTEL_") for name in os.environ):
         return []
-    marked = [name for name in SKIPPED if name not in sys.modules]
+    needed = {lib for name in backend_names for lib in NEEDED_BY.get(name, ())}
+    marked = [name for name in SKIPPED if name not in sys.modules and name not in needed]
     for name in marked:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError
     return marked

@@ -216,6 +216,11 @@ def test_opentelemetry_is_kept_out_unless_tracing_is_configured() -> None:
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
                          env={**env, "PYTHONPATH": str(ROOT), "OTEL_SERVICE_NAME": "x"}, timeout=60)
     assert res.stdout.split()[0] == "[]"
+    # The tinker SDK's HTTP client imports it: a run with a tinker backend keeps it.
+    tinker = probe.replace("skip_unused_imports()", "skip_unused_imports('tinker', 'vllm')")
+    res = subprocess.run([sys.executable, "-c", tinker], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert res.stdout.split() == ["[]", "imported"]
 
 
 @pytest.mark.unit
