@@ -234,10 +234,3 @@ def checkpoint_tokenizer(cfg: ModelConfig, kind: str = "text") -> tuple[Tokenize
         return list(tok.encode(text, add_special_tokens=False).ids)
 
     return tokenize, f"tokenizer.json sha256 {digest}"
-
-
-def checkpoint_vocab(cfg: ModelConfig) -> int:
-    """The vocabulary size (`checkpoint.vocab_size`: a GGUF config's checkpoint is built on first use)."""
-    from lora_parity.checkpoint import vocab_size
-
-    return vocab_size(cfg)
