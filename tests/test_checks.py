@@ -145,14 +145,14 @@ def test_per_target_wrong_direction_above_noise_still_fails() -> None:
 
 
 def test_the_gpu_glm_receipts_query_targets_are_within_noise() -> None:
-    """The GLM-5.3-architecture GPU receipt (bf16 profile): the query projections' own effect is about
+    """The GLM-5.3-architecture GPU receipt with the fixed std 0.02 (bf16 profile): the query projections' own effect is about
     the size of the zero-init noise, so their direction and scale are inconclusive (not failures);
     the targets with a clear effect (kv_a_proj_with_mqa, o_proj) pass; re-evaluating reproduces it."""
     from lora_parity.receipt import load
 
     from .conftest import ROOT
 
-    receipt = load(ROOT / "receipts" / "tiny-glm-dsa__hf__vllm__h200.json")[0]
+    receipt = load(ROOT / "receipts" / "tiny-glm-dsa.std-0.02__hf__vllm__h200.json")[0]
     for status in ({c.id: c.status for c in receipt.checks},
                    by_id(checks.evaluate(receipt.scores, receipt.budgets, errored=False))):
         for kind in ("q_a_proj", "q_b_proj"):
