@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_parity import checks, stats
+from lora_parity import checks, routing, stats
 from lora_parity import receipt as rc
 from lora_parity.errors import ReceiptError, ScoreError
 from lora_parity.runner import RunOptions, execute
@@ -56,6 +56,29 @@ def test_topk_agreement_hand_computed() -> None:
     with pytest.raises(ScoreError, match="MoE layers"):
         stats.topk_agreement([[[[1], [2]]]], [[[[1]]]])
 
+
+
+@unit
+def test_topk_margin_hand_computed() -> None:
+    # GLM's near tie (docs/glm-moe.md): the 2nd and 3rd experts 0.4830676 vs 0.4830661, top-2.
+    scores = [0.31, 0.4830661, 0.9, 0.4830676, 0.1]
+    assert routing.topk_margin(scores, 2) == pytest.approx(0.4830676 - 0.4830661, abs=1e-12)
+    assert routing.topk_margin(scores, 1) == pytest.approx(0.9 - 0.4830676)
+    assert routing.topk_margin(scores, 4) == pytest.approx(0.31 - 0.1)
+    # A tie is margin 0, whatever the order; a negative score (a correction bias) ranks like any other.
+    assert routing.topk_margin([0.5, -0.2, 0.5], 1) == 0.0
+    assert routing.topk_margin([-0.3, -0.1, -0.2], 2) == pytest.approx(0.1)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=r"top_k must be in 1\.\.2, got"):
+            routing.topk_margin([0.1, 0.2, 0.3], bad)
+
+
+@unit
+def test_margin_ranks_hand_computed() -> None:
+    margins = [0.3, 0.01, 0.2, 0.01, 0.5]
+    # 1 = the smallest; the two tied smallest both rank 1, the next ranks 3.
+    assert routing.margin_ranks(margins, [4, 1, 3, 2, 0]) == [5, 1, 1, 3, 4]
+    assert routing.margin_ranks(margins, []) == []
 
 # ---------- unit: the receipt, on the fake backends ----------
 
