@@ -226,10 +226,48 @@ def excluded_tail(r: StateResult, bound: float) -> str:
     return f"margin >= {bound:.1e}: {len(kept)} kept, {_tail(kept)}; {excluded}"
 
 
-def _states(cfg: config.ModelConfig) -> list[tuple[str, str | None, str, str]]:
-    states = [("A zero-init", "zero", "zero", "trainer_zero"), ("C updated", None, "updated", "trainer_updated")]
-    return states + [(f"T {kind}", kind, f"target.{kind}.sampler", f"target.{kind}.trainer")
-                     for kind in cfg.adapter.targets]
+def states(cfg: config.ModelConfig) -> list[tuple[str, str | None, str, str]]:
+    """(label, the update's target: None every one, "zero" none; the receipt's sampler and trainer
+    score keys) of each adapter state the receipt compared."""
+    out = [("A zero-init", "zero", "zero", "trainer_zero"), ("C updated", None, "updated", "trainer_updated")]
+    return out + [(f"T {kind}", kind, f"target.{kind}.sampler", f"target.{kind}.trainer")
+                  for kind in cfg.adapter.targets]
+
+
+@dataclass
+class Rebuilt:
+    """The receipt's HF trainer, rebuilt on the CPU."""
+
+    cfg: config.ModelConfig
+    trainer: HFTrainer
+    sequences: list[list[int]]
+    top_k: int
+    receipt: dict[str, Any]
+
+
+def rebuild(model: str, receipt: dict[str, Any]) -> Rebuilt:
+    """The config's checkpoint, probes and seeded trainer; refuses if they are not the receipt's."""
+    cfg = config.load(model)
+    model_dir = synthetic.materialize(cfg)
+    if weights_digest(model_dir) != receipt["model"]["weights_digest"]:
+        raise SystemExit("the checkpoint rebuilt here is not the receipt's (weights digest differs)")
+    sequences = probe_sources.make(cfg, receipt["probes"]["set"], lambda: vocab_size(cfg)).sequences
+    if sequences != receipt["probes"]["sequences"]:
+        raise SystemExit("the probes rebuilt here are not the receipt's")
+    trainer = HFTrainer(cfg, model_dir, receipt["perturbation"]["seed"], {})
+    return Rebuilt(cfg, trainer, sequences, _routers(trainer.model)[0].top_k, receipt)
+
+
+def measure_state(r: Rebuilt, label: str, only: str | None, sampler_key: str, trainer_key: str) -> StateResult:
+    """Put the trainer in one adapter state (zero-init, or the receipt's seeded update of `only`'s B
+    tensors, every target's when None) and measure it against the receipt's scores of that state."""
+    update = r.receipt["perturbation"]
+    r.trainer.zero_b()
+    if only != "zero":
+        r.trainer.perturb(update["std"], update["seed"], only=only)
+    scores = r.receipt["scores"]
+    pair = (stats.flatten(scores[sampler_key]), stats.flatten(scores[trainer_key]))
+    return measure(label, r.trainer.model, r.sequences, pair, r.top_k)
 
 
 def main() -> None:
@@ -243,25 +281,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every position's numbers here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    receipt = json.loads(args.receipt.read_text())
-    cfg = config.load(args.model)
-    model_dir = synthetic.materialize(cfg)
-    if weights_digest(model_dir) != receipt["model"]["weights_digest"]:
-        raise SystemExit("the checkpoint rebuilt here is not the receipt's (weights digest differs)")
-    sequences = probe_sources.make(cfg, receipt["probes"]["set"], lambda: vocab_size(cfg)).sequences
-    if sequences != receipt["probes"]["sequences"]:
-        raise SystemExit("the probes rebuilt here are not the receipt's")
-    update = receipt["perturbation"]
-    trainer = HFTrainer(cfg, model_dir, update["seed"], {})
-    top_k = _routers(trainer.model)[0].top_k
-    lengths = [len(s) - 1 for s in sequences]
+    rebuilt = rebuild(args.model, json.loads(args.receipt.read_text()))
+    lengths = [len(s) - 1 for s in rebuilt.sequences]
     results = []
-    for label, only, sampler_key, trainer_key in _states(cfg):
-        trainer.zero_b()
-        if only != "zero":
-            trainer.perturb(update["std"], update["seed"], only=only)
-        pair = (stats.flatten(receipt["scores"][sampler_key]), stats.flatten(receipt["scores"][trainer_key]))
-        results.append(measure(label, trainer.model, sequences, pair, top_k))
+    for state in states(rebuilt.cfg):
+        results.append(measure_state(rebuilt, *state))
         report(results[-1], lengths, args.worst)
         for bound in args.bounds:
             print("  what-if " + excluded_tail(results[-1], bound))

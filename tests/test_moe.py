@@ -264,3 +264,35 @@ def test_glm53_architecture_checkpoint_routes_as_vllm_needs_and_runs_on_hf(tmp_p
     r = _real_run(tmp_path, "tiny-glm-dsa", sampler="hf", per_target=False)
     assert r.verdict == rc.Verdict.PASS and r.model.architecture == "GlmMoeDsaForCausalLM"
     assert r.comparisons["B.trainer_updated_vs_stale"].mean_abs >= r.budgets.min_stimulus
+
+
+def _router_margins_script():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("router_margins", ROOT / "scripts" / "router-margins.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@cpu_e2e
+def test_glm_dsa_c_tail_is_at_router_near_ties() -> None:
+    # The committed H200 receipt's C tail (docs/glm-moe.md), rebuilt on the CPU with HF only: its worst
+    # positions are the tokens closest to a routing flip, and one side taking the flipped route explains
+    # each; A's worst positions are not flips.
+    script = _router_margins_script()
+    receipt = json.loads((ROOT / "receipts" / "tiny-glm-dsa__hf__vllm__h200.json").read_text())
+    rebuilt = script.rebuild("tiny-glm-dsa", receipt)
+    by_label = {state[0]: state for state in script.states(rebuilt.cfg)}
+    c = script.measure_state(rebuilt, *by_label["C updated"])
+    worst = sorted(range(len(c.margins)), key=lambda i: -c.receipt_diff[i])[:5]
+    assert [round(c.receipt_diff[i], 3) for i in worst[:3]] == [0.438, 0.22, 0.193]
+    assert max(routing.margin_ranks(c.margins, worst)) <= 10  # of 192 positions
+    assert all(script.split_route(c, i)[0] != "same" for i in worst)
+    assert script.split_route(c, worst[0])[0] == "trainer flipped"  # the H200 trainer, not vLLM, at (1, 65)
+    a = script.measure_state(rebuilt, *by_label["A zero-init"])
+    a_worst = sorted(range(len(a.margins)), key=lambda i: -a.receipt_diff[i])[:5]
+    assert all(script.split_route(a, i)[0] == "same" for i in a_worst)
