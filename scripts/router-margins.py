@@ -223,7 +223,7 @@ def excluded_tail(r: StateResult, bound: float) -> str:
     kept = [d for d, m in zip(r.receipt_diff, r.margins, strict=True) if m >= bound]
     out = [d for d, m in zip(r.receipt_diff, r.margins, strict=True) if m < bound]
     excluded = f"{len(out)} excluded (max |diff| {max(out):.4f})" if out else "none excluded"
-    return f"margin >= {bound:.1e}: {len(kept)} kept, {_tail(kept)}; {excluded}"
+    return f"margin >= {bound:.2e}: {len(kept)} kept, {_tail(kept)}; {excluded}"
 
 
 def states(cfg: config.ModelConfig) -> list[tuple[str, str | None, str, str]]:
@@ -287,6 +287,8 @@ def main() -> None:
     for state in states(rebuilt.cfg):
         results.append(measure_state(rebuilt, *state))
         report(results[-1], lengths, args.worst)
+        print("  noise bound (the largest router score |bf16 - fp32|): "
+              + excluded_tail(results[-1], max(results[-1].score_noise)))
         for bound in args.bounds:
             print("  what-if " + excluded_tail(results[-1], bound))
     if args.json:
