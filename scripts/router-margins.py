@@ -258,13 +258,20 @@ def rebuild(model: str, receipt: dict[str, Any]) -> Rebuilt:
     return Rebuilt(cfg, trainer, sequences, _routers(trainer.model)[0].top_k, receipt)
 
 
+def update_std(perturbation: dict[str, Any], only: str | None) -> float:
+    """The std the receipt's run used for the update of `only` (None: the full update): a per-target
+    search's chosen std (its last step) where `perturbation.std: auto` ran one, else the run's std."""
+    searched = (perturbation.get("target_calibrations") or {}).get(only) if only is not None else None
+    return float(searched["steps"][-1]["std"]) if searched else float(perturbation["std"])
+
+
 def measure_state(r: Rebuilt, label: str, only: str | None, sampler_key: str, trainer_key: str) -> StateResult:
     """Put the trainer in one adapter state (zero-init, or the receipt's seeded update of `only`'s B
     tensors, every target's when None) and measure it against the receipt's scores of that state."""
     update = r.receipt["perturbation"]
     r.trainer.zero_b()
     if only != "zero":
-        r.trainer.perturb(update["std"], update["seed"], only=only)
+        r.trainer.perturb(update_std(update, only), update["seed"], only=only)
     scores = r.receipt["scores"]
     pair = (stats.flatten(scores[sampler_key]), stats.flatten(scores[trainer_key]))
     return measure(label, r.trainer.model, r.sequences, pair, r.top_k)
