@@ -251,6 +251,10 @@ def rebuild(model: str, receipt: dict[str, Any]) -> Rebuilt:
     model_dir = synthetic.materialize(cfg)
     if weights_digest(model_dir) != receipt["model"]["weights_digest"]:
         raise SystemExit("the checkpoint rebuilt here is not the receipt's (weights digest differs)")
+    settings = receipt["trainer"]["settings"]
+    adapter = (cfg.adapter.rank, float(cfg.adapter.alpha), list(cfg.adapter.targets))
+    if adapter != (settings["rank"], float(settings["alpha"]), settings["targets"]):
+        raise SystemExit("the config's adapter (rank, alpha, targets) is not the receipt's trainer's")
     sequences = probe_sources.make(cfg, receipt["probes"]["set"], lambda: vocab_size(cfg)).sequences
     if sequences != receipt["probes"]["sequences"]:
         raise SystemExit("the probes rebuilt here are not the receipt's")
