@@ -16,6 +16,9 @@ and in fp32 on the same weights, and records each MoE layer's router scores as H
   |CPU - receipt side|) or one side took the flipped route (res-split, and which side);
 - forced: the bf16 logprob with fp32's routing forced in (what bf16 rounding of the route alone does).
 
+Then, per state, the receipt's |diff| over the positions whose margin is at least the largest router
+score |bf16 - fp32| ("noise bound"), and at each `--bounds` value: the tail with the near ties set aside.
+
 Score entry t of a sequence is log p(tokens[t+1] | tokens[:t+1]) (backends/base.py); its router
 decision is the one at token t. A flip at an earlier token reaches later positions only through
 attention after that layer (none in tiny-glm-dsa, whose only MoE layer is the last).
