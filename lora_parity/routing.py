@@ -1,9 +1,11 @@
 """Router top-k agreement at zero-init, for MoE models: how often trainer and sampler route a
-token to the same expert set. A diagnostic: recorded in the receipt, never a check."""
+token to the same expert set. A diagnostic: recorded in the receipt, never a check. And router
+top-k margins (how close a token's routing is to a flip), pure, for scripts/router-margins.py."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from lora_parity import stats
 from lora_parity.backends.base import Routes, RoutingIntrospection, Sampler, Trainer
@@ -43,3 +45,20 @@ def router_agreement(trainer: Trainer, sampler: Sampler, sampler_name: str,
         return _measured(trainer_routes, sampler_routes, sequences)
     except Exception as e:  # routing is a diagnostic: a capture that fails is recorded, the run goes on
         return _not_available(f"routing capture failed: {type(e).__name__}: {e}"[:300])
+
+
+def topk_margin(scores: Sequence[float], top_k: int) -> float:
+    """How far one token's routing is from a flip: the k-th highest expert score minus the highest
+    score left out (the `top_k + 1`-th), on the scores the router ranks (after its scoring function
+    and correction bias). 0 is a tie; a margin below the arithmetic's noise can pick another expert
+    set on another kernel. Raises ValueError unless 0 < top_k < len(scores)."""
+    if not 0 < top_k < len(scores):
+        raise ValueError(f"top_k must be in 1..{len(scores) - 1}, got {top_k}")
+    ranked = sorted((float(s) for s in scores), reverse=True)
+    return ranked[top_k - 1] - ranked[top_k]
+
+
+def margin_ranks(margins: Sequence[float], positions: Sequence[int]) -> list[int]:
+    """Rank of each of `positions` (indices into `margins`) among all margins, 1 = the smallest;
+    ties take the best rank they share, so a position ranks k when exactly k - 1 margins are smaller."""
+    return [1 + sum(1 for m in margins if m < margins[p]) for p in positions]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_parity import checks, stats
+from lora_parity import checks, routing, stats
 from lora_parity import receipt as rc
 from lora_parity.errors import ReceiptError, ScoreError
 from lora_parity.runner import RunOptions, execute
@@ -56,6 +56,29 @@ def test_topk_agreement_hand_computed() -> None:
     with pytest.raises(ScoreError, match="MoE layers"):
         stats.topk_agreement([[[[1], [2]]]], [[[[1]]]])
 
+
+
+@unit
+def test_topk_margin_hand_computed() -> None:
+    # GLM's near tie (docs/glm-moe.md): the 2nd and 3rd experts 0.4830676 vs 0.4830661, top-2.
+    scores = [0.31, 0.4830661, 0.9, 0.4830676, 0.1]
+    assert routing.topk_margin(scores, 2) == pytest.approx(0.4830676 - 0.4830661, abs=1e-12)
+    assert routing.topk_margin(scores, 1) == pytest.approx(0.9 - 0.4830676)
+    assert routing.topk_margin(scores, 4) == pytest.approx(0.31 - 0.1)
+    # A tie is margin 0, whatever the order; a negative score (a correction bias) ranks like any other.
+    assert routing.topk_margin([0.5, -0.2, 0.5], 1) == 0.0
+    assert routing.topk_margin([-0.3, -0.1, -0.2], 2) == pytest.approx(0.1)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=r"top_k must be in 1\.\.2, got"):
+            routing.topk_margin([0.1, 0.2, 0.3], bad)
+
+
+@unit
+def test_margin_ranks_hand_computed() -> None:
+    margins = [0.3, 0.01, 0.2, 0.01, 0.5]
+    # 1 = the smallest; the two tied smallest both rank 1, the next ranks 3.
+    assert routing.margin_ranks(margins, [4, 1, 3, 2, 0]) == [5, 1, 1, 3, 4]
+    assert routing.margin_ranks(margins, []) == []
 
 # ---------- unit: the receipt, on the fake backends ----------
 
@@ -241,3 +264,35 @@ def test_glm53_architecture_checkpoint_routes_as_vllm_needs_and_runs_on_hf(tmp_p
     r = _real_run(tmp_path, "tiny-glm-dsa", sampler="hf", per_target=False)
     assert r.verdict == rc.Verdict.PASS and r.model.architecture == "GlmMoeDsaForCausalLM"
     assert r.comparisons["B.trainer_updated_vs_stale"].mean_abs >= r.budgets.min_stimulus
+
+
+def _router_margins_script():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("router_margins", ROOT / "scripts" / "router-margins.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@cpu_e2e
+def test_glm_dsa_c_tail_is_at_router_near_ties() -> None:
+    # The committed H200 receipt's C tail (docs/glm-moe.md), rebuilt on the CPU with HF only: its worst
+    # positions are the tokens closest to a routing flip, and one side taking the flipped route explains
+    # each; A's worst positions are not flips.
+    script = _router_margins_script()
+    receipt = json.loads((ROOT / "receipts" / "tiny-glm-dsa__hf__vllm__h200.json").read_text())
+    rebuilt = script.rebuild("tiny-glm-dsa", receipt)
+    by_label = {state[0]: state for state in script.states(rebuilt.cfg)}
+    c = script.measure_state(rebuilt, *by_label["C updated"])
+    worst = sorted(range(len(c.margins)), key=lambda i: -c.receipt_diff[i])[:5]
+    assert [round(c.receipt_diff[i], 3) for i in worst[:3]] == [0.438, 0.22, 0.193]
+    assert max(routing.margin_ranks(c.margins, worst)) <= 10  # of 192 positions
+    assert all(script.split_route(c, i)[0] != "same" for i in worst)
+    assert script.split_route(c, worst[0])[0] == "trainer flipped"  # the H200 trainer, not vLLM, at (1, 65)
+    a = script.measure_state(rebuilt, *by_label["A zero-init"])
+    a_worst = sorted(range(len(a.margins)), key=lambda i: -a.receipt_diff[i])[:5]
+    assert all(script.split_route(a, i)[0] == "same" for i in a_worst)
