@@ -284,7 +284,7 @@ def test_glm_dsa_c_tail_is_at_router_near_ties() -> None:
     # positions are the tokens closest to a routing flip, and one side taking the flipped route explains
     # each; A's worst positions are not flips.
     script = _router_margins_script()
-    receipt = json.loads((ROOT / "receipts" / "tiny-glm-dsa__hf__vllm__h200.json").read_text())
+    receipt = json.loads((ROOT / "receipts" / "tiny-glm-dsa.std-0.02__hf__vllm__h200.json").read_text())
     rebuilt = script.rebuild("tiny-glm-dsa", receipt)
     by_label = {state[0]: state for state in script.states(rebuilt.cfg)}
     c = script.measure_state(rebuilt, *by_label["C updated"])
