@@ -31,7 +31,7 @@ from .conftest import ROOT
 
 pytestmark = pytest.mark.unit
 COMMITTED = sorted((ROOT / "receipts").glob("*__*.json"))
-FAILING_BF16 = ROOT / "receipts" / "qwen3-8b-synth__megatron__vllm__h200.json"
+FAILING_BF16 = ROOT / "receipts" / "qwen3-8b-synth__megatron-tp2__vllm__h200.json"
 
 
 def lp(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
