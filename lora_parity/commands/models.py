@@ -44,8 +44,9 @@ def models(json_: Annotated[bool, typer.Option("--json", help="Print the configs
     if json_:
         output.print_json(rows)
         return
+    width = max(len(r["name"]) for r in rows)
     for r in rows:
-        output.line(f"{r['name']:<16} {'*' if r['default'] else ' '} {r['source']:<21} {r['dtype']:<9} "
+        output.line(f"{r['name']:<{width}} {'*' if r['default'] else ' '} {r['source']:<21} {r['dtype']:<9} "
                     f"r{r['rank']:<2} x{r['targets']}  {_needs_text(r['needs']):<32} {r['description']}")
     output.hint(f"* the default (run without --model: {config.DEFAULT_MODEL}); [extra]: pip install "
                 "'lora-parity[extra]'; a hub id as source must be in the local Hugging Face cache")
