@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lora_parity import backends, config, outpath
+from lora_parity import backends, config, outpath, start_adapter
 from lora_parity.backends.base import PreflightOptions, SamplerBackend, TrainerBackend
 from lora_parity.checkpoint import preflight_hf_config
 from lora_parity.errors import ConfigError
@@ -101,5 +101,6 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
     if opts.tp < 1:
         raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
+    start_adapter.check_for_trainer(opts.adapter, opts.trainer, cfg)
     if opts.out is not None:
         outpath.check_writable(opts.out, opts.force)

@@ -70,6 +70,17 @@ def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:
     return cfg.model_copy(update={"adapter": adapter})
 
 
+def check_for_trainer(folder: Path | None, trainer: str, cfg: ModelConfig) -> None:
+    """Before any backend import: what the named trainer's import of the adapter cannot take (the
+    megatron trainer: targets outside its layout, tensors that are not a LoRA on every layer of them)."""
+    if folder is None or trainer != "megatron":
+        return
+    from lora_parity.backends.megatron.blocks import check_adapter
+    from lora_parity.checkpoint import preflight_hf_config
+
+    check_adapter(folder, cfg.adapter.targets, cfg.adapter.rank, preflight_hf_config(cfg))
+
+
 def require(folder: Path | None, trainer_cls: type, trainer: str, sampler_cls: type, sampler: str) -> None:
     """Preflight, with an adapter: the trainer can start from one (its traits say why not), and the
     sampler holds its own copy of what it is published."""

@@ -36,9 +36,16 @@ class LoRALinear(torch.nn.Module):
         out_local, in_local = weight.shape
         self.adapter = Adapter(in_local, out_local, rank, weight.dtype, weight.device)
         self.column_parallel = column_parallel
+        # alpha/r of the adapter, also after `set_rank` gives a fused layer several parts' blocks.
         self.scaling = alpha / rank
         self._tp_group = tp_group
         self._reduce = reduce
+
+    def set_rank(self, rank: int) -> None:
+        """A new A (R x I) and B (O x R) of rank `rank` (contents uninitialised), the scaling unchanged:
+        a fused layer holding an imported adapter's parts as blocks (`blocks`) has R = parts x r."""
+        a, b = self.adapter.linear_in.weight, self.adapter.linear_out.weight
+        self.adapter = Adapter(a.shape[1], b.shape[0], rank, a.dtype, a.device)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         out, bias = self.to_wrap(x, *args, **kwargs)

@@ -6,6 +6,8 @@ TP=1 and TP=N hold the same adapter. The perturbation is defined on the PEFT ten
 writes: B's noise for q_proj, k_proj, v_proj (gate_proj, up_proj) is drawn with the seed and shape
 the `hf` trainer uses for that name, then interleaved into the fused B exactly as the base weights
 are. The export splits the fused B back, repeats the shared A for each part, and gathers the shards.
+A user's adapter (`--adapter`) is held in the fused layers as blocks, one per part (`blocks`): the
+noise then goes into each part's own block and the export takes each part's block back out.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from lora_parity import adapter_files as af
 from lora_parity.backends.base import Scores, Sequences
-from lora_parity.backends.megatron import cpu
+from lora_parity.backends.megatron import blocks, cpu
 from lora_parity.backends.megatron.layout import (
     LORA_MODULES,
     MODULE_MAP,
@@ -28,7 +30,6 @@ from lora_parity.backends.megatron.layout import (
     hf_weight_plan,
     peft_name,
     read_shape,
-    shard_fused,
     shard_weight,
     tp_slice,
     unshard_fused,
@@ -99,6 +100,9 @@ class Shard:
         self.shape = read_shape(model_dir, self.tp)
         self.dtype: torch.dtype = getattr(torch, cfg.model.dtype)
         self.targets = list(cfg.adapter.targets)
+        self.blocks = blocks.layer_blocks(self.targets, cfg.adapter.rank, imported=False)
+        self.start_b: list[dict[str, torch.Tensor]] | None = None
+        """Each layer's B of each module as the starting adapter left it (`load_start_adapter`); None: zero."""
         unknown = [t for t in self.targets if t not in MODULE_OF_KIND]
         if unknown:
             raise ConfigError(f"the megatron trainer has no LoRA target {unknown[0]!r}; "
@@ -261,50 +265,75 @@ class Shard:
         updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         names: list[str] = []
         num_elements = 0
-        nonzero = 0
+        moved = 0
         for i, wrapped in enumerate(self.layers):
             for m in LORA_MODULES:
                 chosen = [k for k in m.kinds if k in kinds]
                 if not chosen:
                     continue
                 b = wrapped[m.name].adapter.linear_out.weight
-                noise, mask, drawn = self._module_noise(i, m, chosen, b, std, seed)
-                names += drawn
-                num_elements += sum(self.shape.out_features(k) * b.shape[1] for k in chosen)
-                nonzero += int(torch.count_nonzero(b[mask]).item())
+                noise, mask = self._module_noise(i, m, chosen, std, seed)
+                names += [peft_name(i, k, "lora_B") for k in chosen]
+                num_elements += sum(self.shape.out_features(k) * self.cfg.adapter.rank for k in chosen)
+                moved += int(torch.count_nonzero(b[mask] != self._start_b(i, m.name, b)[mask]).item())
                 updates.append((b, noise, mask))
-        if self._sum_over_ranks(nonzero):
-            raise PhaseError("refusing to perturb: a LoRA B tensor is non-zero before the update")
+        if self._sum_over_ranks(moved):
+            raise PhaseError("refusing to perturb: a LoRA B tensor is non-zero before the update"
+                             + (" (relative to the starting adapter's B)" if self.start_b is not None else ""))
         for b, noise, _ in updates:
             b.add_(noise.to(device=b.device, dtype=b.dtype))
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(names),
                             num_elements=num_elements, tensors=names).model_dump(mode="json")
 
-    def _module_noise(self, layer: int, m: LoraModule, chosen: list[str], b: torch.Tensor, std: float,
-                      seed: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """This rank's rows of one module's B noise (zero outside `chosen`), the mask of those rows (on
-        B's device), and the PEFT names drawn."""
-        parts, masks, names = {}, {}, []
-        for k in m.kinds:
-            rows = self.shape.out_features(k)
-            name = peft_name(layer, k, "lora_B")
-            parts[k] = self._noise(name, rows, std, seed) if k in chosen else torch.zeros(rows, b.shape[1])
-            masks[k] = torch.full((rows, b.shape[1]), k in chosen)
-            if k in chosen:
-                names.append(name)
-        if m.column_parallel:
-            noise = shard_fused(m.name, parts, self.rank, self.tp, self.shape)
-            mask = shard_fused(m.name, masks, self.rank, self.tp, self.shape)
-        else:
-            noise, mask = parts[m.kinds[0]], masks[m.kinds[0]]
-        return noise, mask.to(b.device), names
+    def _module_noise(self, layer: int, m: LoraModule, chosen: list[str], std: float,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one module's B noise (each part in `chosen` in its own block, zero
+        elsewhere) and the mask of the elements it changes (on the model's device)."""
+        drawn = {k: self._noise(peft_name(layer, k, "lora_B"), self.shape.out_features(k), std, seed) for k in chosen}
+        noise, mask = blocks.noise_and_mask(m, drawn, self.blocks[m.name], self.shape, self.rank, self.tp)
+        return noise, mask.to(self.device)
+
+    def _start_b(self, layer: int, module: str, b: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(b) if self.start_b is None else self.start_b[layer][module]
 
     @torch.no_grad()
     def zero_b(self) -> None:
-        """Every B to zero, A unchanged."""
-        for wrapped in self.layers:
-            for lora in wrapped.values():
-                lora.adapter.linear_out.weight.zero_()
+        """Every B back to the starting adapter's (zero at zero-init), A unchanged."""
+        for i, wrapped in enumerate(self.layers):
+            for name, lora in wrapped.items():
+                b = lora.adapter.linear_out.weight
+                b.copy_(self._start_b(i, name, b))
+
+    @torch.no_grad()
+    def load_start_adapter(self, folder: str) -> dict[str, Any]:
+        """Start from the PEFT adapter in `folder` (every rank reads it): each fused layer holds its
+        parts as blocks (`blocks`), the others the adapter's A and B as they are. The settings it adds."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(Path(folder) / af.WEIGHTS_FILE))
+        expected = blocks.expected_shapes(self.shape, self.targets, self.cfg.adapter.rank)
+        odd = sorted(set(tensors) ^ set(expected)) or [n for n, t in tensors.items() if list(t.shape) != expected[n]]
+        if odd:
+            raise PhaseError(f"the adapter's tensors do not match its config's LoRA layers ({len(odd)} differ, "
+                             f"e.g. {odd[0]})")
+        self.blocks = blocks.layer_blocks(self.targets, self.cfg.adapter.rank, imported=True)
+        for i, wrapped in enumerate(self.layers):
+            for m in LORA_MODULES:
+                if m.name in wrapped:
+                    a, b = blocks.import_module(m, tensors, i, self.blocks[m.name], self.shape, self.rank, self.tp)
+                    lora = wrapped[m.name]
+                    lora.set_rank(a.shape[0])
+                    lora.adapter.linear_in.weight.copy_(a.to(device=self.device, dtype=self.dtype))
+                    lora.adapter.linear_out.weight.copy_(b.to(device=self.device, dtype=self.dtype))
+        self.start_b = [{n: lora.adapter.linear_out.weight.detach().clone() for n, lora in wrapped.items()}
+                        for wrapped in self.layers]
+        return {"start_adapter": self._import_description()}
+
+    def _import_description(self) -> list[str]:
+        rank = self.cfg.adapter.rank
+        return [f"{name}: rank {blocks.module_rank(b)} = {len(b)} x {rank}, " +
+                ("A stacked, B block-diagonal, " if len(b) > 1 else "") + f"scale alpha/{rank}"
+                for name, b in self.blocks.items()]
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The whole PEFT tensors (gathered over ranks; every rank gets them)."""
@@ -322,11 +351,10 @@ class Shard:
                 else:
                     whole_a = torch.cat(self._gather(a), dim=1)
                     whole_b = {m.kinds[0]: b.detach().cpu()}
-                for k in m.kinds:
-                    if k in self.targets:
-                        # The fused layer's A is shared by its parts: each PEFT target gets a copy.
-                        tensors[peft_name(i, k, "lora_A")] = whole_a.clone()
-                        tensors[peft_name(i, k, "lora_B")] = whole_b[k].contiguous()
+                # Each part's block: at zero-init the shared A (a copy per part) and the whole B.
+                for k, (part_a, part_b) in blocks.export_module(whole_a, whole_b, self.blocks[m.name]).items():
+                    tensors[peft_name(i, k, "lora_A")] = part_a
+                    tensors[peft_name(i, k, "lora_B")] = part_b
         return tensors
 
     def export(self, directory: str) -> str | None:

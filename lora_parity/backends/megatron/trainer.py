@@ -44,9 +44,7 @@ def _torchrun_world() -> int | None:
 class MegatronTrainer(TrainerBackend):
     """megatron-core GPTModel with LoRA; TP=1 in this process, TP=N in N rank processes it drives."""
 
-    traits = BackendTraits(supports_tp=True, start_adapter_unavailable=(
-        "not yet: its fused LoRA layers share one A across q/k/v and across gate/up, where a PEFT adapter "
-        "has one A per projection"))
+    traits = BackendTraits(supports_tp=True, start_adapter_unavailable=None)
 
     @classmethod
     def check_config(cls, hf_config: dict[str, Any], tp: int) -> None:
@@ -109,6 +107,12 @@ class MegatronTrainer(TrainerBackend):
     def zero_b(self) -> None:
         """Every B to zero."""
         self._call("zero_b")
+
+    def load_start_adapter(self, folder: Path) -> None:
+        """Start from a PEFT adapter: its fused parts become blocks of the fused layers (`blocks`), so
+        `zero_b` restores it, `perturb` moves each part's own block, and the export gives it back."""
+        added = self._call("load_start_adapter", folder=str(Path(folder).resolve()))
+        self.described["settings"].update(added)
 
     def export_adapter(self, directory: Path) -> Path:
         """PEFT folder: fused tensors split, shards gathered, `base_model.model.` names."""
