@@ -23,7 +23,8 @@ Score entry t of a sequence is log p(tokens[t+1] | tokens[:t+1]) (backends/base.
 decision is the one at token t. A flip at an earlier token reaches later positions only through
 attention after that layer (none in tiny-glm-dsa, whose only MoE layer is the last).
 
-    python scripts/router-margins.py [--model tiny-glm-dsa] [--receipt receipts/tiny-glm-dsa.std-0.02__hf__vllm__h200.json]
+    python scripts/router-margins.py [--model tiny-glm-dsa] \
+        [--receipt receipts/tiny-glm-dsa.std-0.02__hf__vllm__h200.json]
 """
 
 from __future__ import annotations

@@ -145,8 +145,8 @@ def test_per_target_wrong_direction_above_noise_still_fails() -> None:
 
 
 def test_the_gpu_glm_receipts_query_targets_are_within_noise() -> None:
-    """The GLM-5.3-architecture GPU receipt with the fixed std 0.02 (bf16 profile): the query projections' own effect is about
-    the size of the zero-init noise, so their direction and scale are inconclusive (not failures);
+    """The GLM-5.3-architecture GPU receipt with the fixed std 0.02 (bf16 profile): the query projections'
+    own effect is about the size of the zero-init noise, so their direction and scale are inconclusive (not failures);
     the targets with a clear effect (kv_a_proj_with_mqa, o_proj) pass; re-evaluating reproduces it."""
     from lora_parity.receipt import load
 
