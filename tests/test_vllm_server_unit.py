@@ -233,18 +233,27 @@ def test_the_server_starts_while_the_run_works_and_both_start_times_are_recorded
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import time
 
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     # The stand-in cannot be healthy before the gate opens: create returning at all shows it did not wait.
     sampler, timings, gate = _started_sampler(monkeypatch, tmp_path)
     try:
         assert "sampler.start" not in timings and sampler.server is not None and sampler.server.healthy_at is None
+        # The trainer in this process shares the cores with a CPU server: one torch thread.
+        assert sampler.cuda or torch.get_num_threads() == 1
         time.sleep(0.5)  # the run's own work (the trainer loading) while the server starts
         gate.touch()
-        assert sampler.info().versions["vllm"] == "0.0" and sampler.base_model == "base"
+        info = sampler.info()
+        assert info.versions["vllm"] == "0.0" and sampler.base_model == "base"
+        assert sampler.cuda or info.settings["trainer_torch_threads"].startswith("1 ")
         # Launch to healthy covers the run's work; the run waited only for what was left of it.
         assert timings["sampler.start"] >= timings["sampler.start_wait"] + 0.5
         sampler.wait_ready()  # once healthy, never waited for again
         assert sampler.num_calls == 2
     finally:
+        torch.set_num_threads(threads)
         pgid = sampler.server.pid if sampler.server else None
         sampler.close()
     assert pgid is not None and _group_left(pgid) == ""

@@ -132,6 +132,16 @@ def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> di
     return env
 
 
+def _one_torch_thread() -> None:
+    """One torch thread in this process (the trainer's) beside a CPU server: the server binds its
+    OpenMP threads to every core, and a multi-threaded torch here then waits at each parallel region
+    for a core the server or another process holds (the trainer's forwards measured 10-100x slower
+    on 2 shared cores; one thread: milliseconds, as in-process)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -193,6 +203,8 @@ class VLLMServerSampler(SamplerBackend):
                                     server_env(self.cfg, self.cuda, self.batch_invariant), port,
                                     START_TIMEOUT_S)
         self.server.launch()
+        if not self.cuda:
+            _one_torch_thread()
         return self.server.url
 
     def wait_ready(self) -> None:
@@ -316,6 +328,8 @@ class VLLMServerSampler(SamplerBackend):
                           "sequences") + ", prompt_logprobs=0; cached: one request per prefix, allowed_token_ids",
             "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter",
         }
+        if self.server is not None and not self.cuda:
+            settings["trainer_torch_threads"] = "1 (the trainer shares the cores with the server)"
         if self.server is not None:
             settings["batch_invariant"] = self.server.env.get("VLLM_BATCH_INVARIANT", "unset")
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
