@@ -154,6 +154,8 @@ def test_the_server_gets_the_runs_lora_settings_and_runtime_updating() -> None:
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     # On the CPU the model runs in the engine core's process (no third process importing vLLM again).
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # Its OpenMP threads on one core, not spread over the cores the trainer's process shares.
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(max(os.sched_getaffinity(0)))
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(cfg, cuda=True)
     assert "--disable-log-stats" in argv and "--disable-uvicorn-access-log" in argv
 

@@ -112,8 +112,9 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
 def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> dict[str, str]:
     """The environment of the server: runtime LoRA updating allowed; on CUDA batch-invariant kernels
     (`VLLM_BATCH_INVARIANT=1`, as the in-process sampler; a value the user set wins); on the CPU the
-    in-process sampler's settings (every core bound, none reserved, an explicit KV cache size) and
-    its uniproc executor. The server keeps its engine core in a process of its own (always)."""
+    in-process sampler's settings (none reserved, an explicit KV cache size) and its uniproc executor,
+    its OpenMP threads bound to one core (the last this process may use). The server keeps its
+    engine core in a process of its own (always)."""
     env = dict(os.environ)
     if cuda and batch_invariant and cfg.sampler.batch_invariant:
         env.setdefault("VLLM_BATCH_INVARIANT", "1")
@@ -125,18 +126,22 @@ def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> di
         # vLLM and torch once more (about 6 s on 2 cores). Set, the model runs in the engine core's
         # process (the uniproc executor), as in the in-process sampler.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        cores = len(os.sched_getaffinity(0))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+        # One core for the server's OpenMP threads: it shares the cores with the trainer's process
+        # (one torch thread there, see `_one_torch_thread`), and a thread team spread over cores that
+        # other processes hold waits at every barrier (the served scoring passes measured about 2x
+        # slower with every core bound on 2 loaded cores; one request scores a tiny batch).
+        cores = sorted(os.sched_getaffinity(0))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[-1]))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.sampler.kv_cache_gib))))
     return env
 
 
 def _one_torch_thread() -> None:
-    """One torch thread in this process (the trainer's) beside a CPU server: the server binds its
-    OpenMP threads to every core, and a multi-threaded torch here then waits at each parallel region
-    for a core the server or another process holds (the trainer's forwards measured 10-100x slower
-    on 2 shared cores; one thread: milliseconds, as in-process)."""
+    """One torch thread in this process (the trainer's) beside a CPU server: a multi-threaded torch
+    here waits at each parallel region for a core the server or another process holds (the
+    trainer's forwards measured 10-100x slower on 2 shared cores; one thread: milliseconds, as
+    in-process)."""
     import torch
 
     torch.set_num_threads(1)
