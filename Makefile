@@ -41,6 +41,7 @@ bench: install
 	$(PY) scripts/bench.py --selftest
 	$(PY) scripts/bench.py --model smollm2-135m --probes random,text
 	@for mode in inplace merged memory; do $(PY) scripts/bench.py --sync $$mode | grep -E "bench:|wall time|sync \("; done
+	$(PY) scripts/bench.py --sampler vllm,vllm-server
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

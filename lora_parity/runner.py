@@ -250,13 +250,14 @@ class Backends:
         try:
             model_dir = self._materialize() if plan.needs_checkpoint else None
             options = plan.backend_options()
+            # A served sampler may return while its server starts: the trainer loads meanwhile.
             self.sampler = plan.sampler_cls.create(plan.cfg, model_dir, timings, options)
-            self.sampler_info = self.sampler.info()
-            say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             self.trainer = plan.trainer_cls.create(plan.cfg, model_dir, timings, options)
             start_adapter.load(self.trainer, plan.opts.adapter)
             self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
+            self.sampler_info = self.sampler.info()
+            say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
             self.device = str(settings.get("device", "cpu"))
         except Exception as e:

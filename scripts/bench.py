@@ -4,6 +4,11 @@ Each run is a separate `lora-parity run` process (engine start included), timed 
 per-phase times come from the receipts. "Overhead" is the wall time that is not engine start,
 model load or a scoring pass (forward passes); the target is <= 10 % of the wall time.
 
+`--sampler vllm,vllm-server` alternates runs of the samplers named (same probes) and prints the ratio of
+their medians: issue 17's target is vllm-server / vllm <= 2.0x on the CPU. A served sampler's server
+starts while the trainer loads: its cost to the run is `sampler.start_wait`, which the engine figures
+count (`sampler.start`, launch to healthy, is printed beside it).
+
 `--selftest` times `lora-parity selftest` instead (fresh processes, median; target <= 60 s on 2
 cores). `--against DIR` alternates every run with the same run of the code in DIR (another checkout,
 put first on PYTHONPATH), so that before and after are measured in one sitting on a noisy machine.
@@ -34,10 +39,19 @@ def _env(code: str | None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([code, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
+def _engine_seconds(timings: dict[str, float]) -> float:
+    """Engine start and model load as the run paid for them: a server started beside the trainer
+    counts for the time the run waited for it (`sampler.start_wait`), not its whole start."""
+    keys = [k for k in ENGINE_AND_LOAD if not (k == "sampler.start" and "sampler.start_wait" in timings)]
+    return sum(timings.get(k, 0.0) for k in keys) + timings.get("sampler.start_wait", 0.0)
+
+
 def _run(args: argparse.Namespace, probes: str, out: Path,
-         code: str | None = None) -> tuple[float, dict[str, Any]] | None:
+         code: str | None = None, sampler: str | None = None) -> tuple[float, dict[str, Any]] | None:
     cmd = [sys.executable, "-m", "lora_parity", "run", "--out", str(out), "--json", "--sync", args.sync,
            "--probes", probes]
+    if sampler:
+        cmd += ["--sampler", sampler]
     if args.model:
         cmd += ["--model", args.model]
     start = time.perf_counter()
@@ -59,14 +73,15 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
     print(f"  wall time (process)         median {med(walls):7.2f} s   runs: "
           + ", ".join(f"{w:.2f}" for w in walls))
     keys = [k for k in receipts[0]["timings"] if k != "total"]
-    shown = [k for k in keys if k in ENGINE_AND_LOAD or not k.startswith(("score.", "publish.v"))]
+    shown = [k for k in keys if k in ENGINE_AND_LOAD or not k.startswith(("score.", "publish.v", "http."))]
     for key in shown:
         values = [r["timings"].get(key, 0.0) for r in receipts]
         print(f"  {key:<28} median {med(values):7.3f} s")
     score = [sum(v for k, v in r["timings"].items() if k.startswith("score.")) for r in receipts]
     sync = [r["timings"].get("sync", 0.0) for r in receipts]
     publish = [statistics.mean([v for k, v in r["timings"].items() if k.startswith("publish.v")]) for r in receipts]
-    engine = [sum(r["timings"].get(k, 0.0) for k in ENGINE_AND_LOAD) for r in receipts]
+    engine = [_engine_seconds(r["timings"]) for r in receipts]
+    _report_http(receipts)
     overhead = [w - e - s for w, e, s in zip(walls, engine, score, strict=True)]
     print(f"  all scoring passes          median {med(score):7.3f} s")
     print(f"  sync (export + load)        median {med(sync):7.3f} s   mean publish per version {med(publish):.3f} s")
@@ -76,6 +91,14 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
     print(f"  scoring: {receipts[0]['sampler']['settings'].get('scoring')}; "
           f"trainer: {receipts[0]['trainer']['settings'].get('forward', 'one sequence per forward')}")
     print(f"  verdicts: {', '.join(r['verdict'] for r in receipts)}")
+
+
+def _report_http(receipts: list[dict[str, Any]]) -> None:
+    """A served sampler's HTTP time per endpoint (medians; concurrent calls' times add up)."""
+    kinds = sorted({k.split(".")[1] for r in receipts for k in r["timings"] if k.startswith("http.")})
+    for kind in kinds:
+        values = [sum(v for k, v in r["timings"].items() if k.split(".")[:2] == ["http", kind]) for r in receipts]
+        print(f"  {'http ' + kind:<28} median {statistics.median(values):7.3f} s")
 
 
 def _selftest(args: argparse.Namespace, tmp: str, code: str | None, i: int) -> float | None:
@@ -118,6 +141,9 @@ def main() -> int:
     parser.add_argument("--probes", default="default",
                         help="probe sets, comma-separated, e.g. default,default-x10: runs alternate between them "
                              "and the median wall time of each is compared with the first's")
+    parser.add_argument("--sampler", default=None,
+                        help="samplers, comma-separated, e.g. vllm,vllm-server: runs alternate between them (on the "
+                             "first probe set) and the median wall time of each is compared with the first's")
     parser.add_argument("--selftest", action="store_true", help="time `lora-parity selftest` instead of `run`")
     parser.add_argument("--against", default=None, metavar="DIR",
                         help="alternate each run with the same run of the code in DIR (another checkout)")
@@ -126,24 +152,42 @@ def main() -> int:
         return bench_selftest(args)
     if args.against:
         return bench_against(args)
-    sets = args.probes.split(",")
-    walls: dict[str, list[float]] = {p: [] for p in sets}
-    receipts: dict[str, list[dict[str, Any]]] = {p: [] for p in sets}
+    variants = _variants(args)
+    walls: dict[str, list[float]] = {v: [] for v in variants}
+    receipts: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    load_before = _load()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            for probes in sets:  # alternating, so that drift on a noisy machine hits every set alike
-                result = _run(args, probes, Path(tmp) / f"bench-{sets.index(probes)}-{i}.json")  # a probe may be a path
+            for j, (name, (probes, sampler)) in enumerate(variants.items()):  # alternating: drift hits all alike
+                result = _run(args, probes, Path(tmp) / f"bench-{j}-{i}.json", sampler=sampler)  # a probe may be a path
                 if result is None:
                     return 1
-                walls[probes].append(result[0])
-                receipts[probes].append(result[1])
-    for probes in sets:
-        _report(args, probes, walls[probes], receipts[probes])
+                walls[name].append(result[0])
+                receipts[name].append(result[1])
+    for name, (probes, _) in variants.items():
+        _report(args, probes, walls[name], receipts[name])
     med = statistics.median
-    for probes in sets[1:]:
-        print(f"wall time {probes} / {sets[0]}: {med(walls[probes]) / med(walls[sets[0]]):.2f}x "
-              f"(medians of {args.runs}, same invocation)")
+    names = list(variants)
+    for name in names[1:]:
+        print(f"wall time {name} / {names[0]}: {med(walls[name]) / med(walls[names[0]]):.2f}x "
+              f"(medians of {args.runs}, same invocation; load average "
+              f"{load_before} before, {_load()} after)")
     return 0
+
+
+def _variants(args: argparse.Namespace) -> dict[str, tuple[str, str | None]]:
+    """What the runs alternate between, by name: the probe sets, or the samplers (on the first set)."""
+    sets, samplers = args.probes.split(","), args.sampler.split(",") if args.sampler else [None]
+    if len(samplers) > 1:
+        return {s or "": (sets[0], s) for s in samplers}
+    return {p: (p, samplers[0]) for p in sets}
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def bench_against(args: argparse.Namespace) -> int:

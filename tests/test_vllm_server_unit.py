@@ -152,7 +152,12 @@ def test_the_server_gets_the_runs_lora_settings_and_runtime_updating() -> None:
     assert "--block-size" in argv and "--block-size" not in server_argv(cfg, Path("ckpt"), 8123, cuda=True)
     env = server_env(cfg, cuda=False)
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    # On the CPU the model runs in the engine core's process (no third process importing vLLM again).
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # Its OpenMP threads on one core, not spread over the cores the trainer's process shares.
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(max(os.sched_getaffinity(0)))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(cfg, cuda=True)
+    assert "--disable-log-stats" in argv and "--disable-uvicorn-access-log" in argv
 
 
 def _group_left(pgid: int) -> str:
@@ -196,3 +201,77 @@ def test_a_taken_port_is_never_taken_for_a_ready_server() -> None:
                                start_timeout_s=30)
         with pytest.raises(BackendUnavailableError, match=f"port {port} was taken"):
             server.start()
+
+
+def _stand_in_vllm(port: int, gate: Path, exit_code: int | None = None) -> list[str]:
+    """A stand-in `vllm serve`: listens once the file `gate` exists (or then exits with `exit_code`),
+    answers /health, /v1/models and /version."""
+    script = ("import http.server, json, os, sys, time\n"
+              f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
+              f"if {exit_code!r} is not None: print('engine core died'); sys.exit({exit_code!r})\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def log_message(self, *a): pass\n"
+              "    def do_GET(self):\n"
+              "        body = {'/v1/models': {'data': [{'id': 'base'}]}, '/version': {'version': '0.0'}}"
+              ".get(self.path, {})\n"
+              "        self.send_response(200); self.end_headers(); self.wfile.write(json.dumps(body).encode())\n"
+              f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    return [sys.executable, "-c", script]
+
+
+def _started_sampler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                     exit_code: int | None = None) -> tuple[VLLMServerSampler, dict[str, float], Path]:
+    import lora_parity.backends.vllm_server as vllm_server
+
+    gate = tmp_path / "gate"
+    monkeypatch.setattr(vllm_server, "START_TIMEOUT_S", 20.0)  # a create that waits fails, not hangs
+    monkeypatch.setattr(vllm_server, "server_argv",
+                        lambda cfg, model_dir, port, cuda: _stand_in_vllm(port, gate, exit_code))
+    timings: dict[str, float] = {}
+    return VLLMServerSampler(config.load(None), tmp_path, timings), timings, gate
+
+
+def test_the_server_starts_while_the_run_works_and_both_start_times_are_recorded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    # The stand-in cannot be healthy before the gate opens: create returning at all shows it did not wait.
+    sampler, timings, gate = _started_sampler(monkeypatch, tmp_path)
+    try:
+        assert "sampler.start" not in timings and sampler.server is not None and sampler.server.healthy_at is None
+        # The trainer in this process shares the cores with a CPU server: one torch thread.
+        assert sampler.cuda or torch.get_num_threads() == 1
+        time.sleep(0.5)  # the run's own work (the trainer loading) while the server starts
+        gate.touch()
+        info = sampler.info()
+        assert info.versions["vllm"] == "0.0" and sampler.base_model == "base"
+        assert sampler.cuda or info.settings["trainer_torch_threads"].startswith("1 ")
+        # Launch to healthy covers the run's work; the run waited only for what was left of it.
+        assert timings["sampler.start"] >= timings["sampler.start_wait"] + 0.5
+        sampler.wait_ready()  # once healthy, never waited for again
+        assert sampler.num_calls == 2
+    finally:
+        torch.set_num_threads(threads)
+        pgid = sampler.server.pid if sampler.server else None
+        sampler.close()
+    assert pgid is not None and _group_left(pgid) == ""
+
+
+def test_a_server_that_dies_while_the_run_works_is_an_error_at_its_first_call(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    sampler, timings, gate = _started_sampler(monkeypatch, tmp_path, exit_code=3)
+    pgid = sampler.server.pid if sampler.server else None
+    gate.touch()
+    try:
+        with pytest.raises(BackendUnavailableError, match="exited with code 3") as e:
+            sampler.info()
+        assert "engine core died" in str(e.value) and "sampler.start" not in timings
+        with pytest.raises(BackendUnavailableError, match="stopped"):
+            sampler.wait_ready()
+    finally:
+        sampler.close()
+    assert pgid is not None and _group_left(pgid) == ""

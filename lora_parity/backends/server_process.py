@@ -63,13 +63,19 @@ def _install_handlers() -> None:
 
 
 class ServerProcess:
-    """One server process; `start` returns once it is healthy, `stop` is idempotent."""
+    """One server process; `start` returns once it is healthy (or `launch` now and `wait_healthy`
+    when it is needed, so the caller works meanwhile), `stop` is idempotent."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], port: int, start_timeout_s: float) -> None:
         self.argv, self.env, self.port, self.start_timeout_s = list(argv), env, port, start_timeout_s
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(tempfile.mkstemp(prefix="lora-parity-vllm-server-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
+        self.launched_at: float | None = None
+        """When `launch` started the process (`time.perf_counter()`)."""
+        self.healthy_at: float | None = None
+        """When `/health` first answered (`time.perf_counter()`)."""
+        self._port_was_free = True
 
     @property
     def pid(self) -> int | None:
@@ -78,19 +84,35 @@ class ServerProcess:
 
     def start(self) -> None:
         """Start the server and wait for `/health`; on failure stop it and raise with its log's tail."""
+        self.launch()
+        self.wait_healthy()
+
+    def launch(self) -> None:
+        """Start the server process and return at once (`wait_healthy` waits for it); the launch
+        time is `launched_at` (`time.perf_counter()`)."""
         _install_handlers()
         # Another server on the port would answer /health for ours: then ours can only fail (and its
         # log says why), never be taken as ready.
-        ours = port_free(self.port)
+        self._port_was_free = port_free(self.port)
+        self.launched_at = time.perf_counter()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         _RUNNING[self.proc.pid] = self
+
+    def wait_healthy(self) -> None:
+        """Return once the launched server answers `/health` (at once if it did before), setting
+        `healthy_at`; on failure or an interrupt stop it and raise with its log's tail."""
+        if self.healthy_at is not None:
+            return
+        if self.proc is None:
+            raise BackendUnavailableError(f"vllm serve on port {self.port} was not launched or was stopped")
         try:
-            self._wait_healthy(self.proc, ours)
+            self._wait_healthy(self.proc, self._port_was_free)
         except BaseException:  # an interrupt while waiting too: nothing is left running
             self.stop()
             raise
+        self.healthy_at = time.perf_counter()
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes], port_was_free: bool) -> None:
         deadline = time.monotonic() + self.start_timeout_s

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -89,7 +90,9 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.model.dtype,
             "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1",
             "--lora-target-modules", *cfg.adapter.targets, "--skip-tokenizer-init",
-            "--max-model-len", str(cfg.sampler.max_model_len), "--seed", "0", "--enable-prefix-caching"]
+            "--max-model-len", str(cfg.sampler.max_model_len), "--seed", "0", "--enable-prefix-caching",
+            # As the in-process engine (`vllm.LLM` logs no stats); no access-log line per request.
+            "--disable-log-stats", "--disable-uvicorn-access-log"]
     if not cuda:
         # The CPU build's default block of 128 tokens would leave the probes' prefixes (64 to 128
         # tokens) almost no full block to read back, and the prefix-cache phases nothing to test.
@@ -109,19 +112,39 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
 def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> dict[str, str]:
     """The environment of the server: runtime LoRA updating allowed; on CUDA batch-invariant kernels
     (`VLLM_BATCH_INVARIANT=1`, as the in-process sampler; a value the user set wins); on the CPU the
-    in-process sampler's settings (every core bound, none reserved, an explicit KV cache size). The
-    server keeps its engine in a process of its own (the V1 default)."""
+    in-process sampler's settings (none reserved, an explicit KV cache size) and its uniproc executor,
+    its OpenMP threads bound to one core (the last this process may use). The server keeps its
+    engine core in a process of its own (always)."""
     env = dict(os.environ)
     if cuda and batch_invariant and cfg.sampler.batch_invariant:
         env.setdefault("VLLM_BATCH_INVARIANT", "1")
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if not cuda:
-        cores = len(os.sched_getaffinity(0))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+        # The API server always keeps its engine core in a process of its own; with this unset the
+        # CPU build also moves the model into a third process (the multiproc executor), which imports
+        # vLLM and torch once more (about 6 s on 2 cores). Set, the model runs in the engine core's
+        # process (the uniproc executor), as in the in-process sampler.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # One core for the server's OpenMP threads: it shares the cores with the trainer's process
+        # (one torch thread there, see `_one_torch_thread`), and a thread team spread over cores that
+        # other processes hold waits at every barrier (the served scoring passes measured about 2x
+        # slower with every core bound on 2 loaded cores; one request scores a tiny batch).
+        cores = sorted(os.sched_getaffinity(0))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[-1]))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.sampler.kv_cache_gib))))
     return env
+
+
+def _one_torch_thread() -> None:
+    """One torch thread in this process (the trainer's) beside a CPU server: a multi-threaded torch
+    here waits at each parallel region for a core the server or another process holds (the
+    trainer's forwards measured 10-100x slower on 2 shared cores; one thread: milliseconds, as
+    in-process)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _has_cuda() -> bool:
@@ -164,29 +187,56 @@ class VLLMServerSampler(SamplerBackend):
         # collide; `loaded` is what this sampler has on the server (unloaded again on close).
         self.suffix = f"-{os.getpid()}-{time.time_ns() % 10**9}"
         self.loaded: set[str] = set()
+        self._ready_lock = threading.Lock()
+        self._base_model_id: str | None = None
         # Credentials, query and fragment are never sent or recorded: the key goes in a header.
-        self.url = redact(url) if url else self._start(model_dir)
-        try:
-            self.base_model = self._base_model()
-        except BaseException:
-            self.close()
-            raise
+        self.url = redact(url) if url else self._launch(model_dir)
+        if self.server is None:  # attached: the server answers now, or the run stops here
+            try:
+                self._base_model_id = self._base_model()
+            except BaseException:
+                self.close()
+                raise
 
-    def _start(self, model_dir: Path | None) -> str:
-        """Start `vllm serve` on 127.0.0.1 (port: $LORA_PARITY_VLLM_SERVER_PORT, else a free one)."""
+    def _launch(self, model_dir: Path | None) -> str:
+        """Launch `vllm serve` on 127.0.0.1 (port: $LORA_PARITY_VLLM_SERVER_PORT, else a free one) and
+        return at once: the run loads its trainer while the server starts; the first call waits."""
         if model_dir is None:
             raise ConfigError("the vllm-server sampler needs a checkpoint to serve")
         port = int(os.environ.get("LORA_PARITY_VLLM_SERVER_PORT") or free_port())
         self.server = ServerProcess(server_argv(self.cfg, Path(model_dir), port, self.cuda),
                                     server_env(self.cfg, self.cuda, self.batch_invariant), port,
                                     START_TIMEOUT_S)
-        start = time.perf_counter()
-        self.server.start()
-        self.timings["sampler.start"] = time.perf_counter() - start
+        self.server.launch()
+        if not self.cuda:
+            _one_torch_thread()
         return self.server.url
+
+    def wait_ready(self) -> None:
+        """Wait (once) for a server started here to answer `/health`. Records `sampler.start`, from
+        launch to healthy, and `sampler.start_wait`, the part of it the run spent waiting (the rest
+        overlapped the run's own work). On failure the server is stopped and the error raised."""
+        with self._ready_lock:
+            server = self.server
+            if server is None or server.healthy_at is not None:
+                return
+            start = time.perf_counter()
+            server.wait_healthy()
+            self.timings["sampler.start_wait"] = time.perf_counter() - start
+            healthy, launched = server.healthy_at, server.launched_at
+            assert healthy is not None and launched is not None
+            self.timings["sampler.start"] = healthy - launched
+
+    @property
+    def base_model(self) -> str:
+        """The served base model's name (asked of the server once)."""
+        if self._base_model_id is None:
+            self._base_model_id = self._base_model()
+        return self._base_model_id
 
     def _call(self, path: str, body: dict[str, Any] | None, label: str) -> Any:
         """One HTTP call, timed under `http.<label>`; an error status raises `ServerError` with its body."""
+        self.wait_ready()
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -283,6 +333,8 @@ class VLLMServerSampler(SamplerBackend):
                           "sequences") + ", prompt_logprobs=0; cached: one request per prefix, allowed_token_ids",
             "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter",
         }
+        if self.server is not None and not self.cuda:
+            settings["trainer_torch_threads"] = "1 (the trainer shares the cores with the server)"
         if self.server is not None:
             settings["batch_invariant"] = self.server.env.get("VLLM_BATCH_INVARIANT", "unset")
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
