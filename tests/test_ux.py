@@ -200,8 +200,13 @@ def test_version() -> None:
 
 
 def test_completion_installs_and_completes(tmp_path: Path) -> None:
-    res = lp("--install-completion", "bash", env={"HOME": str(tmp_path), "SHELL": "/bin/bash"})
-    assert res.returncode == 0, res.stderr
+    # As a user types it: from bash (typer finds the shell among the process's ancestors, so a test run
+    # detached from any shell would otherwise fail here).
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash",
+           "LORA_PARITY_CONFIGS": str(ROOT / "configs")}
+    res = subprocess.run(["bash", "-c", '"$0" -m lora_parity --install-completion; exit $?', sys.executable],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr + res.stdout
     script = tmp_path / ".bash_completions" / "lora-parity.sh"
     assert "complete -o default -F _lora_parity_completion lora-parity" in script.read_text()
     assert f"source '{script}'" in (tmp_path / ".bashrc").read_text()
