@@ -42,8 +42,12 @@ def _servers_on(port: int) -> list[str]:
 
 
 def _group_left(pgid: int) -> list[str]:
-    """Processes still in process group `pgid` (the server's engine core and worker included)."""
-    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    """Live processes still in process group `pgid` (the server's engine core and worker included);
+    a zombie (exited, waiting for PID 1 to reap it: vLLM's resource tracker) holds nothing."""
+    pids = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    states = {pid: subprocess.run(["ps", "-o", "stat=", "-p", pid], capture_output=True, text=True).stdout.strip()
+              for pid in pids}
+    return [pid for pid, state in states.items() if state and not state.startswith("Z")]
 
 
 def _cache(tmp_path_factory: pytest.TempPathFactory) -> str:

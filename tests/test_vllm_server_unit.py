@@ -4,6 +4,7 @@ and the server process's lifecycle with small stand-in processes (real processes
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -161,7 +162,53 @@ def test_the_server_gets_the_runs_lora_settings_and_runtime_updating() -> None:
 
 
 def _group_left(pgid: int) -> str:
-    return subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
+    """The live processes of group `pgid` (pgrep lists zombies too: those have exited and hold nothing)."""
+    pids = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
+    states = {pid: subprocess.run(["ps", "-o", "stat=", "-p", pid], capture_output=True, text=True).stdout.strip()
+              for pid in pids}
+    return " ".join(pid for pid, state in states.items() if state and not state.startswith("Z"))
+
+
+ZOMBIE_GROUP = """
+import ctypes, json, os, sys, time
+# Orphans reparent to this process and stay zombies until it reaps them, as vLLM's resource tracker
+# waits for PID 1 once the API server has exited.
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+from lora_parity.backends.server_process import ServerProcess, free_port
+port = free_port()
+script = ("import http.server, subprocess, sys\\n"
+          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\\n"
+          "class H(http.server.BaseHTTPRequestHandler):\\n"
+          "    def do_GET(self): self.send_response(200); self.end_headers()\\n"
+          f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\\n")
+server = ServerProcess([sys.executable, '-c', script], dict(os.environ), port, start_timeout_s=30)
+server.start()
+pgid = server.pid
+start = time.monotonic()
+server.stop()
+seconds = time.monotonic() - start
+time.sleep(0.5)  # the child has surely exited by now: it is this process's zombie
+zombies = []
+for pid in os.listdir('/proc'):
+    try:
+        stat = open(f'/proc/{pid}/stat').read().rpartition(')')[2].split()
+    except (OSError, ValueError):
+        continue
+    if pid.isdigit() and stat[2] == str(pgid):
+        zombies.append(stat[0])
+print(json.dumps({'pgid': pgid, 'seconds': seconds, 'states': zombies}))
+"""
+
+
+def test_a_group_whose_members_have_all_exited_is_stopped_without_waiting_for_their_reaping() -> None:
+    # A stand-in whose child outlives it and is then a zombie no one reaps (its subreaper waits in stop).
+    res = subprocess.run([sys.executable, "-c", ZOMBIE_GROUP], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["states"] == ["Z"]  # the zombie is really there: stop returned beside it
+    assert out["seconds"] < 5.0  # not the 10 s grace, nor the 20 s until SIGKILL's wait gives up
+    assert _group_left(out["pgid"]) == ""
 
 
 def test_a_server_that_exits_is_an_error_with_its_log_tail_and_leaves_nothing() -> None:

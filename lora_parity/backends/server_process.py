@@ -147,7 +147,8 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the server's process group (the engine core and its worker are in it too), SIGKILL
-        what is left after `grace_s`, and return once the group is empty; remove the log."""
+        what is left after `grace_s`, and return once no process of the group is alive (an exited one
+        that waits to be reaped, a zombie, holds nothing); remove the log."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -161,13 +162,37 @@ class ServerProcess:
 
 
 def _group_gone(proc: subprocess.Popen[bytes], wait_s: float) -> bool:
-    """Wait up to `wait_s` for every process of `proc`'s group to exit (reaping the leader)."""
+    """Wait up to `wait_s` for every process of `proc`'s group to exit (reaping the leader). A
+    member that has exited but not been reaped (a zombie: vLLM's multiprocessing resource tracker,
+    orphaned when the API server exits, waits for PID 1) holds nothing and counts as gone."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         proc.poll()
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
+        if not _group_alive(proc.pid):
             return True
-        time.sleep(0.1)
+        time.sleep(0.05)
     return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that has not exited (read from /proc where there
+    is one; elsewhere any member, zombies included, counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    if not os.path.isdir("/proc/self"):
+        return True
+    return any(_live_in_group(entry.name, pgid) for entry in os.scandir("/proc") if entry.name.isdigit())
+
+
+def _live_in_group(pid: str, pgid: int) -> bool:
+    """Whether /proc/`pid` is a process of group `pgid` that is neither a zombie nor dead."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+    except OSError:  # exited meanwhile
+        return False
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")".
+    fields = stat.rpartition(")")[2].split()
+    return len(fields) >= 3 and fields[2] == str(pgid) and fields[0] not in ("Z", "X")
