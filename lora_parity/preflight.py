@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lora_parity import backends, config, outpath, start_adapter
+from lora_parity import backends, config, generation, outpath, start_adapter
+from lora_parity import probes as probe_sources
 from lora_parity.backends.base import PreflightOptions, SamplerBackend, TrainerBackend
-from lora_parity.checkpoint import preflight_hf_config
+from lora_parity.checkpoint import preflight_hf_config, require_safetensors, vocab_size
 from lora_parity.errors import ConfigError
-from lora_parity.faults import Faults
-from lora_parity.receipt import Reference
+from lora_parity.faults import Faults, check_crash_phase, require_applies
+from lora_parity.phases import phase_names
+from lora_parity.receipt import Probes, Reference
+from lora_parity.sync import SyncMode
 
 if TYPE_CHECKING:
     from lora_parity.runner import RunOptions
@@ -104,3 +107,30 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     start_adapter.check_for_trainer(opts.adapter, opts.trainer, cfg)
     if opts.out is not None:
         outpath.check_writable(opts.out, opts.force)
+
+
+def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[TrainerBackend],
+                   sampler_cls: type[SamplerBackend], pre: PreflightOptions, sync: SyncMode) -> Probes:
+    """The checks that need both backend classes (`runner.prepare`, once the trainer's libraries are
+    imported): the service, --tp, the checkpoint's shape, --adapter, the probes (returned), --inject,
+    the sync mode, --reference, safetensors weights, and fp32 on CUDA for vLLM."""
+    service_preflight(opts, trainer_cls, sampler_cls, pre)
+    tp_preflight(opts, trainer_cls)
+    shape_preflight(cfg, opts, trainer_cls)
+    start_adapter.require(opts.adapter, trainer_cls, opts.trainer, sampler_cls, opts.sampler)
+    probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
+    sampled = generation.require(probes, sampler_cls, opts.sampler)
+    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
+           sampled=sampled)
+    check_crash_phase(opts.inject, phase_names(cfg))
+    require_applies(opts.inject, sampler_cls.traits, opts.sampler)
+    sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
+    needs_checkpoint = trainer_cls.traits.needs_checkpoint or sampler_cls.traits.needs_checkpoint
+    reference_preflight(opts.reference, needs_checkpoint)
+    if needs_checkpoint:
+        require_safetensors(cfg)
+    if opts.sampler == "vllm":
+        from lora_parity.backends.vllm import refuse_fp32_on_cuda
+
+        refuse_fp32_on_cuda(cfg)
+    return probes

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lora_parity import (
     __version__,
@@ -22,6 +22,7 @@ from lora_parity import (
     breakdown,
     checks,
     config,
+    early_launch,
     generation,
     interrupt,
     outpath,
@@ -41,10 +42,10 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.checkpoint import Checkpoint, require_safetensors, vocab_size, weights_digest
+from lora_parity.checkpoint import Checkpoint, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
-from lora_parity.faults import Faults, check_crash_phase, require_applies
-from lora_parity.phases import Run, StopRun, phase_names, run_sequence
+from lora_parity.faults import Faults
+from lora_parity.phases import Run, StopRun, run_sequence
 from lora_parity.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
 from lora_parity.preflight import reference_decision as reference_decision
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
@@ -64,6 +65,9 @@ from lora_parity.receipt import (
 from lora_parity.routing import router_agreement
 from lora_parity.sync import SyncMode
 from lora_parity.sync import mode as sync_mode_named
+
+if TYPE_CHECKING:
+    from lora_parity.backends.server_process import ServerProcess
 
 __all__ = ["Backends", "Plan", "RunOptions", "RunResult", "execute", "git_revision", "prepare", "redact_url",
            "run_once"]
@@ -139,6 +143,8 @@ class Plan:
     revision: Revision
     timings: dict[str, float]
     """Preflight timings (importing the backends' libraries)."""
+    server: ServerProcess | None = None
+    """The sampler's server, launched at preflight (`early_launch`); the sampler adopts it."""
 
     @property
     def sampled(self) -> bool:
@@ -155,11 +161,13 @@ class Plan:
         o = self.opts
         return BackendOptions(seed=o.seed, tp=o.tp, url=o.tinker_url, base_model=o.base_model,
                               lora=self.sync.sampler_lora, sampler_url=o.sampler_url, api_key_env=o.api_key_env,
-                              shared_dir=o.shared_dir, batch_invariant=o.batch_invariant)
+                              shared_dir=o.shared_dir, batch_invariant=o.batch_invariant, server=self.server)
 
 
-def prepare(opts: RunOptions) -> Plan:
-    """Preflight: resolve the config, backends and probes; raise on bad input; write nothing."""
+def prepare(opts: RunOptions, launch_early: bool = False) -> Plan:
+    """Preflight: resolve the config, backends and probes; raise on bad input; write nothing. With
+    `launch_early`, a sampler's server is launched once the sampler's own checks pass, before the
+    trainer's imports (`Plan.server`; a later refusal stops it: the caller stops it after the run)."""
     cfg = config.load(opts.model, opts.dtype, opts.budgets)
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
@@ -180,30 +188,26 @@ def prepare(opts: RunOptions) -> Plan:
     # The sampler's own checks first: a server that cannot be reached stops the run in seconds,
     # before the trainer's libraries (torch, transformers: 5-15 s) are imported.
     preflight.sampler_preflight(opts, sampler_cls, pre)
+    options = BackendOptions(sampler_url=opts.sampler_url, batch_invariant=opts.batch_invariant)
+    server = early_launch.launch(cfg, sampler_cls, options) if launch_early else None
+    try:
+        plan = _prepare_trainer(opts, cfg, sync, sampler_cls, pre, import_seconds)
+    except BaseException:  # a refusal (or Ctrl-C) from here on leaves no server running
+        early_launch.stop(server)
+        raise
+    plan.server = server
+    return plan
+
+
+def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, sampler_cls: type[SamplerBackend],
+                     pre: PreflightOptions, import_seconds: float) -> Plan:
+    """Preflight from the trainer's import on (`prepare`)."""
     start = time.perf_counter()
     trainer_cls = backends.resolve("trainer", opts.trainer)
     import_seconds += time.perf_counter() - start
-    preflight.service_preflight(opts, trainer_cls, sampler_cls, pre)
-    preflight.tp_preflight(opts, trainer_cls)
-    preflight.shape_preflight(cfg, opts, trainer_cls)
-    start_adapter.require(opts.adapter, trainer_cls, opts.trainer, sampler_cls, opts.sampler)
-    probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
-    sampled = generation.require(probes, sampler_cls, opts.sampler)
-    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
-           sampled=sampled)
-    check_crash_phase(opts.inject, phase_names(cfg))
-    require_applies(opts.inject, sampler_cls.traits, opts.sampler)
-    sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
-    plan = Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
+    probes = preflight.backend_checks(opts, cfg, trainer_cls, sampler_cls, pre, sync)
+    return Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
-    preflight.reference_preflight(plan.opts.reference, plan.needs_checkpoint)
-    if plan.needs_checkpoint:
-        require_safetensors(cfg)
-    if opts.sampler == "vllm":
-        from lora_parity.backends.vllm import refuse_fp32_on_cuda
-
-        refuse_fp32_on_cuda(cfg)
-    return plan
 
 
 def _pending_backend(name: str) -> BackendInfo:
@@ -421,14 +425,18 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
     """Preflight, load, run the sequence once, write the receipt; return it and its path.
     `process_exiting`: the caller exits right after (the CLI), see `Backends.close`."""
     say = progress or (lambda phase, status, seconds: None)
-    plan = prepare(opts)
-    when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    out = opts.out or default_out(plan.cfg.name, probe_sources.label(opts.probes), opts.trainer, opts.sampler, when)
-    lock = outpath.claim(out, opts.force)  # writable, not a folder, not taken by another run
-    loaded = Backends(plan, say)
+    plan = prepare(opts, launch_early=True)
     try:
-        loaded.open()
-        return run_once(plan, loaded, opts.inject, out, opts.force, say)
+        when = dt.datetime.now(dt.UTC).replace(microsecond=0)
+        out = opts.out or default_out(plan.cfg.name, probe_sources.label(opts.probes), opts.trainer, opts.sampler,
+                                      when)
+        lock = outpath.claim(out, opts.force)  # writable, not a folder, not taken by another run
+        loaded = Backends(plan, say)
+        try:
+            loaded.open()
+            return run_once(plan, loaded, opts.inject, out, opts.force, say)
+        finally:
+            loaded.close(process_exiting)
+            lock.release()
     finally:
-        loaded.close(process_exiting)
-        lock.release()
+        early_launch.stop(plan.server)  # launched early, never adopted (the sampler stops its own)

@@ -129,7 +129,7 @@ def materialize(cfg: ModelConfig) -> Path:
 
         return realmodel.materialize(cfg.name, spec.gguf, spec.dtype, cache_root())
     assert spec.synthetic is not None
-    folder = cache_root() / "models" / f"{cfg.name}-{spec_digest(spec.synthetic, spec.dtype)}"
+    folder = _synthetic_folder(cfg)
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -144,6 +144,29 @@ def materialize(cfg: ModelConfig) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _synthetic_folder(cfg: ModelConfig) -> Path:
+    assert cfg.model.synthetic is not None
+    return cache_root() / "models" / f"{cfg.name}-{spec_digest(cfg.model.synthetic, cfg.model.dtype)}"
+
+
+def cached(cfg: ModelConfig) -> Path | None:
+    """The folder `materialize` would return without building anything (a local folder, a hub
+    snapshot, a synthetic checkpoint already cached), or None: it must be built first (a GGUF
+    conversion's cache key is not computed here) or does not exist (`materialize` says why)."""
+    spec = cfg.model
+    if spec.path is not None:
+        folder: Path | None = Path(spec.path)
+    elif spec.hf_id is not None:
+        from lora_parity.checkpoint import hub_checkpoint
+
+        folder = hub_checkpoint(spec.hf_id)
+    elif spec.synthetic is not None:
+        folder = _synthetic_folder(cfg)
+    else:
+        folder = None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
 TOKENIZER_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>")

@@ -322,3 +322,100 @@ def test_a_server_that_dies_while_the_run_works_is_an_error_at_its_first_call(
     finally:
         sampler.close()
     assert pgid is not None and _group_left(pgid) == ""
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[ServerProcess]:
+    """`vllm serve` replaced by the stand-in (healthy at once); every server launched, in order."""
+    import lora_parity.backends.vllm_server as vllm_server
+
+    gate = tmp_path / "gate"
+    gate.touch()
+    launched: list[ServerProcess] = []
+    real_launch = vllm_server.launch_server
+
+    def recorded(*args: object, **kwargs: object) -> ServerProcess:
+        server = real_launch(*args, **kwargs)  # type: ignore[arg-type]
+        launched.append(server)
+        return server
+
+    monkeypatch.setattr(vllm_server, "START_TIMEOUT_S", 20.0)
+    monkeypatch.setattr(vllm_server, "server_argv", lambda cfg, model_dir, port, cuda: _stand_in_vllm(port, gate))
+    monkeypatch.setattr(vllm_server, "launch_server", recorded)
+    import torch
+
+    threads = torch.get_num_threads()
+    yield launched
+    torch.set_num_threads(threads)  # the sampler set one thread for the trainer beside a CPU server
+    for server in launched:
+        server.stop()
+
+
+def test_a_run_launches_its_server_before_the_trainer_import_and_the_sampler_adopts_it(
+        launches: list[ServerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import time
+
+    from lora_parity import synthetic
+
+    synthetic.materialize(config.load(None))  # already on disk: the server can be launched at preflight
+    resolved_at: dict[str, float] = {}
+    real_resolve = backends.resolve
+
+    def timed(kind: str, name: str) -> object:
+        resolved_at.setdefault(kind, time.perf_counter())
+        return real_resolve(kind, name)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(backends, "resolve", timed)
+    receipt = execute(RunOptions(trainer="fake", sampler="vllm-server", per_target=False,
+                                 out=tmp_path / "r.json")).receipt
+    assert len(launches) == 1  # launched once, early, and adopted by the sampler
+    server = launches[0]
+    assert server.launched_at is not None and server.launched_at < resolved_at["trainer"]
+    assert receipt.sampler.settings["server"] == "started by lora-parity"
+    assert {"sampler.start", "sampler.start_wait"} <= set(receipt.timings)
+    # The stand-in cannot score: an error receipt, and the server stopped all the same.
+    assert receipt.verdict == Verdict.ERROR and server.proc is None and server.pid is None
+    assert not server.log_path.exists()
+
+
+def test_a_run_refused_after_the_early_launch_leaves_no_server_and_one_refused_before_launches_none(
+        launches: list[ServerProcess], tmp_path: Path) -> None:
+    from lora_parity import synthetic
+
+    synthetic.materialize(config.load(None))
+    pgids: list[int | None] = []
+    real_stop = ServerProcess.stop
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ServerProcess, "stop", lambda self, *a: (pgids.append(self.pid), real_stop(self, *a))[1])
+        # --tp is refused by the trainer's traits, after its import: the server is already launched.
+        with pytest.raises(ConfigError, match="--tp applies to the megatron trainer only"):
+            execute(RunOptions(trainer="fake", sampler="vllm-server", tp=2, out=tmp_path / "r.json"))
+    assert len(launches) == 1 and launches[0].proc is None
+    assert pgids and pgids[0] is not None and _group_left(pgids[0]) == ""
+    assert not (tmp_path / "r.json").exists()
+    with pytest.raises(ConfigError, match="environment variable is not set"):  # the sampler's own preflight
+        execute(RunOptions(trainer="fake", sampler="vllm-server", api_key_env="LORA_PARITY_UNSET_VAR",
+                           out=tmp_path / "r.json"))
+    assert len(launches) == 1
+
+
+def test_the_server_is_launched_early_only_where_the_checkpoint_is_on_disk_and_none_is_attached(
+        launches: list[ServerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from lora_parity import early_launch, synthetic
+    from lora_parity.backends.base import BackendOptions, EarlyLaunchingSampler
+    from lora_parity.runner import prepare
+
+    cfg = config.load(None)
+    built = synthetic.materialize(cfg)
+    assert synthetic.cached(cfg) == built
+    assert synthetic.cached(config.load(str(built))) == built  # a checkpoint by path: the folder itself
+    assert issubclass(VLLMServerSampler, EarlyLaunchingSampler) and not issubclass(FakeSampler, EarlyLaunchingSampler)
+    assert early_launch.launch(cfg, FakeSampler, BackendOptions()) is None
+    assert VLLMServerSampler.launch_early(cfg, built, BackendOptions(sampler_url="http://127.0.0.1:1")) is None
+    plan = prepare(RunOptions(trainer="fake", sampler="vllm-server"))  # no launch unless asked (selftest, rerun)
+    assert plan.server is None and not launches
+    monkeypatch.setenv("LORA_PARITY_CACHE", str(tmp_path / "empty-cache"))
+    assert synthetic.cached(cfg) is None  # to be built first: the sampler launches its server after that
+    plan = prepare(RunOptions(trainer="fake", sampler="vllm-server"), launch_early=True)
+    assert plan.server is None and not launches

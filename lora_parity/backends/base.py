@@ -20,10 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 from lora_parity.config import ModelConfig
 from lora_parity.receipt import BackendInfo, Perturbation
+
+if TYPE_CHECKING:
+    from lora_parity.backends.server_process import ServerProcess
 
 Sequences = list[list[int]]
 Scores = list[list[float]]
@@ -95,6 +98,9 @@ class BackendOptions:
     """Folder the attached server can read; adapters are copied there (`served_over_http`)."""
     batch_invariant: bool = True
     """Sampler (vLLM on CUDA): batch-invariant kernels where the build has them (`--no-batch-invariant`)."""
+    server: ServerProcess | None = None
+    """A server the run launched early for this sampler (`EarlyLaunchingSampler.launch_early`), which
+    it adopts instead of launching its own (one already stopped is not adopted)."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,19 @@ class StartAdapterTrainer(Protocol):
         """Load the adapter's A and B (rank, alpha and targets already match it: the run's config
         is taken from its adapter_config.json). From then on `zero_b` restores this B, and `perturb`
         accepts a B equal to it."""
+        ...
+
+
+@runtime_checkable
+class EarlyLaunchingSampler(Protocol):
+    """A sampler that runs a server of its own, which the run may launch before it imports the
+    trainer's libraries, so that the two overlap (`lora_parity.early_launch`)."""
+
+    @classmethod
+    def launch_early(cls, cfg: ModelConfig, model_dir: Path, options: BackendOptions) -> ServerProcess | None:
+        """Launch the server this sampler would launch for `cfg` and the checkpoint `model_dir`, and
+        return at once (None where it would start none: attached to a server by URL). Given back
+        in `BackendOptions.server`, `create` adopts it; the caller stops it if no sampler does."""
         ...
 
 

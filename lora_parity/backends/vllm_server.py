@@ -16,8 +16,10 @@ request per prefix, the next token forced with `allowed_token_ids` and its raw l
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -148,11 +150,36 @@ def _one_torch_thread() -> None:
 
 
 def _has_cuda() -> bool:
+    if _cpu_only_torch():  # known without importing torch (about 1.5 s), which an early launch precedes
+        return False
     try:
         import torch
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def _cpu_only_torch() -> bool:
+    """Whether the installed torch is a CPU-only build, read from its `version.py` (`cuda` and `hip`
+    both None) without importing it; False where that cannot be told (torch is then asked)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return len(re.findall(r"^(?:cuda|hip)\b[^=\n]*=\s*None\s*$", text, re.MULTILINE)) == 2
+
+
+def launch_server(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant: bool = True) -> ServerProcess:
+    """Launch `vllm serve` for `cfg` on 127.0.0.1 (port: $LORA_PARITY_VLLM_SERVER_PORT, else a free
+    one) and return at once; `ServerProcess.wait_healthy` waits for it."""
+    port = int(os.environ.get("LORA_PARITY_VLLM_SERVER_PORT") or free_port())
+    server = ServerProcess(server_argv(cfg, Path(model_dir), port, cuda), server_env(cfg, cuda, batch_invariant),
+                           port, START_TIMEOUT_S)
+    server.launch()
+    return server
 
 
 class VLLMServerSampler(SamplerBackend):
@@ -167,15 +194,23 @@ class VLLMServerSampler(SamplerBackend):
         preflight(opts)
 
     @classmethod
+    def launch_early(cls, cfg: ModelConfig, model_dir: Path, options: BackendOptions) -> ServerProcess | None:
+        """Launch the server `create` would (none when attaching to `options.sampler_url`)."""
+        if options.sampler_url:
+            return None
+        return launch_server(cfg, model_dir, _has_cuda(), options.batch_invariant)
+
+    @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
                options: BackendOptions) -> Self:
-        """Start a server for the run, or attach to `options.sampler_url`."""
+        """Start a server for the run (adopt `options.server`, launched early), or attach to
+        `options.sampler_url`."""
         return cls(cfg, model_dir, timings, url=options.sampler_url, api_key_env=options.api_key_env,
-                   shared_dir=options.shared_dir, batch_invariant=options.batch_invariant)
+                   shared_dir=options.shared_dir, batch_invariant=options.batch_invariant, launched=options.server)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], *,
                  url: str | None = None, api_key_env: str | None = None, shared_dir: Path | None = None,
-                 batch_invariant: bool = True) -> None:
+                 batch_invariant: bool = True, launched: ServerProcess | None = None) -> None:
         self.cfg, self.timings, self.batch_invariant = cfg, timings, batch_invariant
         self.api_key = os.environ.get(api_key_env) if api_key_env else None
         # A folder of this sampler's own under --shared-dir: runs never overwrite each other's adapters.
@@ -190,7 +225,7 @@ class VLLMServerSampler(SamplerBackend):
         self._ready_lock = threading.Lock()
         self._base_model_id: str | None = None
         # Credentials, query and fragment are never sent or recorded: the key goes in a header.
-        self.url = redact(url) if url else self._launch(model_dir)
+        self.url = redact(url) if url else self._launch(model_dir, launched)
         if self.server is None:  # attached: the server answers now, or the run stops here
             try:
                 self._base_model_id = self._base_model()
@@ -198,16 +233,15 @@ class VLLMServerSampler(SamplerBackend):
                 self.close()
                 raise
 
-    def _launch(self, model_dir: Path | None) -> str:
-        """Launch `vllm serve` on 127.0.0.1 (port: $LORA_PARITY_VLLM_SERVER_PORT, else a free one) and
-        return at once: the run loads its trainer while the server starts; the first call waits."""
-        if model_dir is None:
+    def _launch(self, model_dir: Path | None, launched: ServerProcess | None) -> str:
+        """Adopt the server the run launched early (`launched`, unless already stopped), else launch
+        one now; return at once: the run loads its trainer while the server starts, the first call waits."""
+        if launched is not None and launched.pid is not None:
+            self.server = launched
+        elif model_dir is None:
             raise ConfigError("the vllm-server sampler needs a checkpoint to serve")
-        port = int(os.environ.get("LORA_PARITY_VLLM_SERVER_PORT") or free_port())
-        self.server = ServerProcess(server_argv(self.cfg, Path(model_dir), port, self.cuda),
-                                    server_env(self.cfg, self.cuda, self.batch_invariant), port,
-                                    START_TIMEOUT_S)
-        self.server.launch()
+        else:
+            self.server = launch_server(self.cfg, Path(model_dir), self.cuda, self.batch_invariant)
         if not self.cuda:
             _one_torch_thread()
         return self.server.url
