@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -325,18 +326,20 @@ def test_a_server_that_dies_while_the_run_works_is_an_error_at_its_first_call(
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[ServerProcess]:
-    """`vllm serve` replaced by the stand-in (healthy at once); every server launched, in order."""
+def launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[tuple[ServerProcess, int]]]:
+    """`vllm serve` replaced by the stand-in (healthy at once); every server launched, in order, with
+    its process group id."""
     import lora_parity.backends.vllm_server as vllm_server
 
     gate = tmp_path / "gate"
     gate.touch()
-    launched: list[ServerProcess] = []
+    launched: list[tuple[ServerProcess, int]] = []
     real_launch = vllm_server.launch_server
 
     def recorded(*args: object, **kwargs: object) -> ServerProcess:
         server = real_launch(*args, **kwargs)  # type: ignore[arg-type]
-        launched.append(server)
+        assert server.pid is not None
+        launched.append((server, server.pid))
         return server
 
     monkeypatch.setattr(vllm_server, "START_TIMEOUT_S", 20.0)
@@ -347,12 +350,12 @@ def launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[ServerProc
     threads = torch.get_num_threads()
     yield launched
     torch.set_num_threads(threads)  # the sampler set one thread for the trainer beside a CPU server
-    for server in launched:
+    for server, _ in launched:
         server.stop()
 
 
 def test_a_run_launches_its_server_before_the_trainer_import_and_the_sampler_adopts_it(
-        launches: list[ServerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        launches: list[tuple[ServerProcess, int]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import time
 
     from lora_parity import synthetic
@@ -369,30 +372,25 @@ def test_a_run_launches_its_server_before_the_trainer_import_and_the_sampler_ado
     receipt = execute(RunOptions(trainer="fake", sampler="vllm-server", per_target=False,
                                  out=tmp_path / "r.json")).receipt
     assert len(launches) == 1  # launched once, early, and adopted by the sampler
-    server = launches[0]
+    server, pgid = launches[0]
     assert server.launched_at is not None and server.launched_at < resolved_at["trainer"]
     assert receipt.sampler.settings["server"] == "started by lora-parity"
     assert {"sampler.start", "sampler.start_wait"} <= set(receipt.timings)
     # The stand-in cannot score: an error receipt, and the server stopped all the same.
     assert receipt.verdict == Verdict.ERROR and server.proc is None and server.pid is None
-    assert not server.log_path.exists()
+    assert not server.log_path.exists() and _group_left(pgid) == ""
 
 
 def test_a_run_refused_after_the_early_launch_leaves_no_server_and_one_refused_before_launches_none(
-        launches: list[ServerProcess], tmp_path: Path) -> None:
+        launches: list[tuple[ServerProcess, int]], tmp_path: Path) -> None:
     from lora_parity import synthetic
 
     synthetic.materialize(config.load(None))
-    pgids: list[int | None] = []
-    real_stop = ServerProcess.stop
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ServerProcess, "stop", lambda self, *a: (pgids.append(self.pid), real_stop(self, *a))[1])
-        # --tp is refused by the trainer's traits, after its import: the server is already launched.
-        with pytest.raises(ConfigError, match="--tp applies to the megatron trainer only"):
-            execute(RunOptions(trainer="fake", sampler="vllm-server", tp=2, out=tmp_path / "r.json"))
-    assert len(launches) == 1 and launches[0].proc is None
-    assert pgids and pgids[0] is not None and _group_left(pgids[0]) == ""
+    # --tp is refused by the trainer's traits, after its import: the server is already launched.
+    with pytest.raises(ConfigError, match="--tp applies to the megatron trainer only"):
+        execute(RunOptions(trainer="fake", sampler="vllm-server", tp=2, out=tmp_path / "r.json"))
+    (server, pgid), = launches
+    assert server.proc is None and not server.log_path.exists() and _group_left(pgid) == ""
     assert not (tmp_path / "r.json").exists()
     with pytest.raises(ConfigError, match="environment variable is not set"):  # the sampler's own preflight
         execute(RunOptions(trainer="fake", sampler="vllm-server", api_key_env="LORA_PARITY_UNSET_VAR",
@@ -401,7 +399,7 @@ def test_a_run_refused_after_the_early_launch_leaves_no_server_and_one_refused_b
 
 
 def test_the_server_is_launched_early_only_where_the_checkpoint_is_on_disk_and_none_is_attached(
-        launches: list[ServerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        launches: list[tuple[ServerProcess, int]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from lora_parity import early_launch, synthetic
     from lora_parity.backends.base import BackendOptions, EarlyLaunchingSampler
     from lora_parity.runner import prepare
