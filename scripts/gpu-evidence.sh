@@ -102,7 +102,7 @@ import sys, torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 torch.manual_seed(7)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16)  # older transformers on the GPU image
 targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
 with torch.no_grad():
