@@ -4,6 +4,9 @@ Each run is a separate `lora-parity run` process (engine start included), timed 
 per-phase times come from the receipts. "Overhead" is the wall time that is not engine start,
 model load or a scoring pass (forward passes); the target is <= 10 % of the wall time.
 
+`--target SECONDS` prints each probe set's median against that target (issue 15: the smollm2 fp32
+run, <= 45 s per probe source on 2 cores) and exits 1 when one is over it.
+
 `--selftest` times `lora-parity selftest` instead (fresh processes, median; target <= 60 s on 2
 cores). `--against DIR` alternates every run with the same run of the code in DIR (another checkout,
 put first on PYTHONPATH), so that before and after are measured in one sitting on a noisy machine.
@@ -118,6 +121,8 @@ def main() -> int:
     parser.add_argument("--probes", default="default",
                         help="probe sets, comma-separated, e.g. default,default-x10: runs alternate between them "
                              "and the median wall time of each is compared with the first's")
+    parser.add_argument("--target", type=float, default=None, metavar="SECONDS",
+                        help="report each probe set's median wall time against this target (exit 1 if over)")
     parser.add_argument("--selftest", action="store_true", help="time `lora-parity selftest` instead of `run`")
     parser.add_argument("--against", default=None, metavar="DIR",
                         help="alternate each run with the same run of the code in DIR (another checkout)")
@@ -143,23 +148,44 @@ def main() -> int:
     for probes in sets[1:]:
         print(f"wall time {probes} / {sets[0]}: {med(walls[probes]) / med(walls[sets[0]]):.2f}x "
               f"(medians of {args.runs}, same invocation)")
-    return 0
+    for probes in sets:
+        print(_against_target(args, f"{receipts[probes][0]['model']['name']} probes {probes}", walls[probes]))
+    return 0 if args.target is None or all(med(walls[p]) <= args.target for p in sets) else 1
+
+
+def _against_target(args: argparse.Namespace, what: str, walls: list[float]) -> str:
+    """One line: the median wall time of `what`, and whether it is within --target."""
+    median = statistics.median(walls)
+    line = f"lora-parity bench: {what}: median {median:.1f} s of {len(walls)} fresh processes"
+    if args.target is not None:
+        line += f" (target <= {args.target:g} s: {'met' if median <= args.target else 'MISSED'})"
+    load = os.getloadavg()
+    return f"{line}; load average now {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}"
 
 
 def bench_against(args: argparse.Namespace) -> int:
-    """The default run, alternating between this code and the code in --against: both medians."""
-    walls: dict[str, list[float]] = {"this": [], args.against: []}
+    """Every probe set, alternating between this code and the code in --against: medians and ratios."""
+    sets = args.probes.split(",")
+    codes = ("this", args.against)
+    walls: dict[tuple[str, str], list[float]] = {(p, c): [] for p in sets for c in codes}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            for j, code in enumerate(("this", args.against)):
-                result = _run(args, args.probes.split(",")[0], Path(tmp) / f"a-{i}-{j}.json",
-                              None if code == "this" else code)
-                if result is None:
-                    return 1
-                walls[code].append(result[0])
-    for code, values in walls.items():
-        print(f"lora-parity bench: run ({code}): median {statistics.median(values):.2f} s of {args.runs}; "
-              f"runs: {', '.join(f'{w:.2f}' for w in values)}")
+            for k, probes in enumerate(sets):
+                for j, code in enumerate(codes):
+                    result = _run(args, probes, Path(tmp) / f"a-{i}-{k}-{j}.json",
+                                  None if code == "this" else code)
+                    if result is None:
+                        return 1
+                    walls[probes, code].append(result[0])
+    for (probes, code), values in walls.items():
+        print(f"lora-parity bench: run ({code}), probes {probes}: median {statistics.median(values):.2f} s "
+              f"of {args.runs}; runs: {', '.join(f'{w:.2f}' for w in values)}")
+    med = statistics.median
+    for probes in sets:
+        print(f"probes {probes}: this / {args.against} = "
+              f"{med(walls[probes, 'this']) / med(walls[probes, args.against]):.2f}x (medians, alternating runs)")
+    load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}")
     return 0
 
 
