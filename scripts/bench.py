@@ -30,11 +30,18 @@ ENGINE_AND_LOAD = ("backends.import", "sampler.import", "sampler.start", "sample
                    "model.materialize")
 
 
+def _cwd(code: str | None) -> str | None:
+    """Where a run of the code in `code` starts: `python -m` puts the working directory first on
+    sys.path, ahead of PYTHONPATH, so a run started in another checkout would import that one's code."""
+    return str(Path(code).resolve()) if code is not None else None
+
+
 def _env(code: str | None) -> dict[str, str]:
     """The environment of a run of the code in `code` (a checkout), or of this one."""
     if code is None:
         return dict(os.environ)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([code, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    first = str(Path(code).resolve())
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([first, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def _run(args: argparse.Namespace, probes: str, out: Path,
@@ -44,7 +51,7 @@ def _run(args: argparse.Namespace, probes: str, out: Path,
     if args.model:
         cmd += ["--model", args.model]
     start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code), cwd=_cwd(code))
     wall = time.perf_counter() - start
     if res.returncode not in (0, 1) or not out.is_file():  # 1: a verdict other than pass, still timed
         print(res.stderr[-3000:], file=sys.stderr)
@@ -86,7 +93,7 @@ def _selftest(args: argparse.Namespace, tmp: str, code: str | None, i: int) -> f
     if args.model:
         cmd += ["--model", args.model]
     start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code), cwd=_cwd(code))
     wall = time.perf_counter() - start
     if res.returncode != 0:
         print(res.stdout[-2000:] + res.stderr[-2000:], file=sys.stderr)

@@ -77,3 +77,18 @@ def test_against_alternates_every_probe_source(monkeypatch: pytest.MonkeyPatch,
     out = capsys.readouterr().out
     assert "run (OLD), probes random: median 70.00 s of 2" in out
     assert "probes random: this / OLD = 0.50x" in out and "probes text: this / OLD = 0.50x" in out
+
+
+def test_against_runs_the_other_checkouts_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` puts the working directory ahead of PYTHONPATH: the other checkout's run starts there."""
+    import subprocess
+
+    bench = _bench()
+    other = tmp_path / "other"
+    (other / "lora_parity").mkdir(parents=True)
+    (other / "lora_parity" / "__init__.py").write_text("")
+    (other / "lora_parity" / "__main__.py").write_text("print('other checkout')\n")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # a checkout of this code, as `make bench` runs
+    res = subprocess.run([sys.executable, "-m", "lora_parity"], capture_output=True, text=True,
+                         env=bench._env(str(other)), cwd=bench._cwd(str(other)))
+    assert res.stdout.strip() == "other checkout"
