@@ -380,3 +380,12 @@ def test_per_target_trainer_scores_are_not_run_twice(tmp_path: Path, monkeypatch
     assert not any(k.startswith("score.target.") and k.endswith(".trainer") for k in receipt.timings)
     assert receipt.verdict == rc.Verdict.PASS
     verify(tmp_path / "t.json")
+
+
+@pytest.mark.parametrize("fault", ["drop-target", "wrong-direction", "frozen-trainer", "skip-sync"])
+def test_faults_are_caught_with_std_auto_and_per_target_coverage(tmp_path: Path, fault: str) -> None:
+    receipt = _run(tmp_path, fault, per_target=True, inject=fault)
+    expected = faults.Faults(fault, list(config.load("tiny-qwen3").adapter.targets), 1, 1.0).expected()
+    failing = {c.id for c in receipt.checks if c.status.value == expected.verdict}
+    assert receipt.verdict.value == expected.verdict and set(expected.caught_by) <= failing
+    assert verify(tmp_path / f"{fault}.json").verdict == receipt.verdict
