@@ -24,6 +24,14 @@ def test_selftest_catches_every_fault_on_fakes(tmp_path: Path) -> None:
         verify(Path(row.receipt))  # every receipt the matrix wrote is intact
 
 
+def test_selftest_without_per_target_coverage_catches_every_fault(tmp_path: Path) -> None:
+    """drop-target is then caught by C alone (its T.<target>.moved check does not exist)."""
+    result = selftest(RunOptions(**FAKE, per_target=False), tmp_path)
+    assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
+    drop = next(r for r in result.rows if r.fault == "drop-target")
+    assert drop.expected == "fail: C.parity.mean" and result.ok
+
+
 @pytest.mark.parametrize("fault", [f for f in faults_for("new-id") if not f.startswith("crash-at")])
 def test_each_fault_trips_its_check(fault: str, tmp_path: Path) -> None:
     receipt = execute(RunOptions(**FAKE, inject=fault, out=tmp_path / "r.json")).receipt
