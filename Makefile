@@ -39,7 +39,7 @@ typecheck: install
 bench: install
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench.py --selftest
-	$(PY) scripts/bench.py --model smollm2-135m --probes random,text
+	-$(PY) scripts/bench.py --model smollm2-135m --probes random,text,sampled --target 45
 	@for mode in inplace merged memory; do $(PY) scripts/bench.py --sync $$mode | grep -E "bench:|wall time|sync \("; done
 	$(PY) scripts/bench.py --sampler vllm,vllm-server
 

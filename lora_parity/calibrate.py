@@ -65,27 +65,54 @@ class _NoStd(Exception):
     """The trainer's update is not B noise: there is no std to calibrate."""
 
 
+def _search_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
+                    cfg: ModelConfig, only: str | None, start: float) -> tuple[Calibration, list[list[float]]] | None:
+    """`search` on the trainer; the calibration and the trainer's scores at its last step (the chosen
+    std), with the trainer left there. None for a trainer whose update is not B noise."""
+    before = scores["trainer_zero"]
+    last: list[list[list[float]]] = []
+
+    def measure(std: float) -> float:
+        trainer.zero_b()
+        if trainer.perturb(std, seed, only=only).kind != "lora_b_noise":
+            raise _NoStd
+        last[:] = [trainer.score(sequences)]
+        return mean_change(before, last[0])
+
+    try:
+        found = search(measure, mean_change(scores["zero"], before), cfg.perturbation.stimulus_factor,
+                       cfg.budgets.min_stimulus, start)
+    except _NoStd:
+        return None
+    return found, last[0]
+
+
 def on_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
                cfg: ModelConfig, only: str | None = None, start: float = START_STD) -> Calibration | None:
     """`search` from `start` with the trainer alone (zero B, perturb(std, seed, only), score), from the
     recorded scores zero and trainer_zero; leaves B zero. Per-target coverage starts from the whole
     update's std: one target alone moves the model less than all of them together. None for a trainer
     whose update is not B noise (an optimizer step: std does not apply)."""
-    before = scores["trainer_zero"]
-
-    def measure(std: float) -> float:
-        trainer.zero_b()
-        if trainer.perturb(std, seed, only=only).kind != "lora_b_noise":
-            raise _NoStd
-        return mean_change(before, trainer.score(sequences))
-
     try:
-        return search(measure, mean_change(scores["zero"], before), cfg.perturbation.stimulus_factor,
-                      cfg.budgets.min_stimulus, start)
-    except _NoStd:
-        return None
+        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start)
+        return found[0] if found is not None else None
     finally:
         trainer.zero_b()
+
+
+def on_trainer_kept(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
+                    cfg: ModelConfig, only: str, start: float) -> tuple[Calibration, list[list[float]]] | None:
+    """As `on_trainer` for one target kind `only`, but the trainer is left at the chosen std (B zero,
+    then perturb(std, seed, only)) and its scores there are returned with the calibration: the search's
+    last forward already is the per-target trainer score, so it is not run twice. B is left zero when
+    the search raises or finds no std."""
+    found = None
+    try:
+        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start)
+        return found
+    finally:
+        if found is None:
+            trainer.zero_b()
 
 
 def _ladder_problem(cal: Calibration) -> str | None:

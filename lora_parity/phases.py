@@ -239,13 +239,9 @@ class Run:
         std = self.cfg.perturbation.std
         return calibration.std if calibration is not None else 0.0 if std == "auto" else std
 
-    def _search(self, only: str | None) -> Calibration | None:
-        start = self.calibration.std if self.calibration is not None else calibrate.START_STD
-        return calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg, only, start)
-
     def calibrate(self) -> None:
         """std auto: the smallest std of the ladder whose trainer change stands out of A's noise."""
-        self.calibration = self._search(None)
+        self.calibration = calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg)
 
     def sample(self) -> None:
         """Replace each probe sequence by its prompt + a completion sampled with the zero-init adapter
@@ -298,18 +294,31 @@ class Run:
         self.mode.retire(self)
 
     def target_coverage(self, kind: str) -> None:
-        """From zero-init, perturb target kind `kind` alone, sync, and score both sides."""
-        found = self._search(kind) if self.calibrates else None
+        """From zero-init, perturb target kind `kind` alone, sync, and score both sides. With std auto
+        the search's last forward was taken at the chosen std on exactly this state, so it is the
+        trainer's score (not run again)."""
+        found = self._search_target(kind) if self.calibrates else None
         if found is not None:
-            self.target_calibrations[kind] = found
-            if self.perturbation is not None:
-                self.perturbation = self.perturbation.model_copy(
-                    update={"target_calibrations": dict(self.target_calibrations)})
-        self.trainer.zero_b()
-        self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
-        self.trainer_score(f"target.{kind}.trainer")
+            self._record(f"target.{kind}.trainer", found)
+        else:
+            self.trainer.zero_b()
+            self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
+            self.trainer_score(f"target.{kind}.trainer")
         self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)
+
+    def _search_target(self, kind: str) -> Scores | None:
+        """Target `kind`'s std search, recorded; the trainer's scores at the chosen std, where it is
+        left (None: no search, B zero)."""
+        start = self.calibration.std if self.calibration is not None else calibrate.START_STD
+        found = calibrate.on_trainer_kept(self.trainer, self.sequences, self.scores, self.seed, self.cfg, kind, start)
+        if found is None:
+            return None
+        self.target_calibrations[kind] = found[0]
+        if self.perturbation is not None:
+            self.perturbation = self.perturbation.model_copy(
+                update={"target_calibrations": dict(self.target_calibrations)})
+        return found[1]
 
 
 class _PhaseLister:

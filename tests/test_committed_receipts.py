@@ -32,6 +32,14 @@ EXPECTED_NOT_PASSING = {
     # 0.049). The tail sits on MoE router near-ties where one side took the other expert set
     # (docs/glm-moe.md); the calibrated re-run (tiny-glm-dsa__hf__vllm__h200.json) passes.
     "tiny-glm-dsa.std-0.02__hf__vllm__h200.json",
+    # tiny-glm-dsa with a kv_b_proj LoRA: vLLM's MLA never applies it, and per-target coverage names it
+    # (T.kv_b_proj.moved: the sampler moved 0): the sync verdict fails, as it should.
+    "tiny-glm-dsa-kv-b__hf__vllm__h200.json",
+    # A user's adapter (PEFT r8 on all seven projections, B ~ N(0, 0.02)) on SmolLM2 bf16, hf and megatron
+    # trainers: the sync verdict passes; numerics fail on the fp32 reference's absolute ceilings (with this
+    # large random adapter both sides are up to 1.2 nats p99 / 3.4 max from the fp32 model).
+    "smollm2-135m-bf16-path.user-adapter__hf__vllm__h200.json",
+    "smollm2-135m-bf16-path.user-adapter__megatron__vllm__h200.json",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Literal, overload
 
+from lora_parity import threads
 from lora_parity.backends.base import SamplerBackend, TrainerBackend
 from lora_parity.errors import BackendUnavailableError, ConfigError
 
@@ -55,6 +56,7 @@ def resolve(kind: Kind, name: str) -> type[TrainerBackend] | type[SamplerBackend
         cls = target
     else:
         module_name, _, qualname = target.partition(":")
+        threads.set_wait_policy()  # before the backend's libraries load their OpenMP runtime
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:

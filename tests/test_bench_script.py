@@ -1,0 +1,95 @@
+"""Issue 15: `scripts/bench.py` reports each probe source's median wall time against --target, and
+`--against` alternates every probe source between two checkouts (the processes are faked here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+WALLS = {"random": [40.0, 30.0, 35.0], "text": [50.0, 44.0, 47.0], "sampled": [20.0, 21.0, 22.0]}
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _receipt() -> dict[str, Any]:
+    return {"model": {"name": "smollm2-135m"}, "sampler": {"backend": "vllm", "settings": {"scoring": "s"}},
+            "trainer": {"settings": {}}, "environment": {"device": "cpu"}, "verdict": "pass",
+            "probes": {"num_scored_positions": 192},
+            "timings": {"sampler.start": 4.0, "score.zero": 1.0, "publish.v0": 0.1, "sync": 0.1, "total": 9.0}}
+
+
+def _fake_runs(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
+    calls: list[tuple[str, str | None]] = []
+    count: dict[tuple[str, str | None], int] = {}
+
+    def run(args: Any, probes: str, out: Path, code: str | None = None,
+            sampler: str | None = None) -> tuple[float, dict[str, Any]]:
+        calls.append((probes, code))
+        i = count[probes, code] = count.get((probes, code), -1) + 1
+        return WALLS[probes][i] * (2 if code else 1), _receipt()
+
+    monkeypatch.setattr(bench, "_run", run)
+    return calls
+
+
+def test_each_probe_source_median_is_reported_against_the_target(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    calls = _fake_runs(bench, monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--model", "smollm2-135m", "--probes", "random,text,sampled",
+                                      "--target", "45"])
+    assert bench.main() == 1  # text's median 47 s is over 45 s
+    out = capsys.readouterr().out
+    assert [p for p, _ in calls] == ["random", "text", "sampled"] * 3  # alternating
+    assert "smollm2-135m probes random: median 35.0 s of 3 fresh processes (target <= 45 s: met)" in out
+    assert "smollm2-135m probes text: median 47.0 s of 3 fresh processes (target <= 45 s: MISSED)" in out
+    assert "smollm2-135m probes sampled: median 21.0 s of 3 fresh processes (target <= 45 s: met)" in out
+
+
+def test_within_the_target_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    _fake_runs(bench, monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--probes", "random,sampled", "--target", "45"])
+    assert bench.main() == 0
+    assert "MISSED" not in capsys.readouterr().out
+
+
+def test_against_alternates_every_probe_source(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    calls = _fake_runs(bench, monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--probes", "random,text", "--against", "OLD", "--runs", "2"])
+    assert bench.main() == 0
+    assert calls == [("random", None), ("random", "OLD"), ("text", None), ("text", "OLD")] * 2
+    out = capsys.readouterr().out
+    assert "run (OLD), probes random: median 70.00 s of 2" in out
+    assert "probes random: this / OLD = 0.50x" in out and "probes text: this / OLD = 0.50x" in out
+
+
+def test_against_runs_the_other_checkouts_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` puts the working directory ahead of PYTHONPATH: the other checkout's run starts there."""
+    import subprocess
+
+    bench = _bench()
+    other = tmp_path / "other"
+    (other / "lora_parity").mkdir(parents=True)
+    (other / "lora_parity" / "__init__.py").write_text("")
+    (other / "lora_parity" / "__main__.py").write_text("print('other checkout')\n")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # a checkout of this code, as `make bench` runs
+    res = subprocess.run([sys.executable, "-m", "lora_parity"], capture_output=True, text=True,
+                         env=bench._env(str(other)), cwd=bench._cwd(str(other)))
+    assert res.stdout.strip() == "other checkout"
