@@ -41,3 +41,16 @@ def test_smollm2_with_text_probes_passes_and_verifies(tmp_path: Path) -> None:
         assert any(ids[i:i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
     assert verify(out).verdict == Verdict.PASS
     assert json.loads(cli("verify", str(out), "--json").stdout)["verdict"] == "pass"
+
+
+@needs_smollm2
+def test_smollm2_with_random_probes_passes_and_verifies(tmp_path: Path) -> None:
+    # The default token source on the real model: uniformly random ids, the calibrated update (std auto).
+    out = tmp_path / "random.json"
+    res = cli("run", "--model", "smollm2-135m", "--probes", "random", "--no-per-target", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    receipt = verify(out).receipt
+    assert receipt.verdict == Verdict.PASS and receipt.probes.set == "default"
+    assert receipt.probes.source is None or receipt.probes.source.kind == "random"
+    assert receipt.perturbation.calibration is not None and receipt.perturbation.calibration.met
+    assert receipt.comparisons["B.trainer_updated_vs_stale"].mean_abs >= receipt.budgets.min_stimulus

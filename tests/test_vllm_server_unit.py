@@ -29,6 +29,17 @@ from lora_parity.verify import verify
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def _no_in_process_vllm_leftovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process vLLM-CPU engine earlier in the same pytest process leaves its thread binding in
+    os.environ and replaces torch.set_num_threads with a no-op; a `lora-parity run` with this sampler
+    never has either, so these tests start without them."""
+    import torch
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
+
+
 class FakeServedSampler(FakeSampler):
     """The fake sampler behaving as vllm-server does where it matters: a same-name reload without
     load_inplace is refused (400), an unloaded adapter cannot be scored (404), and `score_cached` reads
