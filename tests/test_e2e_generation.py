@@ -10,7 +10,7 @@ from lora_parity import config, generation, probes
 from lora_parity.receipt import CheckStatus, Verdict, load
 from lora_parity.verify import verify
 
-from .conftest import cli, needs_smollm2
+from .conftest import cli, llama_with_adapter, needs_smollm2
 
 pytestmark = pytest.mark.cpu_e2e
 pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
@@ -40,35 +40,8 @@ def test_smollm2_with_sampled_probes_passes_and_verifies(tmp_path: Path) -> None
     assert verify(out).verdict == Verdict.PASS
 
 
-def _llama_with_adapter(tmp_path: Path) -> tuple[Path, Path]:
-    """The acceptance fixture: a Llama saved by transformers; PEFT LoRA r4 alpha 8 on q_proj, v_proj,
-    down_proj with B ~ N(0, 0.05)."""
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(7)
-    cfg = LlamaConfig(vocab_size=600, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-    model.save_pretrained(tmp_path / "llama")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
-                                                                                       "down_proj"]))
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    lora.save_pretrained(tmp_path / "adapter")
-    return tmp_path / "llama", tmp_path / "adapter"
-
-
 def test_user_adapter_on_a_checkpoint_by_path_passes_and_verifies(tmp_path: Path) -> None:
-    ckpt, adapter = _llama_with_adapter(tmp_path)
+    ckpt, adapter = llama_with_adapter(tmp_path, ["q_proj", "v_proj", "down_proj"])
     before = generation.folder_digest(adapter)
     out = tmp_path / "a.json"
     res = cli("run", "--model", str(ckpt), "--adapter", str(adapter), "--out", str(out))

@@ -21,7 +21,7 @@ from lora_parity.receipt import CheckStatus, Verdict, load
 from lora_parity.synthetic import hf_config_fields
 from lora_parity.verify import verify
 
-from .conftest import cli
+from .conftest import cli, llama_with_adapter
 
 pytestmark = pytest.mark.megatron
 requires_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -206,35 +206,9 @@ def test_noise_goes_into_each_parts_own_block_only(tp: int) -> None:
 # --- The megatron trainer on a PEFT adapter (megatron-core, no sampler) --------------------------
 
 
-def _llama_with_adapter(folder: Path, targets: list[str]) -> tuple[Path, Path]:
-    """The acceptance fixture: a Llama saved by transformers; PEFT LoRA r4 alpha 8 on `targets` with
-    B ~ N(0, 0.05) (non-zero)."""
-    torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(7)
-    cfg = LlamaConfig(vocab_size=600, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder / "llama")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    lora.save_pretrained(folder / "adapter")
-    return folder / "llama", folder / "adapter"
-
-
 @pytest.fixture(scope="module", params=[SUBSET, ALL], ids=["subset", "all"])
 def llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return _llama_with_adapter(tmp_path_factory.mktemp("llama"), request.param)
+    return llama_with_adapter(tmp_path_factory.mktemp("llama"), request.param)
 
 
 def _exported(trainer: Any, folder: Path) -> dict[str, af.Tensor]:
@@ -339,7 +313,7 @@ def test_megatron_with_a_users_adapter_passes_against_vllm(llama: tuple[Path, Pa
 @requires_megatron
 @requires_vllm
 def test_adapter_changed_on_disk_is_caught_with_the_megatron_trainer(tmp_path: Path) -> None:
-    ckpt, adapter = _llama_with_adapter(tmp_path, SUBSET)
+    ckpt, adapter = llama_with_adapter(tmp_path, SUBSET)
     before = generation.folder_digest(adapter)
     bad = tmp_path / "bad.json"
     res = cli("run", "--trainer", "megatron", "--model", str(ckpt), "--adapter", str(adapter),
