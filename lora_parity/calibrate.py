@@ -1,11 +1,15 @@
 """The calibrated update (`perturbation.std: auto`): the B-noise std is searched on the trainer alone,
 before anything reaches the sampler, until the trainer's own change is well above the trainer-sampler
-noise that A measured.
+noise that A measured, and not far above it.
 
-The target is max(k · A, min_stimulus), A = mean |zero − trainer_zero| (k: `perturbation.stimulus_factor`).
-The ladder is START_STD · GROWTH^i for i < MAX_STEPS; the first std whose trainer change (mean |trainer
-after − trainer_zero|) meets the target is used; if none does, the last one is, and B's stimulus check
-says whether that is enough. Deterministic for a given seed: the noise is seeded per tensor.
+The window (budgets with a noise rule, `lora_parity.thresholds`): the change (mean |trainer after −
+trainer_start|) must land in [lower, ceiling × lower], lower = max(k · A, B.stimulus's threshold), A =
+mean |zero − trainer_zero| (k: `perturbation.stimulus_factor`, ceiling: `NoiseRule.calibration_ceiling`).
+From START_STD the std doubles until the change reaches the window (halves while it is above it), then
+bisects geometrically between the last std below and the first above, at most WINDOW_STEPS forwards;
+the first std inside is used, else the smallest change at or above lower, else the largest change.
+Before the noise rule (older receipts): the first std of the ladder START_STD · GROWTH^i meeting
+max(k · A, min_stimulus). Deterministic for a given seed: the noise is seeded per tensor.
 `check` rechecks the rule from a receipt's recorded numbers and scores (`lora-parity verify`).
 """
 
@@ -15,7 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from lora_parity.receipt import Calibration, CalibrationStep, Perturbation
+from lora_parity.receipt import Budgets, Calibration, CalibrationStep, Perturbation
 
 if TYPE_CHECKING:
     from lora_parity.backends.base import Trainer
@@ -27,6 +31,8 @@ GROWTH = 2.0
 """Each step's std is the previous one's times this."""
 MAX_STEPS = 8
 """Most trainer forwards one search may take (START_STD · GROWTH^7 = 0.256)."""
+WINDOW_STEPS = 10
+"""Most trainer forwards one window search may take."""
 REL_TOL = 1e-3
 """Tolerance between a change measured during the search and the same change recomputed from the
 recorded scores (the same forward, run again; absorbs kernel non-determinism of the trainer)."""
@@ -61,6 +67,45 @@ def search(measure: Callable[[float], float], a_mean: float, factor: float, min_
                        met=steps[-1].trainer_change >= goal)
 
 
+def search_window(measure: Callable[[float], float], a_mean: float, factor: float, lower: float, ceiling: float,
+                  start: float = START_STD) -> Calibration:
+    """Search the std whose `measure(std)` (the trainer change) lands in [goal, ceiling · goal],
+    goal = max(factor · a_mean, lower): double (or halve) to bracket the window, then bisect
+    geometrically; at most WINDOW_STEPS calls."""
+    goal = target(a_mean, factor, lower)
+    upper = ceiling * goal
+    steps: list[CalibrationStep] = []
+    below = above = None
+    std = start
+    for _ in range(WINDOW_STEPS):
+        steps.append(CalibrationStep(std=std, trainer_change=measure(std)))
+        change = steps[-1].trainer_change
+        if goal <= change <= upper:
+            break
+        if change < goal:
+            below = std
+        else:
+            above = std
+        std = math.sqrt(below * above) if below is not None and above is not None else \
+            std * GROWTH if above is None else std / GROWTH
+    chosen = _chosen(steps, goal, upper)
+    return Calibration(a_mean=a_mean, factor=factor, min_stimulus=lower, target=goal, upper=upper, start_std=start,
+                       growth=GROWTH, max_steps=WINDOW_STEPS, steps=steps, std=chosen.std,
+                       met=goal <= chosen.trainer_change <= upper)
+
+
+def _chosen(steps: list[CalibrationStep], goal: float, upper: float) -> CalibrationStep:
+    """The first step inside [goal, upper]; else the smallest change at or above goal (detectable first);
+    else the largest change."""
+    inside = [s for s in steps if goal <= s.trainer_change <= upper]
+    if inside:
+        return inside[0]
+    over = [s for s in steps if s.trainer_change >= goal]
+    if over:
+        return min(over, key=lambda s: s.trainer_change)
+    return max(steps, key=lambda s: s.trainer_change)
+
+
 class _NoStd(Exception):
     """The trainer's update is not B noise: there is no std to calibrate."""
 
@@ -79,12 +124,28 @@ def _search_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[s
         last[:] = [trainer.score(sequences)]
         return mean_change(before, last[0])
 
+    a_mean = mean_change(scores["zero"], before)
+    rule = cfg.budgets.noise
     try:
-        found = search(measure, mean_change(scores["zero"], before), cfg.perturbation.stimulus_factor,
-                       cfg.budgets.min_stimulus, start)
+        if rule is None:
+            found = search(measure, a_mean, cfg.perturbation.stimulus_factor, cfg.budgets.min_stimulus, start)
+        else:
+            found = search_window(measure, a_mean, cfg.perturbation.stimulus_factor,
+                                  stimulus_threshold(scores, cfg.budgets), rule.calibration_ceiling, start)
+            if found.std != found.steps[-1].std:  # the trainer is left at the chosen std, not the last tried
+                measure(found.std)
     except _NoStd:
         return None
     return found, last[0]
+
+
+def stimulus_threshold(scores: dict[str, list[list[float]]], budgets: Budgets) -> float:
+    """B.stimulus's threshold from the start point's scores (`thresholds.stimulus`): the window's floor."""
+    from lora_parity import checks, thresholds
+
+    comparisons = checks.compute_comparisons(scores, budgets)
+    noise = thresholds.noise_model(scores, comparisons)
+    return thresholds.stimulus(budgets, comparisons.get("A.trainer_vs_sampler"), noise).budget
 
 
 def on_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
@@ -132,8 +193,40 @@ def _ladder_problem(cal: Calibration) -> str | None:
     return None
 
 
+def _window_problem(cal: Calibration, ceiling: float | None) -> str | None:
+    """Why a window calibration's steps are not the ones `search_window` takes on its own recorded changes
+    (`ceiling`: the budgets' calibration_ceiling)."""
+    if cal.upper is None or not 1 <= len(cal.steps) <= WINDOW_STEPS or cal.max_steps != WINDOW_STEPS:
+        return f"{len(cal.steps)} steps, outside 1..{WINDOW_STEPS}"
+    if ceiling is None:
+        return "a window search, but the budgets have no noise rule"
+    if not math.isclose(cal.upper, ceiling * cal.target, rel_tol=1e-12):
+        return "upper is not calibration_ceiling × target"
+    changes = iter(cal.steps)
+
+    def recorded(std: float) -> float:
+        step = next(changes, None)
+        if step is None or not math.isclose(step.std, std, rel_tol=1e-12):
+            raise _Replay
+        return step.trainer_change
+
+    try:
+        replay = search_window(recorded, cal.a_mean, cal.factor, cal.min_stimulus, ceiling, cal.start_std)
+    except _Replay:
+        return "the steps' stds are not the window search's (double to bracket, then bisect)"
+    if len(replay.steps) != len(cal.steps):
+        return "the search did not stop where the window search stops"
+    if replay.std != cal.std or replay.met != cal.met:
+        return "the chosen std is not the window search's choice"
+    return None
+
+
+class _Replay(Exception):
+    """A recorded step is not the one the window search takes next."""
+
+
 def check(cal: Calibration, std: float, scores: dict[str, list[list[float]]], changed: str,
-          min_stimulus: float | None) -> str | None:
+          min_stimulus: float | None, ceiling: float | None = None) -> str | None:
     """Why a recorded calibration does not follow its rule, or None: the target from A's scores, a
     monotone bounded ladder, the chosen std (the update's `std`) the first that meets the target, and
     its change reproducing from scores trainer_zero → `changed`."""
@@ -141,32 +234,40 @@ def check(cal: Calibration, std: float, scores: dict[str, list[list[float]]], ch
         a_mean = mean_change(scores["zero"], scores["trainer_zero"])
         if not math.isclose(cal.a_mean, a_mean, rel_tol=1e-9, abs_tol=1e-15):
             return f"a_mean {cal.a_mean:.6g} is not A's mean disagreement {a_mean:.6g}"
-    if min_stimulus is not None and cal.min_stimulus != min_stimulus:
-        return "min_stimulus is not the budgets'"
+    if min_stimulus is not None and not math.isclose(cal.min_stimulus, min_stimulus, rel_tol=1e-12):
+        return "min_stimulus is not the budgets' (B.stimulus's threshold, with the noise rule)"
     if not math.isclose(cal.target, target(cal.a_mean, cal.factor, cal.min_stimulus), rel_tol=1e-12):
         return "target is not max(factor · a_mean, min_stimulus)"
-    problem = _ladder_problem(cal)
+    problem = _ladder_problem(cal) if cal.upper is None else _window_problem(cal, ceiling)
     if problem is None and std != cal.std:
         problem = f"the update's std {std:g} is not the chosen std {cal.std:g}"
     if problem is None and "trainer_zero" in scores and changed in scores:
         change = mean_change(scores["trainer_zero"], scores[changed])
-        if not math.isclose(change, cal.steps[-1].trainer_change, rel_tol=REL_TOL, abs_tol=1e-12):
-            problem = f"the chosen std's trainer change {cal.steps[-1].trainer_change:.6g} does not reproduce " \
+        chosen = next(s for s in cal.steps if s.std == cal.std)
+        if not math.isclose(change, chosen.trainer_change, rel_tol=REL_TOL, abs_tol=1e-12):
+            problem = f"the chosen std's trainer change {chosen.trainer_change:.6g} does not reproduce " \
                       f"from the scores ({change:.6g})"
         elif cal.met and change < cal.target * (1 - REL_TOL):
             problem = f"the trainer change {change:.6g} does not meet the target {cal.target:.6g}"
     return problem
 
 
-def check_perturbation(p: Perturbation, scores: dict[str, list[list[float]]], min_stimulus: float | None) -> str | None:
+def check_perturbation(p: Perturbation, scores: dict[str, list[list[float]]], budgets: Budgets) -> str | None:
     """Why the calibrations a perturbation record holds (the main one, each target's) do not follow
-    their rule, or None."""
+    their rule (the noise rule's window where the budgets have one, else the ladder), or None."""
+    rule = budgets.noise
+    if rule is None:
+        floor, ceiling = budgets.min_stimulus, None
+    else:
+        start = {k: v for k, v in scores.items() if k in ("zero", "zero_repeat", "trainer_zero", "trainer_zero_repeat",
+                                                           "adapter_base", "base")}
+        floor, ceiling = stimulus_threshold(start, budgets), rule.calibration_ceiling
     if p.calibration is not None:
-        problem = check(p.calibration, p.std, scores, "trainer_updated", min_stimulus)
+        problem = check(p.calibration, p.std, scores, "trainer_updated", floor, ceiling)
         if problem:
             return f"perturbation.calibration: {problem}"
     for kind, cal in (p.target_calibrations or {}).items():
-        problem = check(cal, cal.std, scores, f"target.{kind}.trainer", min_stimulus)
+        problem = check(cal, cal.std, scores, f"target.{kind}.trainer", floor, ceiling)
         if problem:
             return f"perturbation.target_calibrations.{kind}: {problem}"
     return None

@@ -32,6 +32,8 @@ class Threshold:
 
     budget: float
     note: str | None = None
+    undecidable: bool = False
+    """Noise explains any outcome (a delta whose noise is as large as its change): inconclusive."""
 
 
 def group_of(check_id: str) -> str:
@@ -117,24 +119,28 @@ class DeltaThresholds:
     """kε/|t| >= 1: noise could turn the change any way, so neither pass nor fail can be claimed."""
 
 
-def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm: float | None) -> DeltaThresholds:
+def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm: float | None,
+                     relative: float = 0.0) -> DeltaThresholds:
     """Fixed budgets, loosened to what noise of norm k·ε can explain (budgets.target_noise_k): with
-    r = min(1, kε/|t|), cosine >= min(min_delta_cosine, cos(asin(r))) and scale, rel_l2 <= max(budget, kε/|t|)."""
+    r = min(1, kε/|t| + relative), cosine >= min(min_delta_cosine, cos(asin(r))) and scale, rel_l2 <=
+    max(budget, r). `relative`: the error the change itself carries (the noise rule's relative_k × ρ)."""
     k = budgets.target_noise_k
     fixed = DeltaThresholds(Threshold(budgets.min_delta_cosine), Threshold(budgets.max_delta_scale_error),
                             Threshold(budgets.max_delta_rel_l2))
     if k is None or zero_init_l2 is None or not trainer_norm:
         return fixed
-    ratio = k * zero_init_l2 / trainer_norm
-    note = f"noise allows {k:g} x {zero_init_l2:.3g} / {trainer_norm:.3g} = {ratio:.3g}"
+    ratio = k * zero_init_l2 / trainer_norm + relative
+    note = f"noise allows {k:g} x {zero_init_l2:.3g} / {trainer_norm:.3g}"
+    note = f"{note} + {relative:.3g} = {ratio:.3g}" if relative else f"{note} = {ratio:.3g}"
     cosine = math.cos(math.asin(min(1.0, ratio)))
+    undecidable = ratio >= 1.0
 
     def loosen(t: Threshold, value: float, looser: bool) -> Threshold:
-        return Threshold(value, note) if looser else t
+        return Threshold(value, note, undecidable) if looser or undecidable else t
 
     return DeltaThresholds(
         loosen(fixed.cosine, cosine, cosine < budgets.min_delta_cosine),
         loosen(fixed.scale, ratio, ratio > budgets.max_delta_scale_error),
         loosen(fixed.rel_l2, ratio, ratio > budgets.max_delta_rel_l2),
-        undecidable=ratio >= 1.0,
+        undecidable=undecidable,
     )

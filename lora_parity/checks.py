@@ -25,12 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_parity import check_rules, stats
+from lora_parity import thresholds as _thresholds
 from lora_parity.receipt import (
     Budgets,
     Check,
     CheckStatus,
     ComparisonStats,
     DeltaStats,
+    NoiseModel,
+    ThresholdRecord,
     Verdict,
     Verdicts,
     WorstPosition,
@@ -94,6 +97,10 @@ class Evaluation:
     checks: list[Check]
     verdict: Verdict
     verdicts: Verdicts
+    noise: NoiseModel | None = None
+    """The noise at the start point every threshold derives from."""
+    thresholds: dict[str, ThresholdRecord] | None = None
+    """Each check's threshold and its rule, derived before the checks ran."""
 
 
 def compute_comparisons(
@@ -164,109 +171,110 @@ def _parity(
     thresholds: Mapping[str, check_rules.Threshold], why: Mapping[str, str] | None = None,
 ) -> None:
     for short, stat in check_rules.STATS:
-        t = thresholds[short]
+        t = thresholds[f"{prefix}.parity.{short}"]
         c.add(f"{prefix}.parity.{short}", f"{what}: {short} |diff| within budget", getattr(cmp, stat) if cmp else None,
               "<=", t.budget, (why or {}).get(short, f"{what} disagree"), reached=cmp is not None, note=t.note)
 
 
-def _absolute(budgets: Budgets) -> dict[str, check_rules.Threshold]:
-    return {short: check_rules.Threshold(float(getattr(budgets, short))) for short, _ in check_rules.STATS}
-
-
-def _check_a_parity(c: _Checker, get: Any, budgets: Budgets) -> None:
+def _check_a_parity(c: _Checker, get: Any, th: Mapping[str, check_rules.Threshold], budgets: Budgets,
+                    start: str) -> None:
     """A.parity.*: triangulated against the fp32 reference where it was scored, else absolute; with the
     reference, A.fp32.<side>.* bound each side's distance from fp32."""
-    what = "zero-init trainer vs sampler"
+    what = f"{start} trainer vs sampler"
     tf, sf = get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32")
-    thresholds = check_rules.a_parity_thresholds(budgets, tf, sf)
-    if thresholds is None:
-        _parity(c, "A", what, get("A.trainer_vs_sampler"), _absolute(budgets))
+    if check_rules.a_parity_thresholds(budgets, tf, sf) is None:
+        _parity(c, "A", what, get("A.trainer_vs_sampler"), th)
         return
     why = {short: f"{what} disagree beyond their precision; {check_rules.farther_side(tf, sf, stat)}"
            for short, stat in check_rules.STATS}
-    _parity(c, "A", what, get("A.trainer_vs_sampler"), thresholds, why)
-    tri = budgets.a_triangulation
-    assert tri is not None
+    _parity(c, "A", what, get("A.trainer_vs_sampler"), th, why)
     for side, cmp in (("trainer", tf), ("sampler", sf)):
         for short, stat in check_rules.STATS:
-            c.add(f"A.fp32.{side}.{short}", f"{side} zero-init vs fp32 reference: {short} |diff| within ceiling",
-                  getattr(cmp, stat), "<=", float(getattr(tri, short)), f"the {side} is far from fp32")
+            c.add(f"A.fp32.{side}.{short}", f"{side} {start} vs fp32 reference: {short} |diff| within ceiling",
+                  getattr(cmp, stat), "<=", th[f"A.fp32.{side}.{short}"].budget, f"the {side} is far from fp32")
 
 
 def compute_checks(
     comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats], budgets: Budgets,
-    zero_init_l2: float | None = None,
+    thresholds: Mapping[str, check_rules.Threshold] | None = None, noise: NoiseModel | None = None,
 ) -> list[Check]:
-    """Every check, in order A, B, C, per-target. `zero_init_l2` is ‖trainer_zero - zero‖ (L2 over all
-    positions), the noise per-target direction is judged against (`budgets.min_target_snr`)."""
+    """Every check, in order A, B, C, per-target, each judged by its threshold in `thresholds`
+    (`lora_parity.thresholds.derive`, computed before from the start point's `noise`; derived here
+    from the comparisons alone when not given)."""
     c = _Checker()
     get = comparisons.get
+    th = thresholds if thresholds is not None else _thresholds.derive(budgets, comparisons, deltas, noise)
+    # Receipts made before the noise rule name the start point zero-init whatever it was.
+    start = noise.start if noise is not None and budgets.noise is not None else "zero-init"
 
-    # A: zero-init parity, and a zero adapter changes nothing on the sampler.
-    _check_a_parity(c, get, budgets)
+    # A: parity at the start point, and a zero adapter changes nothing on the sampler.
+    _check_a_parity(c, get, th, budgets, start)
     for side, key in (("sampler", "A.sampler_repeat"), ("trainer", "A.trainer_repeat")):
         cmp = get(key)
         c.add(f"A.noise.{side}_repeat", f"{side} repeat noise bounded", cmp.max_abs if cmp else None, "<=",
-              budgets.repeat_max, f"{side} scores the same state differently twice", reached=cmp is not None)
-    repeat = get("A.sampler_repeat")
-    noise = max(budgets.noise_factor * repeat.max_abs, budgets.noise_floor) if repeat else budgets.noise_floor
-    _adapter_noop_check(c, comparisons, noise)
+              th[f"A.noise.{side}_repeat"].budget, f"{side} scores the same state differently twice",
+              reached=cmp is not None)
+    _adapter_noop_check(c, comparisons, th)
 
     # B: the unpublished update is invisible, and the update is big enough to be caught.
     cmp = get("B.stale_vs_zero")
-    c.add("B.withheld", "sampler: unpublished update invisible (stale = zero-init)", cmp.max_abs if cmp else None,
-          "<=", noise, "unpublished update visible to the sampler", reached=cmp is not None)
-    cmp = get("B.trainer_updated_vs_stale")
-    c.add("B.stimulus", "updated trainer vs stale sampler: missing sync detectable", cmp.mean_abs if cmp else None,
-          ">=", budgets.min_stimulus, "stimulus too small to detect a missing sync",
-          reached=cmp is not None, failing=CheckStatus.INCONCLUSIVE)
+    c.add("B.withheld", f"sampler: unpublished update invisible (stale = {start})", cmp.max_abs if cmp else None,
+          "<=", th["B.withheld"].budget, "unpublished update visible to the sampler", reached=cmp is not None,
+          note=th["B.withheld"].note)
+    # The noise rule judges the trainer's own change (a frozen trainer shows none, whatever A's noise);
+    # receipts made before it judged the updated trainer against the stale sampler.
+    own = budgets.noise is not None
+    cmp = get("C.trainer_change" if own else "B.trainer_updated_vs_stale")
+    c.add("B.stimulus", ("trainer's own change" if own else "updated trainer vs stale sampler") +
+          ": missing sync detectable", cmp.mean_abs if cmp else None, ">=", th["B.stimulus"].budget,
+          "stimulus too small to detect a missing sync", reached=cmp is not None, failing=CheckStatus.INCONCLUSIVE,
+          note=th["B.stimulus"].note)
     no_stimulus = c.checks[-1].status == CheckStatus.INCONCLUSIVE
     # Without a stimulus, "did both sides move the same way" has no answer: inconclusive, not fail.
     moved_failing = CheckStatus.INCONCLUSIVE if no_stimulus else CheckStatus.FAIL
 
     # C: synced parity, both sides moved, and moved the same way.
-    _parity(c, "C", "updated trainer vs synced sampler", get("C.trainer_vs_sampler"),
-            check_rules.c_parity_thresholds(budgets, get("A.trainer_vs_sampler")))
+    _parity(c, "C", "updated trainer vs synced sampler", get("C.trainer_vs_sampler"), th)
     cmp = get("C.sampler_repeat")
     c.add("C.noise.sampler_repeat", "sampler repeat noise bounded after sync", cmp.max_abs if cmp else None, "<=",
-          budgets.repeat_max, "sampler scores the synced adapter differently twice", reached=cmp is not None)
+          th["C.noise.sampler_repeat"].budget, "sampler scores the synced adapter differently twice",
+          reached=cmp is not None)
     for side, key in (("sampler", "C.sampler_change"), ("trainer", "C.trainer_change")):
         cmp = get(key)
-        c.add(f"C.moved.{side}", f"{side} changed from zero-init to updated (above noise)",
-              cmp.mean_abs if cmp else None, ">", noise, f"{side} did not move", reached=cmp is not None,
-              failing=moved_failing)
-    _delta_checks(c, "C.delta", deltas.get("C.delta"), budgets, moved_failing, zero_init_l2=zero_init_l2)
+        c.add(f"C.moved.{side}", f"{side} changed from {start} to updated (above noise)",
+              cmp.mean_abs if cmp else None, ">", th[f"C.moved.{side}"].budget, f"{side} did not move",
+              reached=cmp is not None, failing=moved_failing, note=th[f"C.moved.{side}"].note)
+    _delta_checks(c, "C.delta", deltas.get("C.delta"), th, moved_failing)
 
     # Per-target coverage: each target kind alone reaches the sampler with the right sign and scale.
+    noise_l2 = noise.l2 if noise is not None else None
     for name, delta in deltas.items():
         if not name.startswith(TARGET_PREFIX):
             continue
         kind = name[len(TARGET_PREFIX) :]
         c.add(f"T.{kind}.moved", f"target {kind}: sampler moved when only {kind} was updated",
-              delta.sampler_norm, ">", noise, f"target {kind} does not reach the sampler")
+              delta.sampler_norm, ">", th[f"T.{kind}.moved"].budget, f"target {kind} does not reach the sampler",
+              note=th[f"T.{kind}.moved"].note)
         snr, why = budgets.min_target_snr, None
-        if snr is not None and zero_init_l2 is not None and delta.trainer_norm < snr * zero_init_l2:
+        if snr is not None and noise_l2 is not None and delta.trainer_norm < snr * noise_l2:
             why = (f"target {kind}'s own effect (‖Δtrainer‖ {delta.trainer_norm:.3g}) is below {snr:g}x the "
-                   f"zero-init disagreement ({zero_init_l2:.3g}), so its direction is lost in the noise")
-        _delta_checks(c, f"T.{kind}", delta, budgets, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
-                      rel_l2=False, why=why, zero_init_l2=zero_init_l2)
+                   f"{start} disagreement ({noise_l2:.3g}), so its direction is lost in the noise")
+        _delta_checks(c, f"T.{kind}", delta, th, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
+                      rel_l2=False, why=why)
 
     # S: querying the old sampling client again leaves the trainer's weights alone. Only where
     # those phases were scored (samplers that share the trainer's service); absent elsewhere.
     kept = get("S.trainer_after_stale_vs_updated")
     if kept is not None:
-        repeat = get("A.trainer_repeat")
-        trainer_noise = budgets.noise_floor
-        if repeat is not None:
-            trainer_noise = max(budgets.noise_factor * repeat.max_abs, budgets.noise_floor)
+        trainer_noise = th["S.trainer_kept"].budget
         back = get("S.trainer_after_stale_vs_zero")
         reverted = back is not None and back.max_abs <= trainer_noise
         c.add("S.trainer_kept", "trainer keeps its update after the old sampling client is queried again",
               kept.max_abs, "<=", trainer_noise,
-              f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights")
-    c_thresholds = check_rules.c_parity_thresholds(budgets, get("A.trainer_vs_sampler"))
-    _prefix_cache_checks(c, get("P.trainer_vs_cached"), c_thresholds)
-    generation_checks(c, comparisons, budgets)
+              f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights",
+              note=th["S.trainer_kept"].note)
+    _prefix_cache_checks(c, get("P.trainer_vs_cached"), th)
+    generation_checks(c, comparisons, th)
     return c.checks
 
 
@@ -279,25 +287,25 @@ def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,
 
 
 def _delta_checks(
-    c: _Checker, prefix: str, delta: DeltaStats | None, budgets: Budgets, failing: CheckStatus, rel_l2: bool = True,
-    why: str | None = None, zero_init_l2: float | None = None,
+    c: _Checker, prefix: str, delta: DeltaStats | None, th: Mapping[str, check_rules.Threshold],
+    failing: CheckStatus, rel_l2: bool = True, why: str | None = None,
 ) -> None:
     """Direction, scale (and rel_l2) of Δsampler vs Δtrainer; `why` replaces the failure reason. The
-    thresholds are loosened to what the zero-init noise explains (`check_rules.delta_thresholds`)."""
+    thresholds are loosened to what the start point's noise explains (`thresholds.delta`)."""
     reached = delta is not None
-    th = check_rules.delta_thresholds(budgets, zero_init_l2, delta.trainer_norm if delta else None)
-    undecidable = "noise as large as the change explains any direction and scale" if th.undecidable else None
+    cosine, scale, rel = (th[f"{prefix}.{k}"] for k in ("cosine", "scale", "rel_l2"))
+    undecidable = "noise as large as the change explains any direction and scale" if cosine.undecidable else None
     c.add(f"{prefix}.cosine", "Δsampler points the same way as Δtrainer", delta.cosine if delta else None, ">=",
-          th.cosine.budget, why or "sampler moved in another direction", reached=reached, failing=failing,
-          note=th.cosine.note, undecidable=undecidable)
+          cosine.budget, why or "sampler moved in another direction", reached=reached, failing=failing,
+          note=cosine.note, undecidable=undecidable)
     scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
     c.add(f"{prefix}.scale", "|‖Δsampler‖/‖Δtrainer‖ - 1| within budget", scale_err, "<=",
-          th.scale.budget, why or "sampler moved by another amount", reached=reached, failing=failing,
-          note=th.scale.note, undecidable=undecidable)
+          scale.budget, why or "sampler moved by another amount", reached=reached, failing=failing,
+          note=scale.note, undecidable=undecidable)
     if rel_l2:
         c.add(f"{prefix}.rel_l2", "‖Δsampler - Δtrainer‖/‖Δtrainer‖ within budget", delta.rel_l2 if delta else None,
-              "<=", th.rel_l2.budget, "sampler's change differs from trainer's", reached=reached,
-              failing=failing, note=th.rel_l2.note, undecidable=undecidable)
+              "<=", rel.budget, "sampler's change differs from trainer's", reached=reached,
+              failing=failing, note=rel.note, undecidable=undecidable)
 
 
 def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:
@@ -314,15 +322,17 @@ def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:
 
 
 def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, errored: bool) -> Evaluation:
-    """Comparisons, deltas, checks and verdict from raw scores and budgets."""
+    """Comparisons, deltas, the noise model and every threshold (derived first, as data), then the
+    checks and the verdict, from raw scores and budgets."""
     comparisons = compute_comparisons(scores, budgets)
     deltas = compute_deltas(scores)
-    zero_init_l2 = None
-    if "trainer_zero" in scores and "zero" in scores:
-        zero_init_l2 = stats.l2(stats.differences(scores["trainer_zero"], scores["zero"]))
-    checks = compute_checks(comparisons, deltas, budgets, zero_init_l2)
+    noise = _thresholds.noise_model(scores, comparisons)
+    derived = _thresholds.derive(budgets, comparisons, deltas, noise)
+    checks = compute_checks(comparisons, deltas, budgets, derived, noise)
     verdicts = check_rules.group_verdicts(checks, errored)
-    return Evaluation(comparisons, deltas, checks, check_rules.combined(verdicts), verdicts)
+    recorded = {ch.id: ThresholdRecord(budget=derived[ch.id].budget, rule=derived[ch.id].note or "the budget",
+                                       undecidable=derived[ch.id].undecidable) for ch in checks}
+    return Evaluation(comparisons, deltas, checks, check_rules.combined(verdicts), verdicts, noise, recorded)
 
 
 def not_passing(checks: Iterable[Check], *, reached: bool = False) -> list[Check]:
@@ -356,23 +366,27 @@ GENERATION_PARITY = {
 """Check prefix -> (comparison, what it compares) of the generation path (`--probes sampled`)."""
 
 
-def generation_checks(c: _Checker, comparisons: Mapping[str, ComparisonStats], budgets: Budgets) -> None:
+def generation_checks(c: _Checker, comparisons: Mapping[str, ComparisonStats],
+                      thresholds: Mapping[str, check_rules.Threshold]) -> None:
     """Parity (mean, p99, max) of each generation-path comparison that was recorded; none for a run
     that sampled nothing, so receipts without those scores keep their checks."""
     for prefix, (key, what) in GENERATION_PARITY.items():
         if key in comparisons:
-            _parity(c, prefix, what, comparisons[key], _absolute(budgets))
+            _parity(c, prefix, what, comparisons[key], thresholds)
 
 
-def _adapter_noop_check(c: _Checker, comparisons: Mapping[str, ComparisonStats], noise: float) -> None:
+def _adapter_noop_check(c: _Checker, comparisons: Mapping[str, ComparisonStats],
+                        thresholds: Mapping[str, check_rules.Threshold]) -> None:
     """A.zero_adapter_noop: the zero-init adapter changes nothing on the sampler. With a user's adapter
     (`--adapter`, comparison A.sampler_base_vs_adapter recorded) it gives way to A.adapter_moved: the
     adapter moved the sampler from its base model (above noise)."""
     moved = comparisons.get("A.sampler_base_vs_adapter")
     if moved is not None:
+        t = thresholds["A.adapter_moved"]
         c.add("A.adapter_moved", "sampler: the starting adapter moves it from the base model", moved.mean_abs, ">",
-              noise, "the starting adapter does not change the sampler's scores")
+              t.budget, "the starting adapter does not change the sampler's scores", note=t.note)
         return
     cmp = comparisons.get("A.sampler_base_vs_zero")
+    t = thresholds["A.zero_adapter_noop"]
     c.add("A.zero_adapter_noop", "sampler: zero-init adapter changes nothing vs base", cmp.max_abs if cmp else None,
-          "<=", noise, "the zero-init adapter changes the sampler's scores", reached=cmp is not None)
+          "<=", t.budget, "the zero-init adapter changes the sampler's scores", reached=cmp is not None, note=t.note)

@@ -32,6 +32,14 @@ def target_kind(param_name: str) -> str:
     raise ValueError(f"{param_name} is not a LoRA parameter")
 
 
+RECIPE = ("for each tensor in `tensors` (B = lora_B / linear_out): seed = int.from_bytes(sha256(f'{seed}:{name}')"
+          "[:8], 'little') & (2**63 - 1), name the logical name (PEFT prefix and adapter name removed); "
+          "B += torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=float32) * std, cast to "
+          "B's dtype; B starts at zero or at the start adapter's B")
+"""The recipe of kind lora_b_noise, recorded in every receipt (`Perturbation.recipe`): the update rebuilt
+from the receipt alone."""
+
+
 def noise_seed(name: str, seed: int) -> int:
     """63-bit seed of one tensor's noise: sha256 of its logical name and the run seed."""
     digest = hashlib.sha256(f"{seed}:{logical_name(name)}".encode()).digest()

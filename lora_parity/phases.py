@@ -23,6 +23,7 @@ from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampl
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ScoreError
 from lora_parity.faults import Faults
+from lora_parity.perturb import RECIPE
 from lora_parity.receipt import AdapterVersion, Calibration, ErrorDetail, Perturbation, PhaseRecord, PhaseStatus
 from lora_parity.sync import SyncMode
 from lora_parity.sync import mode as sync_mode_named
@@ -271,6 +272,8 @@ class Run:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
         std = self._std(self.calibration)
         update = self.faults.perturb(lambda: self.trainer.perturb(std, self.seed))
+        if update is not None and update.kind == "lora_b_noise":
+            update = update.model_copy(update={"recipe": RECIPE})
         if update is not None and self.calibration is not None:
             update = update.model_copy(update={"calibration": self.calibration})
         self.perturbation = update

@@ -41,6 +41,9 @@ from lora_parity.receipt_models import (
 )
 from lora_parity.receipt_models import ErrorDetail as ErrorDetail
 from lora_parity.receipt_models import GroupVerdict as GroupVerdict
+from lora_parity.receipt_models import NoiseModel as NoiseModel
+from lora_parity.receipt_models import NoiseRule as NoiseRule
+from lora_parity.receipt_models import ThresholdRecord as ThresholdRecord
 from lora_parity.receipt_models import JsonScalar as JsonScalar
 from lora_parity.receipt_models import (
     PhaseStatus as PhaseStatus,
@@ -106,6 +109,10 @@ class Budgets(Strict):
     ‖Δtrainer‖, cosine >= min(min_delta_cosine, cos(asin(min(1, kε/|t|)))), scale and rel_l2 errors <=
     max(their budget, kε/|t|) (C.delta and T.*); where kε/|t| >= 1 they are inconclusive (noise explains
     any change). None: the fixed budgets alone."""
+    noise: NoiseRule | None = None
+    """The noise model's rule (`lora_parity.thresholds`): B's stimulus, C's tail, the generation checks and
+    the calibration window derive from the noise measured at the start point. None: receipts made before
+    it, judged by the rules they were made with."""
 
     @model_validator(mode="after")
     def _ordered(self) -> Budgets:
@@ -114,6 +121,17 @@ class Budgets(Strict):
         if self.min_stimulus < self.mean:
             raise ValueError("min_stimulus must be at least the mean budget, or a stale sampler could pass")
         return self
+
+
+class StartAdapter(Strict):
+    """A user's PEFT adapter both sides start from (`--adapter`)."""
+
+    name: str
+    """The adapter folder's name (never its path on the machine)."""
+    sha256: str
+    """sha256 of adapter_config.json and adapter_model.safetensors (`lora_parity.start_adapter.digest`)."""
+    base_model: str | None = None
+    """base_model_name_or_path from its adapter_config.json, as written there."""
 
 
 class Revision(Strict):
@@ -236,6 +254,9 @@ class Perturbation(Strict):
     """How std was chosen (`perturbation.std: auto`); None: the config fixed it."""
     target_calibrations: dict[str, Calibration] | None = None
     """Per-target coverage: each target kind's own std search (`perturbation.std: auto`)."""
+    recipe: str | None = None
+    """How to rebuild the update from this record alone (kind lora_b_noise: the generator, the per-tensor
+    seed and the noise's dtype; `lora_parity.perturb.RECIPE`). None in receipts made before it."""
 
 
 class AdapterVersion(Strict):
@@ -345,6 +366,14 @@ class Receipt(Strict):
     """Where the error that stopped the run was raised; None: no error (or a receipt made before)."""
     reference: Reference | None = None
     """Whether the fp32 reference was scored, and why (not); None in receipts made before it was recorded."""
+    noise: NoiseModel | None = None
+    """The noise measured at the start point, every threshold's input (`budgets.noise`); recomputable from
+    `scores`. None: no start point was scored, or a receipt made before the noise model."""
+    thresholds: dict[str, ThresholdRecord] | None = None
+    """Per check id, the threshold derived before the checks ran and how; recomputable from `scores` and
+    `budgets`. None in receipts made before it was recorded."""
+    start_adapter: StartAdapter | None = None
+    """The user's adapter both sides started from (`--adapter`); None: zero-init."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

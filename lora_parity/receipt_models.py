@@ -194,6 +194,63 @@ class ATriangulation(Strict):
     """Ceiling on each side's max |diff| from fp32, and on A's own max |diff| (one bad token fails)."""
 
 
+class NoiseRule(Strict):
+    """The one rule that turns the noise measured at the start point into every threshold
+    (`lora_parity.thresholds`, docs/verdicts.md). Absent from receipts made before it existed:
+    their checks keep the rules they were made with."""
+
+    stimulus_margin: float = Field(default=2.0, ge=1)
+    """B.stimulus: the trainer's own change must be at least this many times C's mean threshold (and
+    at least min_stimulus), so that a stale sampler, which shows C the whole change, fails C clearly."""
+    calibration_ceiling: float = Field(default=1.5, gt=1)
+    """std auto: the trainer's change must land in [lower, ceiling × lower] (lower: the stimulus the
+    update needs); an update far above it only adds bf16 tails."""
+    relative_k: float = Field(default=2.0, ge=0)
+    """Tails and directions may differ by relative_k × ρ of the change itself, ρ the start point's
+    relative disagreement (mean |trainer - sampler| / mean |logprob|): a token moved by Δ is computed
+    with an error about ρ|Δ| on either side."""
+    tail_alpha: float = Field(default=1e-3, gt=0, lt=1)
+    """Chance that noise alone puts one of n tokens above the predicted max (exponential tail of the
+    start point's |diff| above its 90th percentile)."""
+
+
+class NoiseModel(Strict):
+    """The noise measured once at the start point (the user's adapter, or zero-init), from which
+    every threshold is derived (`lora_parity.thresholds`); `verify` recomputes it from the scores."""
+
+    start: Literal["zero-init", "start adapter"]
+    """Where the sides start: B = 0, or the user's adapter (`--adapter`)."""
+    n: int
+    """Scored positions."""
+    mean: float
+    """Mean |trainer - sampler| at the start point (A)."""
+    p99: float
+    """Its 99th percentile."""
+    max: float
+    """Its largest value."""
+    l2: float
+    """‖trainer - sampler‖ over all positions: the noise a change's direction is judged against."""
+    tail_p90: float
+    """90th percentile of |trainer - sampler|: where the fitted tail starts."""
+    tail_scale: float
+    """Mean excess of |trainer - sampler| over tail_p90 (the exponential tail's scale)."""
+    relative: float
+    """ρ: mean |trainer - sampler| / mean |sampler logprob|, the relative precision of the two sides."""
+    repeat: float
+    """The larger of the two sides' repeat max |diff| (0 for deterministic engines)."""
+
+
+class ThresholdRecord(Strict):
+    """One check's threshold, derived before the checks ran (`lora_parity.thresholds`)."""
+
+    budget: float
+    """The number the check's observed value is compared with."""
+    rule: str
+    """How it was derived, in words (the inputs included)."""
+    undecidable: bool = False
+    """Noise as large as the change: the check can be neither passed nor failed (inconclusive)."""
+
+
 class GroupVerdict(Strict):
     """The verdict of one group of checks."""
 
@@ -247,6 +304,9 @@ class Calibration(Strict):
     """The chosen std: the first that meets the target, else the last of the ladder."""
     met: bool
     """Whether the chosen std meets the target (if not, B's stimulus check decides)."""
+    upper: float | None = None
+    """The window's top (`NoiseRule.calibration_ceiling` × target): the search bisects until the change
+    lands in [target, upper]. None: receipts made with the older ladder (the first std over target)."""
 
 
 class ErrorDetail(Strict):

@@ -398,6 +398,9 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "breakdown": breakdown.compute(scores),
         "error_detail": (run.error_detail if run else None) or (loaded.error_detail if error else None),
         "reference": loaded.reference if run else None,
+        "noise": ev.noise,
+        "thresholds": ev.thresholds,
+        "start_adapter": start_adapter.record(opts.adapter),
     })
 
 
@@ -417,7 +420,7 @@ def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any]
         return None
     from lora_parity.backends.hf import fp32_reference
 
-    return fp32_reference(plan.cfg, model_dir)
+    return fp32_reference(plan.cfg, model_dir, plan.opts.adapter)
 
 
 def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None,

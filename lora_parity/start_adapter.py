@@ -8,6 +8,7 @@ line. See docs/probes-and-adapters.md.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from lora_parity import adapter_files as af
 from lora_parity.backends.base import StartAdapterTrainer
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError
+from lora_parity.receipt import StartAdapter
 
 _UNSUPPORTED = {"use_dora": "DoRA", "use_rslora": "rsLoRA", "lora_bias": "LoRA-bias",
                 "layers_to_transform": "layers_to_transform (some layers only)"}
@@ -54,6 +56,27 @@ def _refuse_variants(folder: Path, config: dict[str, Any]) -> None:
     targets = config.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise ConfigError(f"--adapter {folder}: target_modules must be a list of module names, not {targets!r}")
+
+
+def digest(folder: Path) -> str:
+    """sha256 over the adapter's two files, each as its name, its size and its bytes (read in chunks)."""
+    h = hashlib.sha256()
+    for name in (af.CONFIG_FILE, af.WEIGHTS_FILE):
+        path = Path(folder) / name
+        h.update(f"{name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def record(folder: Path | None) -> StartAdapter | None:
+    """What the receipt says of the start adapter: its folder's name, its digest and the base model its
+    config names (None without `--adapter`)."""
+    if folder is None:
+        return None
+    base = read_config(folder).get("base_model_name_or_path")
+    return StartAdapter(name=Path(folder).name, sha256=digest(folder), base_model=base if isinstance(base, str) else None)
 
 
 def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:

@@ -105,6 +105,14 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     computed = {c.id: c.model_dump(mode="json") for c in ev.checks}
     if not _same(recorded, computed) or len(receipt.checks) != len(ev.checks):
         raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
+    # Receipts made before the noise model recorded neither it nor the thresholds.
+    if receipt.thresholds is not None or receipt.noise is not None:
+        recorded = {"noise": receipt.noise.model_dump(mode="json") if receipt.noise else None,
+                    "thresholds": {k: v.model_dump(mode="json") for k, v in (receipt.thresholds or {}).items()}}
+        computed = {"noise": ev.noise.model_dump(mode="json") if ev.noise else None,
+                    "thresholds": {k: v.model_dump(mode="json") for k, v in (ev.thresholds or {}).items()}}
+        if not _same(recorded, computed):
+            raise ReceiptError(f"{path}: {_first_difference('noise model or threshold', recorded, computed)}")
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
     # Receipts made before the two verdicts existed have none: judged by their checks alone, as then.
@@ -174,7 +182,6 @@ def _verify_calibration(path: Path, receipt: Receipt) -> None:
 
     if receipt.perturbation is None:
         return
-    problem = calibrate.check_perturbation(receipt.perturbation, receipt.scores,
-                                           getattr(receipt.budgets, "min_stimulus", None))
+    problem = calibrate.check_perturbation(receipt.perturbation, receipt.scores, receipt.budgets)
     if problem:
         raise ReceiptError(f"{path}: {problem}")

@@ -95,13 +95,16 @@ def forward_description(cfg: ModelConfig) -> str:
     return f"{grouping}, log-softmax in fp32"
 
 
-def fp32_reference(cfg: ModelConfig, model_dir: Path) -> Callable[[Sequences], Scores]:
-    """A scorer of the base model in fp32 (no adapter: at zero-init both sides equal the base model),
-    loaded when called and freed afterwards, so it holds memory only while it scores."""
+def fp32_reference(cfg: ModelConfig, model_dir: Path, adapter: Path | None = None) -> Callable[[Sequences], Scores]:
+    """A scorer of the start point in fp32: the base model (at zero-init both sides equal it), or the base
+    model with the user's start adapter (`--adapter`, its safetensors loaded by PEFT), which both sides
+    then approximate. Loaded when called and freed afterwards, so it holds memory only while it scores."""
 
     def score(sequences: Sequences) -> Scores:
         device = pick_device()
         model = load_base(cfg, model_dir, device, dtype="float32")
+        if adapter is not None:
+            model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device).eval()
         try:
             return score_sequences(model, sequences, device, cfg.scoring.batch_size)
         finally:

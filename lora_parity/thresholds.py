@@ -1,0 +1,181 @@
+"""Every check's threshold, derived once from the noise measured at the start point, before any check runs.
+
+Pure: scores, comparisons and budgets in, a `NoiseModel` and a `Threshold` per check id out. The run
+and `lora-parity verify` both call `derive`; the receipt records both (`noise`, `thresholds`).
+
+The noise model (docs/verdicts.md, "One noise model") is measured at the start point (zero-init, or the
+user's adapter): the trainer-vs-sampler disagreement (A: mean, p99, max, L2, and its tail above the
+90th percentile), each side's repeat, and ρ, the two sides' relative precision. With `budgets.noise`
+(a `NoiseRule`) one rule turns it into every threshold:
+
+- A: against the fp32 reference (carrying the same start adapter) where it was scored, else absolute.
+- C, P, G (after a change): factor × A's statistic + floor, the max at least the tail the noise model
+  predicts for that many tokens, plus relative_k × ρ × the change's own statistic (a token moved by Δ
+  is computed with an error of about ρ|Δ| on either side).
+- B.stimulus: the trainer's own change must be stimulus_margin × C's mean threshold (a stale sampler
+  then fails C clearly) and at least min_stimulus; the calibration aims inside [that, ceiling × that].
+- Directions (C.delta, T.*): noise of norm kε bends a change of norm |t| by at most asin(kε/|t| + relative_k ρ).
+- withheld, moved, no-op: the sampler's repeat noise (noise_factor × repeat max, at least noise_floor).
+
+Without `budgets.noise` (receipts made before it) each check keeps the rule it was made with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from lora_parity import check_rules, stats
+from lora_parity.check_rules import STATS, Threshold
+from lora_parity.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
+
+ScoreArray = Sequence[Sequence[float]]
+TARGET_PREFIX = "target."
+GENERATION_PREFIXES = ("G.sampled", "G.updated", "G.trainer")
+
+
+def noise_model(scores: Mapping[str, ScoreArray], comparisons: Mapping[str, ComparisonStats]) -> NoiseModel | None:
+    """The noise at the start point, or None where trainer and sampler were not both scored there."""
+    a = comparisons.get("A.trainer_vs_sampler")
+    if a is None or "zero" not in scores or "trainer_zero" not in scores:
+        return None
+    diffs = [abs(d) for d in stats.differences(scores["zero"], scores["trainer_zero"])]
+    ordered = sorted(diffs)
+    p90 = stats.quantile(ordered, 0.90)
+    excess = [d - p90 for d in diffs if d > p90]
+    logprobs = stats.flatten(scores["zero"])
+    mean_logprob = math.fsum(abs(x) for x in logprobs) / len(logprobs)
+    repeats = [c.max_abs for k in ("A.sampler_repeat", "A.trainer_repeat") if (c := comparisons.get(k)) is not None]
+    return NoiseModel(
+        start="start adapter" if "adapter_base" in scores else "zero-init",
+        n=a.n, mean=a.mean_abs, p99=a.p99, max=a.max_abs, l2=stats.l2(diffs), tail_p90=p90,
+        tail_scale=math.fsum(excess) / len(excess) if excess else 0.0,
+        relative=a.mean_abs / mean_logprob if mean_logprob > 0 else 0.0,
+        repeat=max(repeats, default=0.0),
+    )
+
+
+def predicted_max(noise: NoiseModel, n: int, alpha: float) -> float:
+    """The |diff| that noise alone exceeds at one of `n` tokens with chance `alpha`: the start point's
+    exponential tail, P(|d| > p90 + x) = 0.1 exp(-x / scale), solved for n · P = alpha."""
+    return noise.tail_p90 + noise.tail_scale * math.log(max(1.0, 0.1 * n / alpha))
+
+
+def repeat_noise(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], side: str) -> Threshold:
+    """What one side's repeat noise allows a state's scores to move: noise_factor × its repeat max, at
+    least noise_floor (withheld, moved, no-op: the sampler's; S.trainer_kept: the trainer's)."""
+    repeat = comparisons.get(f"A.{side}_repeat")
+    value = budgets.noise_floor if repeat is None else max(budgets.noise_factor * repeat.max_abs, budgets.noise_floor)
+    if budgets.noise is None:  # receipts made before the noise rule recorded no derivation here
+        return Threshold(value)
+    if repeat is None:
+        return Threshold(value, f"the noise floor (no {side} repeat measured)")
+    return Threshold(value, f"max({budgets.noise_factor:g} x {side} repeat {repeat.max_abs:.3g}, "
+                            f"floor {budgets.noise_floor:g})")
+
+
+def after_change(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel | None,
+                 change: ComparisonStats | None, n: int | None) -> dict[str, Threshold]:
+    """Parity thresholds after a change (C, P, G): C relative to A where the budgets say so; with the
+    noise rule, the max at least the predicted tail for `n` tokens, and every statistic widened by
+    relative_k × ρ × the change's own statistic (`change`: the trainer's change, where measured)."""
+    base = check_rules.c_parity_thresholds(budgets, a)
+    rule = budgets.noise
+    if rule is None or noise is None:
+        return base
+    out: dict[str, Threshold] = {}
+    for short, field in STATS:
+        value, note = base[short].budget, base[short].note or f"absolute {base[short].budget:g}"
+        if short == "max" and n:
+            tail = predicted_max(noise, n, rule.tail_alpha)
+            if tail > value:
+                value, note = tail, f"the tail noise predicts for {n} tokens, {tail:.4g}"
+        if change is not None and rule.relative_k > 0:
+            extra = rule.relative_k * noise.relative * float(getattr(change, field))
+            value, note = value + extra, f"{note} + {rule.relative_k:g} x ρ {noise.relative:.3g} x change {short} " \
+                                         f"{float(getattr(change, field)):.4g}"
+        out[short] = Threshold(value, note)
+    return out
+
+
+def stimulus(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel | None,
+             change: ComparisonStats | None = None) -> Threshold:
+    """B.stimulus: the smallest change the update must make. Noise rule: stimulus_margin × C's mean
+    threshold, at least min_stimulus; before it, min_stimulus."""
+    rule = budgets.noise
+    if rule is None:
+        return Threshold(budgets.min_stimulus)
+    c_mean = after_change(budgets, a, noise, change, None)["mean"].budget
+    value = max(budgets.min_stimulus, rule.stimulus_margin * c_mean)
+    if value == budgets.min_stimulus:
+        return Threshold(value, f"min_stimulus (above {rule.stimulus_margin:g} x C's mean threshold {c_mean:.4g})")
+    return Threshold(value, f"{rule.stimulus_margin:g} x C's mean threshold {c_mean:.4g}")
+
+
+def delta(budgets: Budgets, noise_l2: float | None, trainer_norm: float | None,
+          noise: NoiseModel | None) -> check_rules.DeltaThresholds:
+    """Direction, scale and rel_l2 thresholds of one delta (C.delta, T.*)."""
+    relative = 0.0
+    if budgets.noise is not None and noise is not None:
+        relative = budgets.noise.relative_k * noise.relative
+    return check_rules.delta_thresholds(budgets, noise_l2, trainer_norm, relative)
+
+
+def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats],
+           noise: NoiseModel | None) -> dict[str, Threshold]:
+    """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them)."""
+    get = comparisons.get
+    out: dict[str, Threshold] = {}
+    a = get("A.trainer_vs_sampler")
+    a_thresholds = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
+    for short, _ in STATS:
+        out[f"A.parity.{short}"] = (a_thresholds or _absolute(budgets))[short]
+    if budgets.a_triangulation is not None:
+        for side in ("trainer", "sampler"):
+            for short, _ in STATS:
+                out[f"A.fp32.{side}.{short}"] = Threshold(float(getattr(budgets.a_triangulation, short)))
+    repeat = Threshold(budgets.repeat_max)
+    for key in ("A.noise.sampler_repeat", "A.noise.trainer_repeat", "C.noise.sampler_repeat"):
+        out[key] = repeat
+    moved = repeat_noise(budgets, comparisons, "sampler")
+    for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer"):
+        out[key] = moved
+    change = get("C.trainer_change")
+    out["B.stimulus"] = stimulus(budgets, a, noise, None)
+    c = after_change(budgets, a, noise, change, a.n if a is not None else None)
+    for short, _ in STATS:
+        out[f"C.parity.{short}"] = out[f"P.parity.{short}"] = c[short]
+    for prefix in GENERATION_PREFIXES:
+        g = _generation(budgets, prefix, comparisons, a, noise, change, c)
+        for short, _ in STATS:
+            out[f"{prefix}.parity.{short}"] = g[short]
+    noise_l2 = noise.l2 if noise is not None else None
+    fixed = delta(budgets, noise_l2, None, noise)  # C.delta's checks are made, not reached, without a C.delta
+    out["C.delta.cosine"], out["C.delta.scale"], out["C.delta.rel_l2"] = fixed.cosine, fixed.scale, fixed.rel_l2
+    for name, d in deltas.items():
+        th = delta(budgets, noise_l2, d.trainer_norm, noise)
+        prefix = name if name == "C.delta" else f"T.{name[len(TARGET_PREFIX):]}"
+        out[f"{prefix}.cosine"], out[f"{prefix}.scale"], out[f"{prefix}.rel_l2"] = th.cosine, th.scale, th.rel_l2
+        if prefix.startswith("T."):
+            out[f"{prefix}.moved"] = moved
+    out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
+    return out
+
+
+def _generation(budgets: Budgets, prefix: str, comparisons: Mapping[str, ComparisonStats],
+                a: ComparisonStats | None, noise: NoiseModel | None, change: ComparisonStats | None,
+                c: dict[str, Threshold]) -> dict[str, Threshold]:
+    """G.*: absolute before the noise rule; with it, C's thresholds, the max's tail predicted for the
+    generated tokens' count."""
+    if budgets.noise is None:
+        return _absolute(budgets)
+    key = {"G.sampled": "G.sampled_generation_vs_prompt", "G.updated": "G.updated_generation_vs_prompt",
+           "G.trainer": "G.trainer_vs_generation"}[prefix]
+    cmp = comparisons.get(key)
+    if cmp is None or a is None or cmp.n == a.n:
+        return c
+    return after_change(budgets, a, noise, change, cmp.n)
+
+
+def _absolute(budgets: Budgets) -> dict[str, Threshold]:
+    return {short: Threshold(float(getattr(budgets, short))) for short, _ in STATS}
