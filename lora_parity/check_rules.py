@@ -53,10 +53,26 @@ def _group_verdict(checks: Sequence[Check], errored: bool) -> GroupVerdict:
     return GroupVerdict(verdict=Verdict.PASS, decided_by=[c.id for c in checks])
 
 
-def group_verdicts(checks: Sequence[Check], errored: bool) -> Verdicts:
-    """The sync and numerics verdicts of `checks` (`group_of` splits them)."""
-    sync = [c for c in checks if group_of(c.id) == "sync"]
-    numerics = [c for c in checks if group_of(c.id) == "numerics"]
+TAIL_IDS = ("C.parity.p99", "C.parity.max")
+"""C's tail checks: numerics, not sync, where the rest of C shows the sync worked (`tails_in_numerics`)."""
+
+
+def tails_in_numerics(checks: Sequence[Check]) -> frozenset[str]:
+    """The C tail checks that belong to numerics in this run: where C's mean passed, the sampler moved and
+    every C.delta check passed, the sync evidently worked and a tail beyond the predicted one is numerics
+    (a few tokens computed differently), not sync. Under the noise rule only (`evaluate`)."""
+    status = {c.id: c.status for c in checks}
+    evidence = ["C.parity.mean", "C.moved.sampler"] + [i for i in status if i.startswith("C.delta.")]
+    if all(status.get(i) == CheckStatus.PASS for i in evidence):
+        return frozenset(i for i in TAIL_IDS if i in status)
+    return frozenset()
+
+
+def group_verdicts(checks: Sequence[Check], errored: bool, numerics_tails: frozenset[str] = frozenset()) -> Verdicts:
+    """The sync and numerics verdicts of `checks` (`group_of` splits them; the ids in `numerics_tails`
+    are numerics, `tails_in_numerics`)."""
+    sync = [c for c in checks if group_of(c.id) == "sync" and c.id not in numerics_tails]
+    numerics = [c for c in checks if group_of(c.id) == "numerics" or c.id in numerics_tails]
     return Verdicts(sync=_group_verdict(sync, errored), numerics=_group_verdict(numerics, errored))
 
 

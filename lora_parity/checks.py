@@ -329,7 +329,8 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     noise = _thresholds.noise_model(scores, comparisons)
     derived = _thresholds.derive(budgets, comparisons, deltas, noise)
     checks = compute_checks(comparisons, deltas, budgets, derived, noise)
-    verdicts = check_rules.group_verdicts(checks, errored)
+    tails = check_rules.tails_in_numerics(checks) if budgets.noise is not None else frozenset()
+    verdicts = check_rules.group_verdicts(checks, errored, tails)
     recorded = {ch.id: ThresholdRecord(budget=derived[ch.id].budget, rule=derived[ch.id].note or "the budget",
                                        undecidable=derived[ch.id].undecidable) for ch in checks}
     return Evaluation(comparisons, deltas, checks, check_rules.combined(verdicts), verdicts, noise, recorded)

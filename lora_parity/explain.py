@@ -7,7 +7,7 @@ no entry (a check added later) falls back to the check's own reason, so every ch
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class CheckLike(Protocol):
@@ -15,6 +15,7 @@ class CheckLike(Protocol):
 
     id: str
     reason: str
+    status: Any
 
 
 # prefix -> what the failure means, and what to look at next
@@ -93,10 +94,35 @@ CONSEQUENCES: dict[str, tuple[str, str]] = {
 }
 
 
+TAIL_ONLY = "the synced sampler moved with the trainer (direction and scale agree, the mean is within its " \
+            "threshold), but a few tokens disagree beyond the tail the start point's noise predicts: a numerics " \
+            "tail (low-probability tokens, bf16 rounding of a large change), not a missing sync; see the worst " \
+            "positions in `lora-parity report`"
+MOVED_WRONG = "the synced sampler moved, but not as the trainer did: a partial or wrong adapter reached the engine " \
+              "(a dropped target, another scale or sign); see the per-target checks T.* and C.delta.*"
+
+
+def _c_parity(check: CheckLike, failing: frozenset[str]) -> str | None:
+    """C.parity.*'s meaning from the evidence: the stale-scores text only where the sampler did not move."""
+    if not check.id.startswith("C.parity.") or "C.moved.sampler" in failing:
+        return None
+    if any(f.startswith("C.delta.") or f == "C.parity.mean" for f in failing):
+        return MOVED_WRONG
+    return TAIL_ONLY
+
+
 def line(check: CheckLike, failing: frozenset[str] = frozenset()) -> str:
-    """One line for a failing or inconclusive check: its meaning (or its own reason for an unknown id);
-    where it only follows from another failing check in `failing`, that."""
+    """One line for a failing or inconclusive check, chosen from the evidence: an inconclusive check says
+    what the noise allows (its own reason); where a failure only follows from another failing check in
+    `failing`, that; a C parity failure says whether the sampler moved; else the check's meaning (or its
+    own reason for an unknown id). Without `failing` (a lone check) the meaning is the prefix's."""
+    if getattr(check.status, "value", check.status) == "inconclusive":
+        return f"undecided, not a failure: {check.reason}"
     for prefix, (cause, text) in CONSEQUENCES.items():
         if check.id.startswith(prefix) and cause in failing:
             return text
+    if failing:
+        evidence = _c_parity(check, failing)
+        if evidence is not None:
+            return evidence
     return meaning(check.id) or check.reason

@@ -142,7 +142,12 @@ def explanations(receipt: Receipt) -> list[str]:
     lines = []
     for (status, meaning), group in groups.items():
         c = group[0]
-        observed = f"{_fmt(c.observed)} not {c.op} {_fmt(c.budget)}" if c.observed is not None else "undefined"
+        if c.observed is None:
+            observed = "undefined"
+        elif status == "inconclusive":
+            observed = f"{_fmt(c.observed)}, threshold {c.op} {_fmt(c.budget)}"
+        else:
+            observed = f"{_fmt(c.observed)} not {c.op} {_fmt(c.budget)}"
         names = ", ".join(x.id for x in group)
         lines.append(f"{status} {names} ({explain.measure(c.id) or 'observed'} {observed}): {meaning}")
     return lines

@@ -233,7 +233,7 @@ class NoiseModel(Strict):
     tail_p90: float
     """90th percentile of |trainer - sampler|: where the fitted tail starts."""
     tail_scale: float
-    """Mean excess of |trainer - sampler| over tail_p90 (the exponential tail's scale)."""
+    """The exponential tail's scale: (p99 - p90) / ln 10 of |trainer - sampler| (robust to a few bad tokens)."""
     relative: float
     """ρ: mean |trainer - sampler| / mean |sampler logprob|, the relative precision of the two sides."""
     repeat: float

@@ -42,14 +42,13 @@ def noise_model(scores: Mapping[str, ScoreArray], comparisons: Mapping[str, Comp
     diffs = [abs(d) for d in stats.differences(scores["zero"], scores["trainer_zero"])]
     ordered = sorted(diffs)
     p90 = stats.quantile(ordered, 0.90)
-    excess = [d - p90 for d in diffs if d > p90]
     logprobs = stats.flatten(scores["zero"])
     mean_logprob = math.fsum(abs(x) for x in logprobs) / len(logprobs)
     repeats = [c.max_abs for k in ("A.sampler_repeat", "A.trainer_repeat") if (c := comparisons.get(k)) is not None]
     return NoiseModel(
         start="start adapter" if "adapter_base" in scores else "zero-init",
         n=a.n, mean=a.mean_abs, p99=a.p99, max=a.max_abs, l2=stats.l2(diffs), tail_p90=p90,
-        tail_scale=math.fsum(excess) / len(excess) if excess else 0.0,
+        tail_scale=(stats.quantile(ordered, 0.99) - p90) / math.log(10),
         relative=a.mean_abs / mean_logprob if mean_logprob > 0 else 0.0,
         repeat=max(repeats, default=0.0),
     )
@@ -57,7 +56,8 @@ def noise_model(scores: Mapping[str, ScoreArray], comparisons: Mapping[str, Comp
 
 def predicted_max(noise: NoiseModel, n: int, alpha: float) -> float:
     """The |diff| that noise alone exceeds at one of `n` tokens with chance `alpha`: the start point's
-    exponential tail, P(|d| > p90 + x) = 0.1 exp(-x / scale), solved for n · P = alpha."""
+    exponential tail, P(|d| > p90 + x) = 0.1 exp(-x / scale), solved for n · P = alpha. The scale comes
+    from the 90th and 99th percentiles, so that one bad token at the start point does not widen it."""
     return noise.tail_p90 + noise.tail_scale * math.log(max(1.0, 0.1 * n / alpha))
 
 

@@ -82,12 +82,14 @@ def test_auto_std_is_calibrated_before_perturb_recorded_and_verified(tmp_path: P
     p = receipt.perturbation
     assert p is not None and p.calibration is not None
     cal = p.calibration
-    assert p.std == cal.std == cal.steps[-1].std and cal.met
-    assert cal.target == max(10 * cal.a_mean, receipt.budgets.min_stimulus)
-    # The trainer change of the update that was applied is the chosen step's, and meets the target.
+    assert p.std == cal.std and cal.met and cal.upper == pytest.approx(1.5 * cal.target)
+    # The window's floor is B.stimulus's threshold (at least min_stimulus), as the receipt records it.
+    assert cal.min_stimulus == receipt.thresholds["B.stimulus"].budget >= receipt.budgets.min_stimulus
+    assert cal.target == max(10 * cal.a_mean, cal.min_stimulus)
+    # The trainer change of the update that was applied is the chosen step's, inside the window.
     change = calibrate.mean_change(receipt.scores["trainer_zero"], receipt.scores["trainer_updated"])
-    assert change == pytest.approx(cal.steps[-1].trainer_change, rel=1e-12) and change >= cal.target
-    assert all(s.trainer_change < cal.target for s in cal.steps[:-1])
+    chosen = next(s for s in cal.steps if s.std == cal.std)
+    assert change == pytest.approx(chosen.trainer_change, rel=1e-12) and cal.target <= change <= cal.upper
     assert verify(tmp_path / "a.json").verdict == receipt.verdict
     assert _run(tmp_path, "b").perturbation == p  # same seed, same search
 
@@ -338,8 +340,10 @@ def test_kept_search_leaves_the_trainer_at_the_chosen_std_and_returns_its_scores
     found = calibrate.on_trainer_kept(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02)  # type: ignore[arg-type]
     assert found is not None
     cal, kept = found
-    assert [s.std for s in cal.steps] == [0.02, 0.04, 0.08] and cal.std == 0.08 and cal.met
-    assert kept == [[-1.08]] and trainer.std == 0.08  # the last forward's scores, and the trainer still there
+    # The window is [0.05, 0.075]: 0.08 overshoots it, so the search bisects between 0.04 and 0.08.
+    mid = (0.04 * 0.08) ** 0.5
+    assert [s.std for s in cal.steps] == pytest.approx([0.02, 0.04, 0.08, mid]) and cal.std == mid and cal.met
+    assert kept == [[-1.0 - mid]] and trainer.std == mid  # the last forward's scores, and the trainer still there
     assert trainer.calls[-3:] == ["zero_b", "perturb q_proj", "score"]
     # on_trainer searches the same ladder and leaves B zero
     assert calibrate.on_trainer(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02) == cal  # type: ignore[arg-type]
@@ -389,3 +393,45 @@ def test_faults_are_caught_with_std_auto_and_per_target_coverage(tmp_path: Path,
     failing = {c.id for c in receipt.checks if c.status.value == expected.verdict}
     assert receipt.verdict.value == expected.verdict and set(expected.caught_by) <= failing
     assert verify(tmp_path / f"{fault}.json").verdict == receipt.verdict
+
+
+# --- the bounded window (noise rule) --------------------------------------------------------------
+
+
+def test_window_search_bounds_an_overshooting_ladder() -> None:
+    """Issue defect 2: a change that grows fast with std made the doubling ladder overshoot the target by
+    up to 2x (and more at the next step); the window search bisects back into [target, 1.5 x target]."""
+    quadratic = lambda std: 200.0 * std * std  # noqa: E731
+    ladder = calibrate.search(quadratic, a_mean=0.01, factor=10, min_stimulus=0.1)
+    window = calibrate.search_window(quadratic, a_mean=0.01, factor=10, lower=0.1, ceiling=1.5)
+    assert ladder.steps[-1].trainer_change > 1.5 * ladder.target  # the ladder's choice: 2.9x the target
+    chosen = next(s for s in window.steps if s.std == window.std)
+    assert window.met and window.target <= chosen.trainer_change <= 1.5 * window.target
+    assert len(window.steps) <= calibrate.WINDOW_STEPS
+
+
+def test_window_search_halves_when_it_starts_above_the_window() -> None:
+    window = calibrate.search_window(lambda std: 100.0 * std, a_mean=0.0, factor=10, lower=0.05, ceiling=1.5,
+                                     start=0.01)
+    assert window.steps[0].trainer_change > window.upper and window.std < 0.01 and window.met
+
+
+def test_window_search_out_of_reach_keeps_the_largest_change() -> None:
+    window = calibrate.search_window(lambda std: 1e-3 * std, a_mean=0.0, factor=10, lower=0.1, ceiling=1.5)
+    assert not window.met and len(window.steps) == calibrate.WINDOW_STEPS
+    assert window.std == max(s.std for s in window.steps)
+
+
+def test_verify_replays_the_window_search_and_refuses_a_tampered_one() -> None:
+    budgets = config.load("tiny-qwen3").budgets
+    cal = calibrate.search_window(lambda std: 200.0 * std * std, a_mean=0.0, factor=10,
+                                  lower=budgets.min_stimulus, ceiling=1.5)
+    assert calibrate.check(cal, cal.std, {}, "trainer_updated", budgets.min_stimulus, 1.5) is None
+    other = cal.steps[0] if cal.steps[0].std != cal.std else cal.steps[-1]
+    picked = cal.model_copy(update={"std": other.std})
+    assert "choice" in (calibrate.check(picked, picked.std, {}, "trainer_updated", budgets.min_stimulus, 1.5) or "")
+    moved = cal.model_copy(update={"steps": [cal.steps[0].model_copy(update={"std": 0.005}), *cal.steps[1:]]})
+    assert "window search" in (calibrate.check(moved, moved.std, {}, "trainer_updated", budgets.min_stimulus, 1.5)
+                               or "")
+    assert "calibration_ceiling" in (calibrate.check(cal, cal.std, {}, "trainer_updated", budgets.min_stimulus, 2.0)
+                                     or "")

@@ -282,6 +282,7 @@ def test_json_summary_carries_both_verdicts(tmp_path: Path) -> None:
 
     receipt = execute(RunOptions(trainer="fake", sampler="fake", inject="one-token", out=tmp_path / "r.json")).receipt
     summary = output.summary(receipt, "r.json")
-    assert summary["verdicts"]["numerics"] == {"verdict": "fail", "decided_by": ["A.parity.max"]}
-    # fp32 budgets are absolute: the same token is off after sync too.
-    assert summary["verdicts"]["sync"] == {"verdict": "fail", "decided_by": ["C.parity.max"]}
+    # The same token is off after sync too; C's mean, moved and delta checks pass, so that tail is numerics
+    # (check_rules.tails_in_numerics), and the sync verdict passes.
+    assert summary["verdicts"]["numerics"] == {"verdict": "fail", "decided_by": ["A.parity.max", "C.parity.max"]}
+    assert summary["verdicts"]["sync"]["verdict"] == "pass"
