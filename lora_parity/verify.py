@@ -107,12 +107,14 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
         raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
     # Receipts made before the noise model recorded neither it nor the thresholds.
     if receipt.thresholds is not None or receipt.noise is not None:
-        recorded = {"noise": receipt.noise.model_dump(mode="json") if receipt.noise else None,
-                    "thresholds": {k: v.model_dump(mode="json") for k, v in (receipt.thresholds or {}).items()}}
-        computed = {"noise": ev.noise.model_dump(mode="json") if ev.noise else None,
-                    "thresholds": {k: v.model_dump(mode="json") for k, v in (ev.thresholds or {}).items()}}
+        recorded = receipt.noise.model_dump(mode="json") if receipt.noise else {}
+        computed = ev.noise.model_dump(mode="json") if ev.noise else {}
         if not _same(recorded, computed):
-            raise ReceiptError(f"{path}: {_first_difference('noise model or threshold', recorded, computed)}")
+            raise ReceiptError(f"{path}: {_first_difference('noise model field', recorded, computed)}")
+        recorded = {k: v.model_dump(mode="json") for k, v in (receipt.thresholds or {}).items()}
+        computed = {k: v.model_dump(mode="json") for k, v in (ev.thresholds or {}).items()}
+        if not _same(recorded, computed):
+            raise ReceiptError(f"{path}: {_first_difference('threshold', recorded, computed)}")
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
     # Receipts made before the two verdicts existed have none: judged by their checks alone, as then.

@@ -1,0 +1,199 @@
+"""One noise model per run, every threshold derived from it (lora_parity.thresholds): each numbered
+defect of the verdicts issue, as measured on a held-back real model, reproduced by hand-computed numbers."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from lora_parity import checks, explain, thresholds
+from lora_parity.receipt import Check, CheckStatus, NoiseModel, NoiseRule
+
+from .test_verdicts import RELATIVE, cmp
+
+RULE = RELATIVE.model_copy(update={"noise": NoiseRule()})
+
+
+def noise(mean: float = 0.08, relative: float = 0.01, l2: float = 1.0, p90: float = 0.15,
+          scale: float = 0.06) -> NoiseModel:
+    return NoiseModel(start="zero-init", n=192, mean=mean, p99=0.3, max=0.6, l2=l2, tail_p90=p90, tail_scale=scale,
+                      relative=relative, repeat=0.0)
+
+
+def by_id(comparisons: dict, budgets=RULE, deltas=None, model=None) -> dict[str, Check]:
+    derived = thresholds.derive(budgets, comparisons, deltas or {}, model)
+    return {c.id: c for c in checks.compute_checks(comparisons, deltas or {}, budgets, derived, model)}
+
+
+@pytest.mark.unit
+def test_noise_model_from_the_start_point_scores() -> None:
+    zero = [[-1.0, -2.0, -3.0, -4.0]]
+    trainer = [[-1.1, -2.0, -3.2, -4.0]]
+    comparisons = checks.compute_comparisons({"zero": zero, "trainer_zero": trainer}, RULE)
+    model = thresholds.noise_model({"zero": zero, "trainer_zero": trainer}, comparisons)
+    assert model is not None and model.start == "zero-init" and model.n == 4
+    assert model.mean == pytest.approx(0.075) and model.l2 == pytest.approx(math.sqrt(0.05))
+    assert model.relative == pytest.approx(0.075 / 2.5)
+    with_adapter = thresholds.noise_model({"zero": zero, "trainer_zero": trainer, "adapter_base": zero}, comparisons)
+    assert with_adapter is not None and with_adapter.start == "start adapter"
+
+
+@pytest.mark.unit
+def test_the_tail_prediction_ignores_one_bad_token() -> None:
+    """The tail scale comes from p90 and p99, so one token off at the start point does not widen C's max."""
+    zero = [[-1.0] * 200]
+    trainer = [[-1.0] * 199 + [-10.0]]
+    comparisons = checks.compute_comparisons({"zero": zero, "trainer_zero": trainer}, RULE)
+    model = thresholds.noise_model({"zero": zero, "trainer_zero": trainer}, comparisons)
+    assert model is not None and model.tail_scale == 0.0 and thresholds.predicted_max(model, 200, 1e-3) == 0.0
+    grown = noise(p90=0.15, scale=0.06)
+    assert thresholds.predicted_max(grown, 192, 1e-3) == pytest.approx(0.15 + 0.06 * math.log(0.1 * 192 / 1e-3))
+
+
+@pytest.mark.unit
+def test_defect_3_generation_checks_follow_a_not_an_absolute_budget() -> None:
+    """--probes sampled: G.trainer.parity.mean 0.072 > 0.05 (absolute) while C passed at 0.078 <= 0.167."""
+    comparisons = {"A.trainer_vs_sampler": cmp(0.0735, 0.3, 0.6), "C.trainer_vs_sampler": cmp(0.078, 0.3, 0.6),
+                   "G.trainer_vs_generation": cmp(0.072, 0.25, 0.5)}
+    legacy = by_id(comparisons, RELATIVE)
+    assert legacy["G.trainer.parity.mean"].status == CheckStatus.FAIL  # the false alarm, as it was
+    ruled = by_id(comparisons, RULE)
+    assert ruled["G.trainer.parity.mean"].status == CheckStatus.PASS
+    assert ruled["G.trainer.parity.mean"].budget == ruled["C.parity.mean"].budget == pytest.approx(0.167)
+    # A generation path that lost the adapter moves by the whole change: still far over.
+    lost = {**comparisons, "G.trainer_vs_generation": cmp(0.9, 2.0, 4.0)}
+    assert by_id(lost, RULE)["G.trainer.parity.mean"].status == CheckStatus.FAIL
+
+
+@pytest.mark.unit
+def test_defect_4_a_frozen_trainer_shows_no_stimulus_whatever_a_is() -> None:
+    """With A at 0.138 a frozen trainer showed 'stimulus' 0.138 >= 0.1 from numerics alone."""
+    frozen = {"A.trainer_vs_sampler": cmp(0.138, 0.5, 0.9), "B.trainer_updated_vs_stale": cmp(0.138, 0.5, 0.9),
+              "C.trainer_change": cmp(0.0, 0.0, 0.0)}
+    assert by_id(frozen, RELATIVE)["B.stimulus"].status == CheckStatus.PASS  # the miss, as it was
+    got = by_id(frozen, RULE)["B.stimulus"]
+    assert got.status == CheckStatus.INCONCLUSIVE and got.observed == 0.0
+    # The threshold is 2 x C's mean threshold (2 x 0.138 + 0.02): a stale sampler then fails C clearly.
+    assert got.budget == pytest.approx(2 * (2 * 0.138 + 0.02))
+    moved = {**frozen, "C.trainer_change": cmp(0.8, 2.0, 3.0)}
+    assert by_id(moved, RULE)["B.stimulus"].status == CheckStatus.PASS
+
+
+@pytest.mark.unit
+def test_defect_2_c_widens_with_the_change_it_carries() -> None:
+    """A user's adapter at a large stimulus: C 0.357 > 0.271 (2 x A + 0.02) although the sync was right;
+    a token moved by Δ carries about ρΔ of error on each side."""
+    comparisons = {"A.trainer_vs_sampler": cmp(0.1255, 0.5, 0.9), "C.trainer_vs_sampler": cmp(0.357, 1.1, 1.9),
+                   "C.trainer_change": cmp(2.07, 6.0, 9.0)}
+    assert by_id(comparisons, RULE)["C.parity.mean"].status == CheckStatus.FAIL  # without a noise model: as before
+    model = noise(mean=0.1255, relative=0.042)
+    ruled = by_id(comparisons, RULE, model=model)
+    assert ruled["C.parity.mean"].budget == pytest.approx(2 * 0.1255 + 0.02 + 2 * 0.042 * 2.07)
+    assert ruled["C.parity.mean"].status == CheckStatus.PASS
+    # A missing sync shows C the whole change: 2.07 is far over the widened 0.45.
+    stale = {**comparisons, "C.trainer_vs_sampler": cmp(2.07, 6.0, 9.0)}
+    assert by_id(stale, RULE, model=model)["C.parity.mean"].status == CheckStatus.FAIL
+
+
+@pytest.mark.unit
+def test_defect_5_directions_allow_the_error_the_change_carries() -> None:
+    """Per-target with a start adapter: T.q_proj.cosine 0.709 < 0.753 failed on noise (k ε/|t| = 0.658)."""
+    legacy = thresholds.delta(RELATIVE, 1.0, 2.0 / 0.658, None)
+    assert legacy.cosine.budget == pytest.approx(math.cos(math.asin(0.658)), rel=1e-6) and 0.709 < legacy.cosine.budget
+    ruled = thresholds.delta(RULE, 1.0, 2.0 / 0.658, noise(relative=0.04))
+    assert ruled.cosine.budget == pytest.approx(math.cos(math.asin(0.658 + 0.08)), rel=1e-6)
+    assert 0.709 >= ruled.cosine.budget
+    # A negated adapter (cosine -1) or a doubled scale is still far outside.
+    assert ruled.scale.budget < 1.0 and ruled.cosine.budget > 0
+
+
+@pytest.mark.unit
+def test_defect_6_reasons_follow_the_evidence() -> None:
+    def check(id: str, status: CheckStatus = CheckStatus.FAIL, reason: str = "r") -> Check:
+        return Check(id=id, name="n", status=status, observed=1.0, budget=0.5, op="<=", reason=reason)
+
+    tail = check("C.parity.max")
+    # The sampler moved (C.moved.sampler passed), cosine and scale fine: a tail, not "never reached".
+    line = explain.line(tail, frozenset({"C.parity.max"}))
+    assert "numerics tail" in line and "never reached" not in line
+    assert "never reached" in explain.line(tail, frozenset({"C.parity.max", "C.moved.sampler"}))
+    assert "partial or wrong adapter" in explain.line(tail, frozenset({"C.parity.max", "C.parity.mean"}))
+    # An inconclusive check says what noise allows, never "check the name mapping".
+    noisy = check("T.q_proj.cosine", CheckStatus.INCONCLUSIVE, "noise as large as the change explains any direction")
+    assert "name mapping" not in explain.line(noisy, frozenset({"T.q_proj.cosine"}))
+    assert "undecided" in explain.line(noisy, frozenset({"T.q_proj.cosine"}))
+
+
+@pytest.mark.unit
+def test_a_c_tail_is_numerics_when_the_rest_of_c_shows_the_sync_worked() -> None:
+    comparisons = {"A.trainer_vs_sampler": cmp(0.08, 0.3, 0.6), "C.trainer_vs_sampler": cmp(0.08, 0.3, 3.0),
+                   "C.sampler_change": cmp(0.9, 2.0, 4.0), "C.trainer_change": cmp(0.9, 2.0, 4.0),
+                   "A.sampler_repeat": cmp(0.0, 0.0, 0.0)}
+    from lora_parity import check_rules
+    from lora_parity.receipt import DeltaStats
+
+    agree = {"C.delta": DeltaStats(sampler_from="zero", sampler_to="updated", trainer_from="trainer_zero",
+                                   trainer_to="trainer_updated", cosine=0.999, scale=1.0, rel_l2=0.02,
+                                   sampler_norm=12.0, trainer_norm=12.0)}
+    got = list(by_id(comparisons, RULE, deltas=agree, model=noise()).values())
+
+    tails = check_rules.tails_in_numerics(got)
+    assert tails == {"C.parity.p99", "C.parity.max"}
+    verdicts = check_rules.group_verdicts(got, False, tails)
+    assert verdicts.sync.verdict.value != "fail" and verdicts.numerics.verdict.value == "fail"
+    # With C's mean over as well, the same tail is sync.
+    worse = {**comparisons, "C.trainer_vs_sampler": cmp(0.9, 2.0, 3.0)}
+    assert check_rules.tails_in_numerics(list(by_id(worse, RULE, deltas=agree, model=noise()).values())) == frozenset()
+
+
+@pytest.mark.unit
+def test_thresholds_are_recorded_and_verify_refuses_a_changed_one(tmp_path: Path) -> None:
+    import json
+
+    from lora_parity.errors import ReceiptError
+    from lora_parity.receipt import compute_digest
+    from lora_parity.runner import RunOptions, execute
+    from lora_parity.verify import verify
+
+    receipt = execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "r.json")).receipt
+    assert receipt.noise is not None and receipt.thresholds is not None
+    assert {c.id for c in receipt.checks} == set(receipt.thresholds)
+    assert all(receipt.thresholds[c.id].budget == c.budget for c in receipt.checks)
+    assert receipt.perturbation is not None and "sha256" in (receipt.perturbation.recipe or "")
+    data = json.loads((tmp_path / "r.json").read_text())
+    data["thresholds"]["C.parity.mean"]["budget"] *= 2
+    data["digest"] = compute_digest(data)
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    with pytest.raises(ReceiptError, match="threshold C.parity.mean"):
+        verify(tmp_path / "t.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    data["noise"]["relative"] = 0.5
+    data["digest"] = compute_digest(data)
+    (tmp_path / "n.json").write_text(json.dumps(data))
+    with pytest.raises(ReceiptError, match="noise"):
+        verify(tmp_path / "n.json")
+
+
+@pytest.mark.cpu_e2e
+def test_defect_1_the_fp32_reference_carries_the_start_adapter(tmp_path: Path) -> None:
+    """The fp32 reference scored the base model without the user's adapter: both sides then read the
+    adapter's own effect as their distance 'from fp32'."""
+    from lora_parity import config, start_adapter
+    from lora_parity.backends.hf import HFTrainer, fp32_reference
+
+    from .conftest import llama_with_adapter
+
+    ckpt, adapter = llama_with_adapter(tmp_path, ["q_proj", "v_proj", "down_proj"])
+    cfg = start_adapter.apply(config.load(str(ckpt)), adapter)
+    sequences = [[1, 5, 9, 33, 70, 2, 400, 17], [3, 4, 5, 6, 7, 8]]
+    trainer = HFTrainer(cfg, ckpt, 0, {})
+    trainer.load_start_adapter(adapter)
+    with_adapter = trainer.score(sequences)
+    reference = fp32_reference(cfg, ckpt, adapter)(sequences)
+    base = fp32_reference(cfg, ckpt)(sequences)
+    gap = max(abs(a - b) for s, t in zip(with_adapter, reference) for a, b in zip(s, t))
+    effect = max(abs(a - b) for s, t in zip(with_adapter, base) for a, b in zip(s, t))
+    assert gap < 1e-4 < effect  # the reference is the start point, not the base model
+    record = start_adapter.record(adapter)
+    assert record is not None and record.name == "adapter" and len(record.sha256) == 64
+    assert record.sha256 == start_adapter.digest(adapter)
