@@ -41,10 +41,9 @@ from lora_parity.receipt_models import (
 )
 from lora_parity.receipt_models import ErrorDetail as ErrorDetail
 from lora_parity.receipt_models import GroupVerdict as GroupVerdict
+from lora_parity.receipt_models import JsonScalar as JsonScalar
 from lora_parity.receipt_models import NoiseModel as NoiseModel
 from lora_parity.receipt_models import NoiseRule as NoiseRule
-from lora_parity.receipt_models import ThresholdRecord as ThresholdRecord
-from lora_parity.receipt_models import JsonScalar as JsonScalar
 from lora_parity.receipt_models import (
     PhaseStatus as PhaseStatus,
 )
@@ -55,6 +54,7 @@ from lora_parity.receipt_models import (
 from lora_parity.receipt_models import (  # re-exported: callers import them from here
     Strict as Strict,
 )
+from lora_parity.receipt_models import ThresholdRecord as ThresholdRecord
 from lora_parity.receipt_models import (
     Verdict as Verdict,
 )

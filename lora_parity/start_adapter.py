@@ -76,7 +76,8 @@ def record(folder: Path | None) -> StartAdapter | None:
     if folder is None:
         return None
     base = read_config(folder).get("base_model_name_or_path")
-    return StartAdapter(name=Path(folder).name, sha256=digest(folder), base_model=base if isinstance(base, str) else None)
+    return StartAdapter(name=Path(folder).name, sha256=digest(folder),
+                        base_model=base if isinstance(base, str) else None)
 
 
 def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:

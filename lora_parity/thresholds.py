@@ -125,18 +125,8 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
            noise: NoiseModel | None) -> dict[str, Threshold]:
     """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them)."""
     get = comparisons.get
-    out: dict[str, Threshold] = {}
     a = get("A.trainer_vs_sampler")
-    a_thresholds = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
-    for short, _ in STATS:
-        out[f"A.parity.{short}"] = (a_thresholds or _absolute(budgets))[short]
-    if budgets.a_triangulation is not None:
-        for side in ("trainer", "sampler"):
-            for short, _ in STATS:
-                out[f"A.fp32.{side}.{short}"] = Threshold(float(getattr(budgets.a_triangulation, short)))
-    repeat = Threshold(budgets.repeat_max)
-    for key in ("A.noise.sampler_repeat", "A.noise.trainer_repeat", "C.noise.sampler_repeat"):
-        out[key] = repeat
+    out = _start_point(budgets, comparisons)
     moved = repeat_noise(budgets, comparisons, "sampler")
     for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer"):
         out[key] = moved
@@ -149,16 +139,39 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
         g = _generation(budgets, prefix, comparisons, a, noise, change, c)
         for short, _ in STATS:
             out[f"{prefix}.parity.{short}"] = g[short]
+    out.update(_directions(budgets, deltas, noise, moved))
+    out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
+    return out
+
+
+def _start_point(budgets: Budgets, comparisons: Mapping[str, ComparisonStats]) -> dict[str, Threshold]:
+    """A's parity (against the fp32 reference where scored), the fp32 ceilings, and the repeat bounds."""
+    get = comparisons.get
+    out: dict[str, Threshold] = {}
+    a_thresholds = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
+    for short, _ in STATS:
+        out[f"A.parity.{short}"] = (a_thresholds or _absolute(budgets))[short]
+    if budgets.a_triangulation is not None:
+        for side in ("trainer", "sampler"):
+            for short, _ in STATS:
+                out[f"A.fp32.{side}.{short}"] = Threshold(float(getattr(budgets.a_triangulation, short)))
+    for key in ("A.noise.sampler_repeat", "A.noise.trainer_repeat", "C.noise.sampler_repeat"):
+        out[key] = Threshold(budgets.repeat_max)
+    return out
+
+
+def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: NoiseModel | None,
+                moved: Threshold) -> dict[str, Threshold]:
+    """C.delta's and every target's direction, scale and rel_l2 thresholds, and T.*.moved."""
     noise_l2 = noise.l2 if noise is not None else None
     fixed = delta(budgets, noise_l2, None, noise)  # C.delta's checks are made, not reached, without a C.delta
-    out["C.delta.cosine"], out["C.delta.scale"], out["C.delta.rel_l2"] = fixed.cosine, fixed.scale, fixed.rel_l2
+    out = {"C.delta.cosine": fixed.cosine, "C.delta.scale": fixed.scale, "C.delta.rel_l2": fixed.rel_l2}
     for name, d in deltas.items():
         th = delta(budgets, noise_l2, d.trainer_norm, noise)
         prefix = name if name == "C.delta" else f"T.{name[len(TARGET_PREFIX):]}"
         out[f"{prefix}.cosine"], out[f"{prefix}.scale"], out[f"{prefix}.rel_l2"] = th.cosine, th.scale, th.rel_l2
         if prefix.startswith("T."):
             out[f"{prefix}.moved"] = moved
-    out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
     return out
 
 

@@ -105,16 +105,7 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     computed = {c.id: c.model_dump(mode="json") for c in ev.checks}
     if not _same(recorded, computed) or len(receipt.checks) != len(ev.checks):
         raise ReceiptError(f"{path}: {_first_difference('check', recorded, computed)}")
-    # Receipts made before the noise model recorded neither it nor the thresholds.
-    if receipt.thresholds is not None or receipt.noise is not None:
-        recorded = receipt.noise.model_dump(mode="json") if receipt.noise else {}
-        computed = ev.noise.model_dump(mode="json") if ev.noise else {}
-        if not _same(recorded, computed):
-            raise ReceiptError(f"{path}: {_first_difference('noise model field', recorded, computed)}")
-        recorded = {k: v.model_dump(mode="json") for k, v in (receipt.thresholds or {}).items()}
-        computed = {k: v.model_dump(mode="json") for k, v in (ev.thresholds or {}).items()}
-        if not _same(recorded, computed):
-            raise ReceiptError(f"{path}: {_first_difference('threshold', recorded, computed)}")
+    _verify_thresholds(path, receipt, ev)
     if receipt.verdict != ev.verdict:
         raise ReceiptError(f"{path}: verdict {receipt.verdict} does not follow from its checks ({ev.verdict})")
     # Receipts made before the two verdicts existed have none: judged by their checks alone, as then.
@@ -124,6 +115,21 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     _verify_calibration(path, receipt)
     breakdown.require_reproduces(path, receipt.breakdown, receipt.scores)
     return Verified(receipt, ev.verdict, signature)
+
+
+def _verify_thresholds(path: Path, receipt: Receipt, ev: checks.Evaluation) -> None:
+    """The noise model and every threshold must re-derive from the scores; receipts made before the
+    noise model recorded neither."""
+    if receipt.thresholds is None and receipt.noise is None:
+        return
+    recorded = receipt.noise.model_dump(mode="json") if receipt.noise else {}
+    computed = ev.noise.model_dump(mode="json") if ev.noise else {}
+    if not _same(recorded, computed):
+        raise ReceiptError(f"{path}: {_first_difference('noise model field', recorded, computed)}")
+    recorded = {k: v.model_dump(mode="json") for k, v in (receipt.thresholds or {}).items()}
+    computed = {k: v.model_dump(mode="json") for k, v in (ev.thresholds or {}).items()}
+    if not _same(recorded, computed):
+        raise ReceiptError(f"{path}: {_first_difference('threshold', recorded, computed)}")
 
 
 def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:

@@ -164,7 +164,7 @@ def test_thresholds_are_recorded_and_verify_refuses_a_changed_one(tmp_path: Path
     data["thresholds"]["C.parity.mean"]["budget"] *= 2
     data["digest"] = compute_digest(data)
     (tmp_path / "t.json").write_text(json.dumps(data))
-    with pytest.raises(ReceiptError, match="threshold C.parity.mean"):
+    with pytest.raises(ReceiptError, match=r"threshold C\.parity\.mean"):
         verify(tmp_path / "t.json")
     data = json.loads((tmp_path / "r.json").read_text())
     data["noise"]["relative"] = 0.5
@@ -191,8 +191,8 @@ def test_defect_1_the_fp32_reference_carries_the_start_adapter(tmp_path: Path) -
     with_adapter = trainer.score(sequences)
     reference = fp32_reference(cfg, ckpt, adapter)(sequences)
     base = fp32_reference(cfg, ckpt)(sequences)
-    gap = max(abs(a - b) for s, t in zip(with_adapter, reference) for a, b in zip(s, t))
-    effect = max(abs(a - b) for s, t in zip(with_adapter, base) for a, b in zip(s, t))
+    gap = max(abs(a - b) for s, t in zip(with_adapter, reference, strict=True) for a, b in zip(s, t, strict=True))
+    effect = max(abs(a - b) for s, t in zip(with_adapter, base, strict=True) for a, b in zip(s, t, strict=True))
     assert gap < 1e-4 < effect  # the reference is the start point, not the base model
     record = start_adapter.record(adapter)
     assert record is not None and record.name == "adapter" and len(record.sha256) == 64
