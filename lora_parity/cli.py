@@ -217,6 +217,10 @@ def selftest(
     seed: SeedOpt = 0,
     out_dir: Annotated[Path | None, typer.Option(help="Keep every run's receipt in this folder.")] = None,
     repeat: Annotated[int, typer.Option(min=1, help="Clean runs to repeat; their scores must be bit-identical.")] = 1,
+    seeds: Annotated[int, typer.Option(
+        min=1, max=1000, help="Run the clean run and every fault once per seed (run seed --seed + i, the probes "
+                              "drawn again, on one load of the engines); print the false-alarm rate and per fault "
+                              "caught k of N with the closest margin; receipts in OUT_DIR/seed-NN/.")] = 1,
     per_target: PerTargetOpt = True,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
@@ -229,7 +233,8 @@ def selftest(
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """A clean run, then every injected fault; exit 0 only if the clean run passes and every fault is caught."""
+    """A clean run, then every injected fault (per seed with --seeds N); exit 0 only if every clean run passes
+    and every fault is caught in every seed."""
     from lora_parity.runner import RunOptions
     from lora_parity.selftest import selftest as run_selftest
 
@@ -242,12 +247,13 @@ def selftest(
 
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
-    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts, "selftest"))
+    session = live.Session(live.mode_of(verbose, quiet or json_),
+                           live.describe(opts, f"selftest over {seeds} seeds" if seeds > 1 else "selftest"))
     with interrupt.handle_signals():
         try:
             with session:
                 result = run_selftest(opts, out_dir, repeat=repeat, progress=session.progress,
-                                      watch=output.selftest_watcher(session))
+                                      watch=output.selftest_watcher(session, seeds), seeds=seeds)
         except RunInterrupted as e:
             output.error(f"selftest {e}; receipt of the interrupted run: {e.result.path}")
             raise typer.Exit(interrupt.exit_code()) from None

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lora_parity.errors import ConfigError
+from lora_parity.lora_targets import projection_targets, tensor_names
 from lora_parity.receipt import Budgets, Probes, sha256_json
 from lora_parity.receipt_io import nonfinite_field
 
@@ -381,8 +382,10 @@ def budgets_for(dtype: str) -> Budgets:
 
 
 def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
-    """A local HF checkpoint with the embedded default's adapter and probes, a calibrated perturbation
-    (std auto); budgets follow the dtype (`dtype`, else config.json's, else float32)."""
+    """A local HF checkpoint with the embedded default's adapter rank and alpha and its probes, LoRA on
+    the projections its weights name (`lora_targets`; the default's targets where it names none), a
+    calibrated perturbation (std auto); budgets follow the dtype (`dtype`, else config.json's, else
+    float32). `lora-parity init FOLDER` writes exactly this config."""
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path}: not an HF checkpoint folder (no config.json)")
     if not any(path.glob("*.safetensors")):
@@ -391,6 +394,8 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}/config.json: unreadable: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}/config.json: not a JSON object")
     base = load(DEFAULT_MODEL)
     if dtype is None:
         dtype = hf.get("torch_dtype") or hf.get("dtype")
@@ -398,8 +403,15 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
     model = ModelSpec.model_validate({"path": str(path.resolve()), "dtype": dtype})
     # A real model's sensitivity to B is unknown before the run: the std is calibrated (see calibrate.py).
     perturbation = base.perturbation.model_copy(update={"std": "auto"})
+    targets, _ = projection_targets(tensor_names(path))
+    adapter = base.adapter.model_copy(update={"targets": targets}) if targets else base.adapter
+    max_len = hf.get("max_position_embeddings")
+    sampler = base.sampler
+    if isinstance(max_len, int) and 1 < max_len < sampler.max_model_len:
+        sampler = sampler.model_copy(update={"max_model_len": max_len})
     return base.model_copy(update={"name": path.name, "description": f"local checkpoint {path.name}", "model": model,
-                                   "budgets": budgets_for(dtype), "perturbation": perturbation})
+                                   "budgets": budgets_for(dtype), "perturbation": perturbation,
+                                   "adapter": adapter, "sampler": sampler})
 
 
 def load(name_or_path: str | None, dtype: str | None = None, budgets: str | None = None) -> ModelConfig:

@@ -191,9 +191,9 @@ def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log
     out.print(f"[{style}]{escape(verdict)}[/]:{escape(rest)}", soft_wrap=True)
 
 
-def selftest_row(row: Any) -> str:
-    """One selftest run as rich markup: caught or not, the fault, what was observed (an expected error
-    labelled as such), the seconds it took."""
+def selftest_row(row: Any, with_seed: bool = False) -> str:
+    """One selftest run as rich markup: caught or not, the fault (and its seed, `with_seed`), what was
+    observed (an expected error labelled as such), the seconds it took."""
     mark = "[green]caught[/]" if row.caught else "[red]MISSED[/]"
     if row.fault.startswith("none"):
         mark = "[green]  pass[/]" if row.caught else "[red]  FAIL[/]"
@@ -202,35 +202,110 @@ def selftest_row(row: Any) -> str:
         observed = "expected error: " + observed.removeprefix("error: ")
     elif not row.caught:
         observed += f" (expected {row.expected})"
-    return f"  {mark} {escape(f'{row.fault:<20}')} {escape(observed)} [dim]{row.seconds:.1f} s[/]"
+    seed = f"seed {row.seed:<3} " if with_seed else ""
+    return f"  {mark} {seed}{escape(f'{row.fault:<20}')} {escape(observed)} [dim]{row.seconds:.1f} s[/]"
 
 
-def selftest_watcher(session: Any) -> Any:
+def selftest_watcher(session: Any, seeds: int = 1) -> Any:
     """The selftest's `watch` callback: the live line names the running fault; each result is a line."""
     def watch(fault: str, row: Any) -> None:
         if row is None:
             session.status(f"fault {fault}" if not fault.startswith("none") else "clean run")
         else:
-            session.note(selftest_row(row))
+            session.note(selftest_row(row, seeds > 1))
     return watch
 
 
+def _margin(x: float | None) -> str:
+    return "—" if x is None else "inf" if x == float("inf") else f"{x:.3g}"
+
+
+def _json_number(x: float | None) -> float | None:
+    """A margin for JSON: an infinite one (past a zero threshold) becomes null, as an undefined one."""
+    return None if x is None or x == float("inf") else x
+
+
+def selftest_json(result: Any) -> dict[str, Any]:
+    """The selftest as data: every run, the false-alarm rate of the clean runs, and per fault caught k of
+    N seeds with the closest call (margins: docs/verdicts.md; null where infinite or undefined)."""
+    clean = result.clean_rows
+    near = result.clean_closest()
+    return {
+        "ok": result.ok, "seeds": result.seeds, "repeats": result.repeats,
+        "identical_repeats": result.identical_repeats,
+        "false_alarms": {"count": result.false_alarms, "runs": len(clean),
+                         "rate": result.false_alarms / len(clean) if clean else None,
+                         "closest": None if near is None else {"margin": _json_number(near.margin),
+                                                               "check": near.margin_check, "seed": near.seed}},
+        "faults": [{"fault": t.fault, "expected": t.expected, "caught": t.caught, "runs": t.runs,
+                    "closest": None if t.closest_check is None else {
+                        "margin": _json_number(t.closest), "check": t.closest_check, "seed": t.closest_seed}}
+                   for t in result.tallies()],
+        "rows": [{k: _json_number(v) if k == "margin" else v for k, v in vars(r).items() if k != "seconds"}
+                 for r in result.rows],
+    }
+
+
+def seeds_line(result: Any) -> str:
+    """The closing line of a selftest over several seeds: false alarms, faults caught in every seed, and
+    the closest call (or what was missed)."""
+    tallies = result.tallies()
+    every = [t for t in tallies if t.caught == t.runs]
+    text = (f"selftest {'ok' if result.ok else 'FAILED'}, {len(result.seeds)} seeds: {result.false_alarms}/"
+            f"{len(result.clean_rows)} false alarms; {len(every)}/{len(tallies)} faults caught in every seed")
+    missed = [f"{t.fault} {t.runs - t.caught}/{t.runs}" for t in tallies if t.caught < t.runs]
+    finite = [t for t in tallies if t.closest is not None and t.closest != float("inf")]
+    if missed:
+        text += f" (missed: {', '.join(missed)})"
+    elif finite:
+        t = min(finite, key=lambda t: t.closest)
+        text += f" (closest: {t.fault} {t.closest_check} margin {_margin(t.closest)})"
+    if not result.identical_repeats:
+        text += "; repeated clean runs NOT identical"
+    return text
+
+
+def _seeds_table(result: Any) -> Table:
+    table = Table(title=f"selftest over {len(result.seeds)} seeds ({', '.join(map(str, result.seeds))})")
+    for col in ("run", "expected", "caught", "closest margin", "check", "seed"):
+        table.add_column(col, justify="right" if col in ("caught", "closest margin", "seed") else "left")
+    clean, near = result.clean_rows, result.clean_closest()
+    passed = len(clean) - result.false_alarms
+    table.add_row("clean", "pass", f"[{'green' if not result.false_alarms else 'red'}]{passed}/{len(clean)}[/]",
+                  _margin(near.margin if near else None), escape(near.margin_check or "") if near else "",
+                  str(near.seed) if near else "")
+    for t in result.tallies():
+        style = "green" if t.caught == t.runs else "red"
+        table.add_row(escape(t.fault), escape(t.expected), f"[{style}]{t.caught}/{t.runs}[/]", _margin(t.closest),
+                      escape(t.closest_check or ""), "" if t.closest_seed is None else str(t.closest_seed))
+    return table
+
+
 def selftest_summary(result: Any, as_json: bool, seconds: float = 0.0, log: str | None = None) -> None:
-    """After the rows printed as they ran: the repeats, the log, and one closing line."""
+    """After the rows printed as they ran: the repeats, the log, and one closing line; over several seeds
+    the table of rates and margins first, and a closing line that sums them up."""
     if as_json:
-        print_json({"ok": result.ok, "repeats": result.repeats, "identical_repeats": result.identical_repeats,
-                    "rows": [{k: v for k, v in vars(r).items() if k != "seconds"} for r in result.rows]})
+        print_json(selftest_json(result))
         return
+    many = len(result.seeds) > 1
     faults = [r for r in result.rows if not r.fault.startswith("none")]
     clean = [r for r in result.rows if r.fault.startswith("none")]
     for r in result.rows:
         if not r.caught:
-            out.print(selftest_row(r), soft_wrap=True)
+            out.print(selftest_row(r, many), soft_wrap=True)
+    if many:
+        out.print(_seeds_table(result))
     if result.repeats > 1:
         same = "bit-identical" if result.identical_repeats else "[red]NOT identical[/]"
-        out.print(f"{result.repeats} clean runs: scores {same}")
+        out.print(f"{result.repeats} clean runs{' per seed' if many else ''}: scores {same}")
     if log:
         line(f"third-party logs: {log}")
+    if many:
+        text = seeds_line(result)
+        style = "green" if result.ok else "red"
+        head, _, rest = text.partition(":")
+        out.print(f"[{style}]{escape(head)}[/]:{escape(rest)} in {seconds:.1f} s", soft_wrap=True)
+        return
     verdict = "[green]selftest ok[/]" if result.ok else "[red]selftest FAILED[/]"
     out.print(f"{verdict}: {sum(r.caught for r in clean)} of {len(clean)} clean runs passed, "
               f"{sum(r.caught for r in faults)} of {len(faults)} faults caught in {seconds:.1f} s", soft_wrap=True)

@@ -1,20 +1,37 @@
-"""`lora-parity selftest`: a clean run, then every fault, each of which must be caught by its check.
+"""`lora-parity selftest`: a clean run, then every fault, each of which must be caught by its check;
+with `seeds`, all of it once per seed, and the rates over the seeds.
 
-All runs share one load of the trainer and the sampler (the model is loaded once); each run starts
-from zero-init B and uses adapter ids no earlier run used, so runs cannot see each other.
+All runs share one load of the trainer and the sampler (the model is loaded once, for every seed);
+each run starts from zero-init B and uses adapter ids no earlier run used, so runs cannot see each other.
+
+A seed changes both what is scored and the update (`plan_for_seed`): seed i (0, 1, ...) runs with
+run seed `--seed` + i (the perturbation, and the sampled probes' generation) and each probe set's
+seed plus `PROBE_SEED_STRIDE` x i (the random ids, or the text windows); a probe file is the user's
+own tokens and stays as it is. Seed 0 is exactly the single-seed selftest. LoRA A is initialized
+once, at the load, with `--seed`.
+
+Margins (`margin`, `trip_ratio`): how far each check that decided a run's judgement sat on the right
+side of its threshold, as a factor; above 1 the selftest judged that run right, the smallest is the
+closest call. docs/verdicts.md states the rule.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from lora_parity import probes as probe_sources
+from lora_parity.checkpoint import vocab_size
 from lora_parity.faults import FAULTS, Faults, faults_for
-from lora_parity.receipt import CheckStatus, PhaseStatus, Receipt, Verdict
+from lora_parity.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
 from lora_parity.runner import Backends, Plan, RunOptions, prepare, run_once
+
+PROBE_SEED_STRIDE = 100_000
+"""Seed i draws each probe set with the set's seed plus this times i (far from every set's own seed)."""
 
 
 @dataclass(frozen=True)
@@ -28,29 +45,126 @@ class Row:
     receipt: str
     seconds: float = 0.0
     """Wall time of this run."""
+    seed: int = 0
+    """The run seed this run used (`--seed` + the seed's index)."""
+    margin: float | None = None
+    """The closest of the checks that decided this run's judgement, as a factor past its threshold on
+    the right side (`margin`): above 1 judged right; None where no check decides (an expected error)."""
+    margin_check: str | None = None
+    """The check that margin belongs to."""
 
     @property
     def expected_error(self) -> bool:
         """The fault is meant to end the run in an error (nan, crash-at), and it did."""
         return self.caught and self.expected.startswith("error")
 
+    @property
+    def clean(self) -> bool:
+        """A clean run (no fault injected)."""
+        return self.fault.startswith("none")
+
 
 Watch = Callable[[str, "Row | None"], None]
 """Called with (fault, None) when a run starts and (fault, row) when it ends ('none' is the clean run)."""
 
 
+@dataclass(frozen=True)
+class FaultTally:
+    """One fault over every seed: how often its declared checks caught it, and the closest call."""
+
+    fault: str
+    expected: str
+    caught: int
+    runs: int
+    closest: float | None
+    """The smallest margin over the seeds (None: no check decides this fault, or none had a number)."""
+    closest_check: str | None
+    closest_seed: int | None
+
+
 @dataclass
 class SelftestResult:
-    """The matrix, and whether repeated clean runs gave identical scores."""
+    """The matrix (every seed's rows), and whether repeated clean runs gave identical scores."""
 
     rows: list[Row] = field(default_factory=list)
     repeats: int = 0
     identical_repeats: bool = True
+    seeds: list[int] = field(default_factory=list)
+    """The run seeds, in order (one for the single-seed selftest)."""
 
     @property
     def ok(self) -> bool:
-        """The clean run passed, every fault was caught, and every repeat was bit-identical."""
+        """No false alarm, every fault caught in every seed, and every repeat bit-identical."""
         return all(r.caught for r in self.rows) and self.identical_repeats
+
+    @property
+    def clean_rows(self) -> list[Row]:
+        """The clean runs of every seed."""
+        return [r for r in self.rows if r.clean]
+
+    @property
+    def false_alarms(self) -> int:
+        """Clean runs that did not pass."""
+        return sum(not r.caught for r in self.clean_rows)
+
+    def clean_closest(self) -> Row | None:
+        """The clean run that came closest to a false alarm (smallest margin), or None."""
+        return _closest(self.clean_rows)
+
+    def tallies(self) -> list[FaultTally]:
+        """Per fault, in the order they ran: caught k of N seeds, and the closest call."""
+        order = list(dict.fromkeys(r.fault for r in self.rows if not r.clean))
+        out = []
+        for fault in order:
+            rows = [r for r in self.rows if r.fault == fault]
+            near = _closest(rows)
+            out.append(FaultTally(fault, rows[0].expected, sum(r.caught for r in rows), len(rows),
+                                  near.margin if near else None, near.margin_check if near else None,
+                                  near.seed if near else None))
+        return out
+
+
+def _closest(rows: list[Row]) -> Row | None:
+    with_margin = [r for r in rows if r.margin is not None]
+    return min(with_margin, key=lambda r: r.margin if r.margin is not None else math.inf) if with_margin else None
+
+
+def trip_ratio(check: Check) -> float | None:
+    """How far a check's observed value lies toward tripping it, as a ratio to its threshold: above 1
+    it is past the threshold (the check fails), below 1 short of it. '<=' checks: observed / budget;
+    '>=' and '>': budget / observed; a cosine is compared as 1 - cosine against 1 - threshold (a ratio
+    of two numbers near 1 says nothing). Infinite past a threshold of zero (or a '>=' observed at or
+    below zero); None where there is no number (not reached, undefined, no budget)."""
+    observed, budget, op = check.observed, check.budget, check.op
+    if observed is None or budget is None or not (math.isfinite(observed) and math.isfinite(budget)):
+        return None
+    if check.id.endswith(".cosine"):
+        observed, budget, op = 1.0 - observed, 1.0 - budget, "<="
+    if op == "<=":
+        if budget <= 0:
+            return math.inf if observed > budget else 0.0
+        return max(observed, 0.0) / budget
+    if budget <= 0:
+        return None
+    return math.inf if observed <= 0 else budget / observed
+
+
+def margin(checks: list[Check], must_trip: tuple[str, ...], must_pass: tuple[str, ...]) -> tuple[float | None,
+                                                                                                   str | None]:
+    """(margin, check id) of the closest call among the checks that decide a run: a check that must
+    trip (a fault's declared check) counts its `trip_ratio`, a check that must pass (every check of a
+    clean run, the checks a fault must hide from) the inverse. Above 1: judged right by that factor."""
+    by_id = {c.id: c for c in checks}
+    found: list[tuple[float, str]] = []
+    for ids, invert in ((must_trip, False), (must_pass, True)):
+        for cid in ids:
+            ratio = trip_ratio(by_id[cid]) if cid in by_id else None
+            if ratio is not None:
+                found.append(((math.inf if ratio == 0 else 1.0 / ratio) if invert else ratio, cid))
+    if not found:
+        return None, None
+    value, cid = min(found)
+    return value, cid
 
 
 def _failing(receipt: Receipt) -> list[str]:
@@ -65,14 +179,26 @@ def _without_absent_targets(checks: tuple[str, ...], status: dict[str, CheckStat
     return tuple(c for c in checks if not c.startswith("T."))
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """What the selftest expected of one run, what it saw, and how close the call was."""
+
+    expected: str
+    observed: str
+    caught: bool
+    margin: float | None
+    margin_check: str | None
+
+
 def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_after: set[str],
-          targets: list[str], num_positions: int) -> tuple[str, str, bool]:
-    """(expected, observed, caught) for one run of the matrix."""
+              targets: list[str], num_positions: int) -> Judgement:
+    """The judgement of one run of the matrix, from its receipt."""
     failing = _failing(receipt)
     shown = ", ".join(failing[:4]) + (f" (+{len(failing) - 4} more)" if len(failing) > 4 else "")
     observed = f"{receipt.verdict.value}: {shown or receipt.error or 'all checks pass'}"
     if fault is None:
-        return "pass", observed, receipt.verdict == Verdict.PASS
+        near, near_id = margin(receipt.checks, (), tuple(c.id for c in receipt.checks))
+        return Judgement("pass", observed, receipt.verdict == Verdict.PASS, near, near_id)
     sampled = receipt.probes.source is not None and receipt.probes.source.kind == "sampled"
     spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled).expected()
     status = {c.id: c.status for c in receipt.checks}
@@ -90,7 +216,8 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
         caught &= errored == [phase] and bool(done) and "injected crash" in (receipt.error or "")
         # The receipt is the only file the crashed run added.
         caught &= len(folder_after - folder_before) == 1
-    return expected, observed, caught
+    near, near_id = margin(receipt.checks, caught_by, spec.must_pass)
+    return Judgement(expected, observed, caught, near, near_id)
 
 
 def plan_for(plan: Plan, fault: str) -> Plan:
@@ -103,48 +230,81 @@ def plan_for(plan: Plan, fault: str) -> Plan:
     return replace(plan, opts=replace(plan.opts, per_target=False))
 
 
+def plan_for_seed(plan: Plan, index: int) -> Plan:
+    """The plan of seed `index`: run seed `--seed` + index, and the probes drawn again with every
+    probe set's seed moved by `PROBE_SEED_STRIDE` x index (a probe file stays as it is). Index 0 is
+    the plan itself."""
+    if index == 0:
+        return plan
+    opts = replace(plan.opts, seed=plan.opts.seed + index)
+    kind, _ = probe_sources.parse_ref(opts.probes)
+    if kind == "file":
+        return replace(plan, opts=opts)
+    spec = plan.cfg.probes
+    seeds = {name: seed + PROBE_SEED_STRIDE * index for name, seed in spec.seeds.items()}
+    moved = plan.cfg.model_copy(update={"probes": spec.model_copy(update={"seeds": seeds})})
+    probes = probe_sources.make(moved, opts.probes, lambda: vocab_size(plan.cfg))
+    return replace(plan, opts=opts, probes=probes)
+
+
 def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
              progress: Callable[[str, str, float], None] | None = None,
-             faults: list[str] | None = None, watch: Watch | None = None) -> SelftestResult:
+             faults: list[str] | None = None, watch: Watch | None = None, seeds: int = 1) -> SelftestResult:
     """Run the clean run (`repeat` times) and every fault that applies to the sync mode and the
-    sampler (with vllm-server, the serving-layer faults too; or only `faults`); write each receipt
-    into `out_dir`; `watch` hears of each run as it starts and ends."""
+    sampler (with vllm-server, the serving-layer faults too; or only `faults`), once per seed
+    (`plan_for_seed`), on one load of the backends; write each receipt into `out_dir` (with several
+    seeds, into `out_dir/seed-NN/`, NN the run seed); `watch` hears of each run as it starts and ends."""
     say = progress or (lambda phase, status, seconds: None)
     tell: Watch = watch or (lambda fault, row: None)
     plan = prepare(opts)
     folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
     folder.mkdir(parents=True, exist_ok=True)
-    result = SelftestResult()
+    result = SelftestResult(repeats=max(1, repeat))
     loaded = Backends(plan, say)
-    targets, n = list(plan.cfg.adapter.targets), plan.probes.num_scored_positions
+    targets = list(plan.cfg.adapter.targets)
+    fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled)
     try:
         loaded.open()
-        first_scores = None
-        for i in range(max(1, repeat)):
-            path = folder / (f"clean-{i:02d}.json" if repeat > 1 else "clean.json")
-            name = "none" if repeat == 1 else f"none #{i + 1}"
-            tell(name, None)
-            t0 = time.perf_counter()
-            receipt = run_once(plan, loaded, None, path, True, say).receipt
-            expected, observed, caught = judge(None, receipt, set(), set(), targets, n)
-            result.rows.append(Row(name, expected, observed, caught, str(path), time.perf_counter() - t0))
-            tell(name, result.rows[-1])
-            if first_scores is None:
-                first_scores = receipt.scores
-            elif receipt.scores != first_scores:
-                result.identical_repeats = False
-        result.repeats = max(1, repeat)
-        for fault in faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled):
-            path = folder / f"fault-{fault.replace('=', '-')}.json"
-            path.unlink(missing_ok=True)
-            before = {p.name for p in folder.iterdir()}
-            tell(fault, None)
-            t0 = time.perf_counter()
-            receipt = run_once(plan_for(plan, fault), loaded, fault, path, True, say).receipt
-            after = {p.name for p in folder.iterdir()}
-            expected, observed, caught = judge(fault, receipt, before, after, targets, n)
-            result.rows.append(Row(fault, expected, observed, caught, str(path), time.perf_counter() - t0))
-            tell(fault, result.rows[-1])
+        for index in range(max(1, seeds)):
+            seed_plan = plan_for_seed(plan, index)
+            seed = seed_plan.opts.seed
+            result.seeds.append(seed)
+            seed_folder = folder / f"seed-{seed:02d}" if seeds > 1 else folder
+            seed_folder.mkdir(parents=True, exist_ok=True)
+            _one_seed(seed_plan, loaded, seed_folder, result, fault_names, targets, tell, say)
     finally:
         loaded.close()
     return result
+
+
+def _one_seed(plan: Plan, loaded: Backends, folder: Path, result: SelftestResult, fault_names: list[str],
+              targets: list[str], tell: Watch, say: Callable[[str, str, float], None]) -> None:
+    """The clean runs and every fault on one seed's plan; rows appended to `result`."""
+    n, seed = plan.probes.num_scored_positions, plan.opts.seed
+    first_scores = None
+    for i in range(result.repeats):
+        path = folder / (f"clean-{i:02d}.json" if result.repeats > 1 else "clean.json")
+        name = "none" if result.repeats == 1 else f"none #{i + 1}"
+        tell(name, None)
+        t0 = time.perf_counter()
+        receipt = run_once(plan, loaded, None, path, True, say).receipt
+        j = judge(None, receipt, set(), set(), targets, n)
+        result.rows.append(Row(name, j.expected, j.observed, j.caught, str(path), time.perf_counter() - t0,
+                               seed, j.margin, j.margin_check))
+        tell(name, result.rows[-1])
+        if first_scores is None:
+            first_scores = receipt.scores
+        elif receipt.scores != first_scores:
+            result.identical_repeats = False
+    for fault in fault_names:
+        path = folder / f"fault-{fault.replace('=', '-')}.json"
+        path.unlink(missing_ok=True)
+        before = {p.name for p in folder.iterdir()}
+        tell(fault, None)
+        t0 = time.perf_counter()
+        receipt = run_once(plan_for(plan, fault), loaded, fault, path, True, say).receipt
+        after = {p.name for p in folder.iterdir()}
+        j = judge(fault, receipt, before, after, targets, n)
+        result.rows.append(Row(fault, j.expected, j.observed, j.caught, str(path), time.perf_counter() - t0,
+                               seed, j.margin, j.margin_check))
+        tell(fault, result.rows[-1])

@@ -317,9 +317,8 @@ def _dense(layer: int = 0) -> list[str]:
             + [f"{pre}.input_layernorm.weight", "model.embed_tokens.weight", "lm_head.weight"])
 
 
-@pytest.mark.parametrize(("dtype", "budgets_from"), [("float32", "tiny-qwen3"), ("bfloat16", "qwen3-0.6b-synth"),
-                                                      ("float16", "qwen3-0.6b-synth")])
-def test_init_writes_a_config_that_loads(dtype: str, budgets_from: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("dtype", "profile"), [("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "bf16")])
+def test_init_writes_a_config_that_loads(dtype: str, profile: str, tmp_path: Path) -> None:
     ckpt = fake_checkpoint(tmp_path / "ckpt", dtype, _dense(0) + _dense(1))
     out = tmp_path / "cfg.yaml"
     res = lp("init", str(ckpt), "--out", str(out))
@@ -327,13 +326,35 @@ def test_init_writes_a_config_that_loads(dtype: str, budgets_from: str, tmp_path
     text = out.read_text()
     assert text.count("\n# ") + text.count("\n  # ") >= 15, "the fields are explained in comments"
     cfg = config.load(str(out))
-    assert cfg.budgets == config.load(budgets_from).budgets
+    assert cfg.budgets == config.profile_budgets(profile) and cfg.budgets.profile == profile
+    assert cfg.perturbation.std == "auto"
     assert cfg.model.dtype == dtype and Path(cfg.model.path or "") == ckpt.resolve()
     assert cfg.adapter.targets == config.HF_TARGETS
     assert lp("run", "--model", str(out), "--plan").returncode == 0
     ran = lp("run", "--model", str(out), "--trainer", "fake", "--sampler", "fake", "--out", str(tmp_path / "r.json"))
     assert ran.returncode == 0, ran.stderr
     assert lp("init", str(ckpt), "--out", str(out)).returncode == 2  # exists, no --force
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_init_config_is_the_config_the_folder_gets_by_path(dtype: str, kind: str, tmp_path: Path) -> None:
+    """Issue 28 item 7: `run --model my.yaml` runs with the settings `run --model FOLDER` gets (perturbation,
+    budget profile, adapter, probes, everything), whatever the folder: one source of truth."""
+    names = _dense(0)
+    if kind == "moe":
+        names = [n for n in names if ".mlp." not in n]
+        names += [f"model.layers.0.mlp.experts.{e}.{k}.weight" for e in range(2) for k in ("gate_proj", "up_proj")]
+    ckpt = fake_checkpoint(tmp_path / "ckpt", dtype, names)
+    out = tmp_path / "my.yaml"
+    assert lp("init", str(ckpt), "--out", str(out)).returncode == 0
+    by_path, from_init = config.load(str(ckpt)), config.load(str(out))
+    assert by_path.perturbation.std == "auto" and by_path.budgets.profile == ("fp32" if dtype == "float32" else "bf16")
+    assert by_path.adapter.targets == (config.HF_TARGETS if kind == "dense" else ["q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj"])
+    same = {"name": "x", "description": ""}
+    assert from_init.model_copy(update=same) == by_path.model_copy(update=same)
+    assert from_init.model_copy(update=same).digest() == by_path.model_copy(update=same).digest()
 
 
 def test_init_targets_for_moe_and_mla() -> None:

@@ -30,7 +30,7 @@ def _module_path(kind: str) -> str:
 
 
 def _base_logprob(prev: int, tok: int) -> float:
-    return -1.0 - ((tok * 31 + prev * 17) % 97) / 16.0
+    return -3.0 - ((tok * 31 + prev * 17) % 97) / 16.0
 
 
 def _feature(k: int, prev: int, tok: int, t: int) -> float:

