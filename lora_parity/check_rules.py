@@ -105,14 +105,23 @@ def a_parity_thresholds(
     budgets: Budgets, trainer_fp32: ComparisonStats | None, sampler_fp32: ComparisonStats | None
 ) -> dict[str, Threshold] | None:
     """A.parity budgets from the fp32 reference (budgets.a_triangulation): mean and p99 at most factor ×
-    the larger side's distance from fp32, max under the absolute max ceiling; None without a reference."""
+    the two sides' distances from fp32 combined (with the noise rule: root sum of squares, what two
+    independent errors add to; before it: the larger), max under the absolute max ceiling; None without
+    a reference."""
     tri = budgets.a_triangulation
     if tri is None or trainer_fp32 is None or sampler_fp32 is None:
         return None
     out: dict[str, Threshold] = {}
     for short, field in STATS[:2]:
-        larger = max(float(getattr(trainer_fp32, field)), float(getattr(sampler_fp32, field)))
-        out[short] = Threshold(tri.factor * larger, f"{tri.factor:g} x the larger side-vs-fp32 {short} {larger:.4g}")
+        t, s = float(getattr(trainer_fp32, field)), float(getattr(sampler_fp32, field))
+        if budgets.noise is None:
+            larger = max(t, s)
+            out[short] = Threshold(tri.factor * larger,
+                                   f"{tri.factor:g} x the larger side-vs-fp32 {short} {larger:.4g}")
+        else:
+            both = math.hypot(t, s)
+            out[short] = Threshold(tri.factor * both, f"{tri.factor:g} x the root sum of squares of trainer {t:.4g} "
+                                                      f"and sampler {s:.4g} vs fp32 ({short}) = {both:.4g}")
     out["max"] = Threshold(tri.max, "the fp32-triangulated max ceiling")
     return out
 
