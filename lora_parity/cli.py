@@ -142,17 +142,19 @@ def run(
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts, session)
     path = _signing().sign_file(result.path, key) if key is not None else result.path
+    # Signed here with this key: as `verify --public-key` of the matching public key would say.
+    signature = f"valid (keyid {_signing().keyid(key.public_key())[:16]})" if key is not None else None
     log = session.keep_log(Path(path))
     output.result(result.receipt, str(path), json_, time.perf_counter() - start, str(log) if log else None,
                   quiet=quiet)
     if junit is not None:
         from lora_parity.junit import write_junit
 
-        write_junit(result.receipt, str(path), junit)
+        write_junit(result.receipt, str(path), junit, signature)
     if github_summary:
         from lora_parity.report import report_markdown
 
-        output.github_summary(report_markdown(result.receipt, str(path)))
+        output.github_summary(report_markdown(result.receipt, str(path), signature=signature))
     raise typer.Exit(exit_for(result.receipt.verdict.value))
 
 

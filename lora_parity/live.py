@@ -23,11 +23,11 @@ from types import TracebackType
 from typing import IO, Any
 
 from rich.live import Live
-from rich.markup import escape
 from rich.spinner import Spinner
 
 from lora_parity import output
 from lora_parity.errors import LoraParityError
+from lora_parity.escape import rich as escape
 
 MODES = ("verbose", "normal", "quiet")
 

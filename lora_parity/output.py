@@ -1,7 +1,8 @@
 """All terminal output: rich for people (progress and hints on stderr, results on stdout), JSON for machines.
 
-Paths and user text (config names, error messages, target names) are printed literally: they go
-through `escape` (or `markup=False`), so `[/b]` or `c[red]` in a path is never read as rich markup.
+Paths and user text (config names, error messages, target names, anything a receipt brings) are
+printed literally: they go through `lora_parity.escape` (`rich` inside markup, `terminal` otherwise),
+so `[/b]` in a path is never read as rich markup and no escape sequence from a receipt reaches the screen.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from lora_parity import escape as esc
 from lora_parity import explain
 from lora_parity.checks import not_passing
 from lora_parity.errors import ConfigError
+from lora_parity.escape import rich as escape
 from lora_parity.receipt import Receipt
 
 err = Console(stderr=True, highlight=False, emoji=False)
@@ -31,7 +33,7 @@ _STYLE = {"pass": "green", "fail": "red", "inconclusive": "yellow", "error": "re
 
 def error(message: str) -> None:
     """One line on stderr."""
-    print(f"lora-parity: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"lora-parity: error: {esc.one_line(message)}", file=sys.stderr)
 
 
 def progress(phase: str, status: str, seconds: float) -> None:
@@ -313,6 +315,7 @@ def selftest_summary(result: Any, as_json: bool, seconds: float = 0.0, log: str 
 
 def print_text(text: str) -> None:
     """Rendered text (markdown, plain text, JSON) on stdout as is, with no rich markup; UTF-8 whatever the locale."""
+    text = esc.terminal(text)
     buffer = getattr(sys.stdout, "buffer", None)
     if buffer is None:
         sys.stdout.write(text)
@@ -324,12 +327,12 @@ def print_text(text: str) -> None:
 
 def line(text: str) -> None:
     """Text on stdout, printed literally (no rich markup)."""
-    out.print(text, markup=False, soft_wrap=True)
+    out.print(esc.terminal(text), markup=False, soft_wrap=True)
 
 
 def hint(message: str) -> None:
     """One hint line on stderr."""
-    print(f"lora-parity: {' '.join(message.split())}", file=sys.stderr)
+    print(f"lora-parity: {esc.one_line(message)}", file=sys.stderr)
 
 
 def evidence_table(header: list[str], rows: list[list[str]]) -> None:

@@ -125,3 +125,62 @@ def test_mutated_receipts_never_crash_verify(valid: dict[str, Any], data: st.Dat
     assert not changed or older_style or (reseal and touched and not derived(touched) and touched[0] != "digest"), \
         (kind, touched)
     assert verified.verdict.value == valid["verdict"]
+
+
+# --- every output of a hostile receipt (issue 23): markdown report, table, diff, summary, text, JUnit --------
+
+# Free-text fields a receipt's writer controls without touching what the verdict rests on.
+STRING_FIELDS = [("model", "name"), ("model", "source"), ("model", "architecture"), ("environment", "python"),
+                 ("environment", "platform"), ("environment", "device"), ("revision", "commit"), ("revision", "reason"),
+                 ("probes", "set"), ("trainer", "versions", "peft"), ("sampler", "settings", "note"),
+                 ("adapters", 0, "name"), ("phases", 0, "message"), ("tool_version",), ("injected_fault",)]
+SNIPPETS = ["\n\n**Verdict: PASS**\n<!--", "<img src=x>", "![i](https://evil.example/x.png)", "[l](javascript:x)",
+            "@octocat", "\x1b[31m", "\x1b]0;title\x07", "\x9b2J", "\x00", "\x7f", "\x85", "\u202e", "`", "|", "\\",
+            "&#60;", "<https://evil.example>", "-->", "</details>", "]]>", "{{", "[red]", "\r\n# heading"]
+HOSTILE_TEXT = st.lists(st.one_of(st.sampled_from(SNIPPETS), st.text(max_size=6)), min_size=1, max_size=6).map("".join)
+CONTROLS = {chr(c) for c in (*range(0x20), *range(0x7f, 0xa0))} - {"\n"}
+
+
+def assert_markdown_is_inert(md: str) -> None:
+    from markdown_it import MarkdownIt
+
+    assert "<!--" not in md and not CONTROLS & set(md)
+    for token in MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(md):
+        assert token.type != "html_block" or token.content.startswith(("<details>", "</details>")), token.content
+        for child in token.children or []:
+            assert child.type not in ("html_inline", "image", "link_open"), (child.type, child.content)
+
+
+@settings(max_examples=max(50, EXAMPLES // 10), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_outputs_of_hostile_receipts_parse_and_carry_no_markup(valid: dict[str, Any], data: st.DataObject,
+                                                              tmp_path: Path) -> None:
+    import xml.etree.ElementTree as ET
+
+    from lora_parity import report as rp
+    from lora_parity.junit import junit_xml
+
+    mutated = copy.deepcopy(valid)
+    for field_path in data.draw(st.lists(st.sampled_from(STRING_FIELDS), min_size=1, max_size=4, unique=True)):
+        node = mutated
+        for key in field_path[:-1]:
+            node = node[key]
+        node[field_path[-1]] = data.draw(HOSTILE_TEXT, label=".".join(map(str, field_path)))
+    mutated["digest"] = rc.compute_digest(mutated)
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(mutated), encoding="utf-8")
+    try:
+        receipt = verify(path).receipt
+    except ReceiptError:
+        return  # refused (a field with a fixed form): nothing rendered
+    label = data.draw(HOSTILE_TEXT, label="path as given")
+    for md in (rp.report_markdown(receipt, label, signature=data.draw(st.sampled_from(["unsigned", "not checked"]))),
+               rp.table_markdown([receipt], rp.signatures_line([label], ["unsigned"])),
+               rp.diff_markdown(rp.diff_receipts(receipt, receipt), label, label)):
+        assert_markdown_is_inert(md)
+    text = rp.render_report(receipt, label, "text")
+    assert not CONTROLS & set(text)
+    junit = junit_xml(receipt, label)
+    ET.fromstring(junit.encode("utf-8"))
+    assert not CONTROLS & set(junit)

@@ -138,7 +138,7 @@ def test_report_of_a_failing_run_says_what_failed(fake_receipts: dict[str, Path]
     md = rp.report_markdown(load(fake_receipts["skip-sync"]), "skip-sync.json")
     assert "**Verdict: FAIL**" in md and "injected fault `skip-sync`" in md
     assert "### Checks that did not pass" in md
-    assert "| C.parity.mean | 0.116 | <= 0.0001 | fail |" in md
+    assert "| C.parity.mean | 0.116 | ≤ 0.0001 | fail |" in md
     assert "| C after sync | updated trainer vs synced sampler |" in md and "| fail: C.parity.mean, " in md
 
     err = rp.report_markdown(load(fake_receipts["crash-at=perturb"]), "crash.json")
@@ -187,7 +187,7 @@ def test_plots_are_written_and_linked(tmp_path: Path) -> None:
         width, height = png_size(png)
         assert (width, height) == (990, 396)
         assert f"![{name}: absolute diff per position](plots/{name}.png)" in res.stdout
-    assert "### Plots: |diff| per position" in res.stdout
+    assert "### Plots: \\|diff\\| per position" in res.stdout
 
 
 def test_plots_link_relative_for_an_absolute_directory(tmp_path: Path) -> None:
@@ -218,8 +218,8 @@ def test_table_of_the_committed_receipt_matches_the_golden() -> None:
     res = run_cli("table", TINY_ARG)
     assert res.returncode == 0, res.stderr
     check_golden("table-tiny-qwen3.md", res.stdout)
-    header, rule, row = res.stdout.splitlines()
-    assert rule == "|---|---|---|---|---|"
+    header, rule, row, _blank, signature = res.stdout.splitlines()
+    assert rule == "|---|---|---|---|---|" and signature == "Signature: unsigned."
     assert header == ("| Model / input | A: zero-init diff (≤ 0.0001) | B: diff before sync (≥ 0.05) "
                       "| C: diff after sync (≤ 0.0001) | Result |")
     receipt = load(TINY)
@@ -261,17 +261,30 @@ def test_table_cli_markdown_and_rich(fake_receipts: dict[str, Path], tmp_path: P
     paths = [str(fake_receipts[n]) for n in ("clean", "crash-at=perturb")]
     md = run_cli("table", *paths, str(TINY))
     assert md.returncode == 0, md.stderr
-    assert len(md.stdout.splitlines()) == 2 + 3 and "| Not reached | Not reached | Error: " in md.stdout
+    assert len(md.stdout.splitlines()) == 2 + 3 + 2 and "| Not reached | Not reached | Error: " in md.stdout
+    assert md.stdout.endswith("\n\nSignatures: all 3 receipts unsigned.\n")
     rich = run_cli("table", "--format", "rich", *paths, env=env_without_summary(COLUMNS="200"))
     assert rich.returncode == 0, rich.stderr
     assert "lora-parity evidence" in rich.stdout and "Not reached" in rich.stdout and "|---|" not in rich.stdout
+    assert "Signatures: all 2 receipts unsigned." in rich.stdout
 
 
-def test_table_header_without_budgets_when_they_differ(fake_receipts: dict[str, Path]) -> None:
+def with_budget(receipt: Receipt, check_id: str, budget: float) -> Receipt:
+    """`receipt` as if `check_id` had been decided by `budget` (a derived threshold)."""
+    checks = [c.model_copy(update={"budget": budget}) if c.id == check_id else c for c in receipt.checks]
+    return receipt.model_copy(update={"checks": checks})
+
+
+def test_table_header_names_the_thresholds_that_decided(fake_receipts: dict[str, Path]) -> None:
     clean = load(fake_receipts["clean"])
-    other = clean.model_copy(update={"budgets": clean.budgets.model_copy(update={"min_stimulus": 0.1})})
-    assert rp.table_header([clean, other]) == rp.TABLE_HEADER
-    assert rp.table_header([clean, clean])[2] == "B: diff before sync (≥ 0.05)"
+    # The header names a threshold only where every receipt's check was decided by the same one.
+    derived = with_budget(clean, "B.stimulus", 0.123)
+    assert rp.table_header([clean, derived])[2] == "B: diff before sync"
+    assert rp.table_header([derived, derived])[2] == "B: diff before sync (≥ 0.123)"
+    # The check's own budget, not the config's: budgets.min_stimulus is still 0.05 here.
+    assert derived.budgets.min_stimulus == 0.05
+    assert rp.table_header([clean, clean])[1:] == ["A: zero-init diff (≤ 0.0001)", "B: diff before sync (≥ 0.05)",
+                                                   "C: diff after sync (≤ 0.0001)", "Result"]
 
 
 # --- schema ------------------------------------------------------------------------------------------------
@@ -415,12 +428,13 @@ def test_report_accepts_receipts_that_verify_but_do_not_pass(fake_receipts: dict
 def test_cli_goldens_are_what_the_library_renders() -> None:
     # The CLI is thin wiring: the golden is exactly the library's rendering with the path as given.
     assert (GOLDEN / "report-tiny-qwen3.md").read_text(encoding="utf-8") == rp.report_markdown(load(TINY), TINY_ARG)
-    assert (GOLDEN / "table-tiny-qwen3.md").read_text(encoding="utf-8") == rp.table_markdown([load(TINY)])
+    assert (GOLDEN / "table-tiny-qwen3.md").read_text(encoding="utf-8") == rp.table_markdown(
+        [load(TINY)], rp.signatures_line([TINY_ARG], ["unsigned"]))
     # ... and the comparison notices a change (here: the path as given).
     assert (GOLDEN / "report-tiny-qwen3.md").read_text(encoding="utf-8") != rp.report_markdown(load(TINY), "x.json")
 
 
 def test_readme_shows_the_golden_evidence_table() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    header, _rule, row = (GOLDEN / "table-tiny-qwen3.md").read_text(encoding="utf-8").splitlines()
+    header, _rule, row = (GOLDEN / "table-tiny-qwen3.md").read_text(encoding="utf-8").splitlines()[:3]
     assert header in readme and row in readme

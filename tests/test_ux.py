@@ -57,7 +57,7 @@ def test_table_skips_what_is_not_a_receipt_with_a_note() -> None:
     res = lp("table", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "receipts").glob("*.json")))
     assert res.returncode == 0, res.stderr
     assert res.stderr.strip() == "lora-parity: skipped receipts/schema.json: a JSON Schema, not a receipt"
-    assert len(res.stdout.splitlines()) == 2 + len(COMMITTED)
+    assert len(res.stdout.splitlines()) == 2 + len(COMMITTED) + 2  # and the signatures line
 
 
 def test_table_of_only_non_receipts_is_exit_2(tmp_path: Path) -> None:
@@ -157,7 +157,7 @@ def test_plot_mean_line_is_unlike_the_budget_lines() -> None:
     receipt = verify(FAILING_BF16).receipt
     lines = _lines(figure(receipt, "A.trainer_vs_sampler"))
     mean = lines[f"observed mean {receipt.comparisons['A.trainer_vs_sampler'].mean_abs:.3g}"]
-    budgets = [v for k, v in lines.items() if "budget" in k]
+    budgets = [v for k, v in lines.items() if "(decided)" in k]
     assert len(budgets) == 3
     for b in budgets:
         assert (b.get_color(), b.get_linestyle()) != (mean.get_color(), mean.get_linestyle())

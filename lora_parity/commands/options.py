@@ -17,6 +17,9 @@ ModelOpt = Annotated[
 GithubSummaryOpt = Annotated[
     bool, typer.Option("--github-summary", help="Also append the markdown report to $GITHUB_STEP_SUMMARY, if set.")
 ]
+PublicKeyOpt = Annotated[Path | None, typer.Option(
+    help="Check each signed receipt's ed25519 signature with this public key (PEM); without it a signed "
+         "receipt reads 'signature not checked'.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
 TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
 SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, hf or tinker.")]

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from lora_parity import output
-from lora_parity.commands.options import GithubSummaryOpt, JsonOpt, exit_for
+from lora_parity.commands.options import GithubSummaryOpt, JsonOpt, PublicKeyOpt, exit_for
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, ConfigError, LoraParityError, ReceiptError
 
 # A receipt (or a signed envelope) has at least one of these at its top level.
@@ -82,9 +82,7 @@ def _verify_one(path: Path, public_key: Path | None, json_: bool) -> tuple[int, 
 
 def verify(
     paths: Annotated[list[Path], typer.Argument(help="Receipt JSON files, or signed envelopes (run --sign).")],
-    public_key: Annotated[
-        Path | None, typer.Option(help="Check each envelope's ed25519 signature with this public key (PEM).")
-    ] = None,
+    public_key: PublicKeyOpt = None,
     json_: Annotated[bool, typer.Option("--json", help="A JSON object on stdout (a list of them for many "
                                                        "files).")] = False,
     rerun: Annotated[bool, typer.Option("--rerun", help="Also re-execute the run the receipt describes and "
@@ -133,7 +131,9 @@ def _verify_rerun(paths: list[Path], public_key: Path | None) -> None:
 
 
 REPORT_HELP = (
-    "A verified receipt for people: verdict, A/B/C table, comparisons, worst positions, provenance.\n\n"
+    "A verified receipt for people: verdict (sync and numerics), who signed it, the A/B/C table with the "
+    "thresholds that decided, failing checks and why, comparisons, worst positions, the error breakdown, "
+    "provenance.\n\n"
     "--out DIR writes DIR/report.md (or .txt, .json, .html) with its PNG plots beside it, linked relative "
     "to the report; --format html is one self-contained page with the plots inline."
 )
@@ -150,6 +150,7 @@ def report(
                                        "working directory.")
     ] = None,
     github_summary: GithubSummaryOpt = False,
+    public_key: PublicKeyOpt = None,
 ) -> None:
     """See REPORT_HELP."""
     from lora_parity import report as rp
@@ -158,18 +159,20 @@ def report(
     rp.check_format(format_, rp.REPORT_FORMATS)
     if out is not None and plots is not None:
         raise ConfigError("--out writes the plots beside the report; drop --plots")
-    receipt = verify_receipt(path).receipt
+    verified = verify_receipt(path, public_key)
+    receipt, signature = verified.receipt, verified.signature
     if out is not None:
         from lora_parity.report.files import write_report
 
-        written = write_report(receipt, str(path), out, format_)
+        written = write_report(receipt, str(path), out, format_, signature)
         output.line(str(written))
         links = {name: f"{name}.png" for name in _plotted(receipt)} if format_ != "html" else {}
     else:
         links = _plot_links(receipt, plots, format_)
-        output.print_text(rp.render_report(receipt, str(path), format_, links))
+        output.print_text(rp.render_report(receipt, str(path), format_, links, signature))
     if github_summary:
-        output.github_summary(rp.report_markdown(receipt, str(path), links if format_ != "html" else None))
+        output.github_summary(rp.report_markdown(receipt, str(path), links if format_ != "html" else None,
+                                                 signature))
 
 
 def _plotted(receipt: Any) -> list[str]:
@@ -194,17 +197,23 @@ def table(
     paths: Annotated[list[Path], typer.Argument(help="Receipt JSON files, one row each (non-receipts are "
                                                      "skipped with a note).")],
     format_: Annotated[str, typer.Option("--format", help="md (for a README or PR) or rich (a terminal).")] = "md",
+    public_key: PublicKeyOpt = None,
 ) -> None:
-    """The evidence table: mean |diff| of A, B and C and the result, one row per verified receipt."""
+    """The evidence table: mean |diff| of A, B and C and the result, one row per verified receipt; below
+    it, which receipts are signed."""
     from lora_parity import report as rp
     from lora_parity.verify import verify as verify_receipt
 
     rp.check_format(format_, rp.TABLE_FORMATS)
-    receipts = [verify_receipt(p).receipt for p in receipt_paths(paths)]
+    kept = receipt_paths(paths)
+    verified = [verify_receipt(p, public_key) for p in kept]
+    receipts = [v.receipt for v in verified]
+    signatures = rp.signatures_line([str(p) for p in kept], [v.signature for v in verified])
     if format_ == "rich":
         output.evidence_table(rp.table_header(receipts), rp.table_rows(receipts))
+        output.line(signatures)
     else:
-        output.print_text(rp.table_markdown(receipts))
+        output.print_text(rp.table_markdown(receipts, signatures))
 
 
 def schema() -> None:
@@ -218,12 +227,14 @@ def diff(
     a: Annotated[Path, typer.Argument(help="Receipt before (e.g. before a fix).")],
     b: Annotated[Path, typer.Argument(help="Receipt after.")],
     json_: JsonOpt = False,
+    public_key: PublicKeyOpt = None,
 ) -> None:
-    """How two verified receipts differ: statistics side by side, checks that changed, settings."""
+    """How two verified receipts differ: statistics side by side, checks that changed, settings, signatures."""
     from lora_parity import report as rp
     from lora_parity.verify import verify as verify_receipt
 
-    d = rp.diff_receipts(verify_receipt(a).receipt, verify_receipt(b).receipt)
+    va, vb = verify_receipt(a, public_key), verify_receipt(b, public_key)
+    d = rp.diff_receipts(va.receipt, vb.receipt, (va.signature, vb.signature))
     if json_:
         output.print_json(d)
     else:

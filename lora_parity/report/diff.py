@@ -10,7 +10,7 @@ from typing import Any
 from lora_parity import checks as checks_mod
 from lora_parity.receipt import Receipt
 from lora_parity.report.document import Block, Bullets, Heading, Para, Table, code, fmt_num, fmt_signed, render_markdown
-from lora_parity.report.facts import NOT_REACHED
+from lora_parity.report.facts import NOT_REACHED, signature_note
 
 _DIFF_STATS = ("mean_abs", "p99", "max_abs")
 _DELTA_STATS = ("cosine", "scale", "rel_l2")
@@ -81,16 +81,18 @@ def _moved(entries: Pairs) -> bool:
                for stats in entries.values() for p in stats.values())
 
 
-def diff_receipts(a: Receipt, b: Receipt) -> dict[str, Any]:
+def diff_receipts(a: Receipt, b: Receipt, signatures: tuple[str | None, str | None] = (None, None)) -> dict[str, Any]:
     """How receipt `b` differs from receipt `a`: each comparison's mean, p99 and max (a, b, b - a),
-    delta agreement, checks whose status changed, verdicts, and settings that differ.
-    `identical` is true when none of those differ (timings and creation times are not compared)."""
+    delta agreement, checks whose status changed, verdicts, and settings that differ; `signatures`
+    are `verify`'s signature statuses of a and b. `identical` is true when none of those differ
+    (timings, creation times and signatures are not compared)."""
     comparisons, deltas = _comparison_pairs(a, b), _delta_pairs(a, b)
     changed_checks, settings = _changed_checks(a, b), _changed_settings(a, b)
     return {
         "identical": not (_moved(comparisons) or _moved(deltas) or changed_checks or settings
                           or a.verdict != b.verdict),
         "verdict": {"a": a.verdict.value, "b": b.verdict.value},
+        "signature": {"a": signature_note(signatures[0]), "b": signature_note(signatures[1])},
         "revision": {"a": a.revision.commit, "b": b.revision.commit},
         "created_at": {"a": a.created_at, "b": b.created_at},
         "total_seconds": {"a": a.timings.get("total"), "b": b.timings.get("total")},
@@ -125,6 +127,7 @@ def _summary_blocks(d: Mapping[str, Any], path_a: str, path_b: str) -> list[Bloc
         Para(f"a = {code(path_a)}, b = {code(path_b)}"),
         Bullets([
             f"verdict: **{verdict}**",
+            f"signature: a {d['signature']['a']}, b {d['signature']['b']}",
             f"revision: {code(rev['a'])}" + (f" → {code(rev['b'])}" if rev["a"] != rev["b"] else " (same)"),
             f"created: {code(d['created_at']['a'])} → {code(d['created_at']['b'])}",
             "total time: " + " → ".join(f"{t:.2f} s" if t is not None else "—" for t in d["total_seconds"].values()),

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lora_parity import escape
 from lora_parity.errors import ConfigError
 
 
@@ -103,45 +104,41 @@ Block = Heading | Para | Bullets | Table | Image | Details
 
 
 def code(text: object) -> str:
-    """A string from a receipt as an inline code span: one line, no backticks."""
-    return "`" + " ".join(str(text).replace("`", "'").split()) + "`"
+    """A string from a receipt as an inline code span: one line, no backticks (`escape.code`)."""
+    return escape.code(text)
 
 
 # --- markdown --------------------------------------------------------------------------------------
 
 
-def _md_cell(text: str) -> str:
-    text = " ".join(text.split()).replace("\\", "\\\\").replace("|", "\\|").replace("`", "'")
-    # Only a '<' that could open an HTML tag or comment is escaped: '<=' stays readable.
-    return re.sub(r"<(?=[A-Za-z/!?])", "&lt;", text)
-
-
 def _md_link(link: str) -> str:
-    return link.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+    return escape.one_line(link).replace(" ", "%20").replace("(", "%28").replace(")", "%29").replace("<", "%3C")
 
 
 def _md_table(table: Table) -> str:
-    lines = ["| " + " | ".join(_md_cell(h) for h in table.header) + " |", "|" + "---|" * len(table.header)]
-    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table.rows]
+    cell = escape.markdown
+    lines = ["| " + " | ".join(cell(h) for h in table.header) + " |", "|" + "---|" * len(table.header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table.rows]
     return "\n".join(lines)
 
 
 def _md_block(b: Block) -> str:
     if isinstance(b, Heading):
-        return f"{'#' * b.level} {b.text}"
+        return f"{'#' * b.level} {escape.markdown(b.text)}"
     if isinstance(b, Para):
-        return b.text
+        return escape.markdown_markup(b.text)
     if isinstance(b, Bullets):
-        return "\n".join(f"- {item}" for item in b.items)
+        return "\n".join(f"- {escape.markdown_markup(item)}" for item in b.items)
     if isinstance(b, Table):
         return _md_table(b)
     if isinstance(b, Image):
-        return f"![{_md_cell(b.alt)}]({_md_link(b.link)})"
-    return f"<details><summary>{_md_cell(b.summary)}</summary>\n\n{render_markdown(b.blocks)}\n</details>"
+        return f"![{escape.markdown(b.alt)}]({_md_link(b.link)})"
+    # An HTML block: its summary is HTML, not markdown.
+    return f"<details><summary>{escape.html(b.summary)}</summary>\n\n{render_markdown(b.blocks)}\n</details>"
 
 
 def render_markdown(blocks: Sequence[Block]) -> str:
-    """GitHub-flavoured markdown."""
+    """GitHub-flavoured markdown; every string passes through `lora_parity.escape`."""
     return "\n\n".join(_md_block(b) for b in blocks) + "\n"
 
 
@@ -149,11 +146,11 @@ def render_markdown(blocks: Sequence[Block]) -> str:
 
 
 def _plain(text: str) -> str:
-    return text.replace("**", "").replace("`", "")
+    return escape.one_line(text.replace("**", "").replace("`", ""))
 
 
 def _text_table(table: Table) -> str:
-    rows = [table.header, *table.rows]
+    rows = [[escape.one_line(c) for c in r] for r in (table.header, *table.rows)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(table.header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -162,7 +159,8 @@ def _text_table(table: Table) -> str:
 
 def _text_block(b: Block) -> str:
     if isinstance(b, Heading):
-        return f"{b.text}\n{('=' if b.level <= 2 else '-') * len(b.text)}"
+        text = escape.one_line(b.text)
+        return f"{text}\n{('=' if b.level <= 2 else '-') * len(text)}"
     if isinstance(b, Para):
         return _plain(b.text)
     if isinstance(b, Bullets):
@@ -170,7 +168,7 @@ def _text_block(b: Block) -> str:
     if isinstance(b, Table):
         return _text_table(b)
     if isinstance(b, Image):
-        return f"plot: {b.alt}: {b.link}"
+        return f"plot: {escape.one_line(b.alt)}: {escape.one_line(b.link)}"
     return render_text([Heading(b.summary, 4), *b.blocks]).rstrip("\n")
 
 
@@ -191,21 +189,21 @@ _HTML_STYLE = (
 
 def _html_inline(text: str) -> str:
     """`Para` markup as HTML: everything escaped, then `code` spans and **bold**."""
-    parts = html.escape(text, quote=False).split("`")
+    parts = html.escape(escape.one_line(text), quote=False).split("`")
     out = [f"<code>{p}</code>" if i % 2 else re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", p)
            for i, p in enumerate(parts)]
     return "".join(out)
 
 
 def _html_table(table: Table) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in table.header)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table.rows)
+    head = "".join(f"<th>{escape.html(h)}</th>" for h in table.header)
+    rows = "".join("<tr>" + "".join(f"<td>{escape.html(c)}</td>" for c in row) + "</tr>" for row in table.rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 
 def _html_block(b: Block) -> str:
     if isinstance(b, Heading):
-        return f"<h{b.level}>{html.escape(b.text)}</h{b.level}>"
+        return f"<h{b.level}>{escape.html(b.text)}</h{b.level}>"
     if isinstance(b, Para):
         return f"<p>{_html_inline(b.text)}</p>"
     if isinstance(b, Bullets):
@@ -213,13 +211,13 @@ def _html_block(b: Block) -> str:
     if isinstance(b, Table):
         return _html_table(b)
     if isinstance(b, Image):
-        return f'<img alt="{html.escape(b.alt)}" src="{html.escape(b.link)}">'
+        return f'<img alt="{escape.html(b.alt)}" src="{escape.html(b.link)}">'
     inner = "\n".join(_html_block(x) for x in b.blocks)
-    return f"<details><summary>{html.escape(b.summary)}</summary>\n{inner}\n</details>"
+    return f"<details><summary>{escape.html(b.summary)}</summary>\n{inner}\n</details>"
 
 
 def render_html(blocks: Sequence[Block], title: str) -> str:
     """One self-contained HTML page (inline style; images are whatever their links say, e.g. data: URIs)."""
     body = "\n".join(_html_block(b) for b in blocks)
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape.html(title)}</title>'
             f"<style>{_HTML_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from lora_parity import checks as checks_mod
 from lora_parity import stats
 from lora_parity.receipt import Check, CheckStatus, Receipt, Verdict, WorstPosition
-from lora_parity.report.document import clip
+from lora_parity.report.document import clip, fmt_budget
 
 NUM_WORST = 3
 """Worst positions listed per comparison."""
@@ -27,7 +27,38 @@ HEADLINE: dict[str, tuple[str, str]] = {
     "C": ("C.trainer_vs_sampler", "updated trainer vs synced sampler"),
 }
 CHECK_TITLES = {"A": "A zero-init", "B": "B before sync", "C": "C after sync", "T": "T per target"}
+HEADLINE_CHECKS: dict[str, tuple[str, ...]] = {
+    "A": ("A.parity.mean", "A.parity.p99", "A.parity.max"),
+    "B": ("B.stimulus",),
+    "C": ("C.parity.mean", "C.parity.p99", "C.parity.max"),
+}
+"""The checks that judge each headline comparison; their recorded budgets are the thresholds that decided."""
+OP_SIGNS = {"<=": "≤", ">=": "≥", ">": ">"}
 _STATUS_RANK = {CheckStatus.FAIL: 3, CheckStatus.INCONCLUSIVE: 2, CheckStatus.NOT_REACHED: 1, CheckStatus.PASS: 0}
+
+
+# --- what the run started from, and who signed it -----------------------------------------------------
+
+
+def has_start_adapter(receipt: Receipt) -> bool:
+    """Whether both sides started from a user's adapter (`run --adapter`) rather than zero-init."""
+    return "adapter_base" in receipt.scores or "A.sampler_base_vs_adapter" in receipt.comparisons
+
+
+def start_point(receipt: Receipt, text: str) -> str:
+    """`text` with "zero-init" read as "start adapter" for a run that started from a user's adapter."""
+    return text.replace("zero-init", "start adapter") if has_start_adapter(receipt) else text
+
+
+def signature_note(status: str | None) -> str:
+    """What the reader may trust about who made the receipt, from `verify`'s signature status:
+    'signed (key id …)', 'signed, signature not checked …' or 'unsigned'."""
+    if status is None or status == "unsigned":
+        return "unsigned"
+    if status == "not checked":
+        return "signed, signature not checked (give --public-key to check it)"
+    match = re.search(r"keyid ([0-9a-f]+)", status)
+    return f"signed (key id {match.group(1) if match else '?'})"
 
 
 # --- per-position differences ------------------------------------------------------------------------
@@ -87,6 +118,17 @@ def group_status(checks: Iterable[Check], group: str) -> CheckStatus | None:
     """The worst status among the checks of one group (A, B, C, T); None if it has none."""
     statuses = [c.status for c in checks if group_of(c.id) == group]
     return max(statuses, key=_STATUS_RANK.__getitem__) if statuses else None
+
+
+def checks_by_id(receipt: Receipt, ids: Iterable[str]) -> list[Check]:
+    """The receipt's checks with these ids, in the order given (missing ones left out)."""
+    by_id = {c.id: c for c in receipt.checks}
+    return [by_id[i] for i in ids if i in by_id]
+
+
+def threshold(check: Check) -> str:
+    """The threshold that decided `check`, as recorded in it ('≤ 0.0001'); '—' without one."""
+    return f"{OP_SIGNS[check.op]} {fmt_budget(check.budget)}" if check.budget is not None else "—"
 
 
 def short_reason(check: Check) -> str:

@@ -47,9 +47,10 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_report(receipt: Receipt, receipt_label: str, out_dir: Path, fmt: str) -> Path:
+def write_report(receipt: Receipt, receipt_label: str, out_dir: Path, fmt: str, signature: str | None = None) -> Path:
     """Write the report in `fmt` to `out_dir/report.<ext>` with its PNG plots beside it (inlined for
-    html), and return the report's path. `receipt_label` is how the report names the receipt."""
+    html), and return the report's path. `receipt_label` is how the report names the receipt;
+    `signature` is `verify`'s signature status."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"--out {out_dir}: not a folder")
     try:
@@ -64,7 +65,7 @@ def write_report(receipt: Receipt, receipt_label: str, out_dir: Path, fmt: str) 
         links = {name: p.name for name, p in write_plots(receipt, out_dir).items()}
     target = out_dir / REPORT_FILES[fmt]
     try:
-        write_atomic(target, render_report(receipt, receipt_label, fmt, links))
+        write_atomic(target, render_report(receipt, receipt_label, fmt, links, signature))
     except OSError as e:
         raise ConfigError(f"--out {out_dir}: cannot write {target.name}: {e.strerror or e}") from None
     return target

@@ -1,4 +1,5 @@
-"""PNG plots of |diff| per scored position for checks A, B (the stimulus) and C, with budgets drawn.
+"""PNG plots of |diff| per scored position for checks A, B (the stimulus) and C, with the thresholds that
+decided their checks drawn (each check's recorded budget, derived or fixed).
 
 matplotlib is imported only when a plot is drawn, and only its Agg canvas is used (headless, no
 pyplot global state). Position t of sequence s scores token probes.sequences[s][t+1]; sequences are
@@ -13,7 +14,15 @@ from typing import Any
 
 from lora_parity.errors import BackendUnavailableError
 from lora_parity.receipt import Receipt
-from lora_parity.report.facts import group_status, position_diffs, worst_diffs
+from lora_parity.report.facts import (
+    HEADLINE_CHECKS,
+    OP_SIGNS,
+    checks_by_id,
+    group_status,
+    position_diffs,
+    start_point,
+    worst_diffs,
+)
 
 PLOTTED: dict[str, str] = {
     "A.trainer_vs_sampler": "A zero-init: trainer vs sampler",
@@ -36,14 +45,20 @@ def _matplotlib() -> tuple[Any, Any]:
     return Figure, FigureCanvasAgg
 
 
+_LINE_STYLES = {"mean": ("tab:orange", "-"), "p99": ("tab:red", "--"), "max": ("tab:red", "-"),
+                "stimulus": ("tab:green", "-")}
+
+
 def _budget_lines(receipt: Receipt, name: str) -> list[tuple[float, str, str, str]]:
-    """(value, label, colour, line style) of every threshold the comparison is checked against."""
-    b = receipt.budgets
-    if name.startswith("B."):
-        return [(b.min_stimulus, f"min_stimulus {b.min_stimulus:g} (mean must reach it)", "tab:green", "-")]
-    return [(b.mean, f"mean budget {b.mean:g}", "tab:orange", "-"),
-            (b.p99, f"p99 budget {b.p99:g}", "tab:red", "--"),
-            (b.max, f"max budget {b.max:g}", "tab:red", "-")]
+    """(value, label, colour, line style) of every threshold that decided a check of the comparison,
+    read off the checks themselves (a derived threshold is drawn where it was, not the config's budget)."""
+    lines = []
+    for check in checks_by_id(receipt, HEADLINE_CHECKS.get(name[0], ())):
+        if check.budget is not None and check.budget > 0:
+            colour, style = _LINE_STYLES[check.id.rsplit(".", 1)[-1]]
+            lines.append((check.budget, f"{check.id} {OP_SIGNS[check.op]} {check.budget:.3g} (decided)", colour,
+                          style))
+    return lines
 
 
 def _reference_series(receipt: Receipt, name: str) -> list[tuple[str, list[float]]]:
@@ -107,7 +122,8 @@ def figure(receipt: Receipt, name: str) -> Any:
     reference = _reference_series(receipt, name)
     shown = [v for v in absd if v > 0] + [v for _, vs in reference for v in vs if v > 0]
     # A log axis shows 1e-6 agreement and a 9-nat outlier on one plot; exact zeros sit on the floor.
-    floor = min([*shown, *(v for v, *_ in lines)]) / 10
+    scale = [*shown, *(v for v, *_ in lines)] or [1e-6]  # all exactly 0 and no threshold: any axis will do
+    floor = min(scale) / 10
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     FigureCanvasAgg(fig)
@@ -124,10 +140,11 @@ def figure(receipt: Receipt, name: str) -> Any:
         ax.annotate(f"worst: seq {w.sequence} pos {w.position} tok {w.token_id}", (x, abs(w.diff)), fontsize=6.5,
                     xytext=(-4 if right else 4, 4), textcoords="offset points", ha="right" if right else "left")
     ax.set_yscale("log")
-    ax.set_ylim(floor / 2, max([*shown, *(v for v, *_ in lines)]) * 6)
+    ax.set_ylim(floor / 2, max(scale) * 6)
     ax.set_xlim(-1, len(absd))
     status = group_status(receipt.checks, name[0])
-    ax.set_title(f"{PLOTTED.get(name, name)} ({status.value if status else 'not checked'})", fontsize=10)
+    title = start_point(receipt, PLOTTED.get(name, name))
+    ax.set_title(f"{title} ({status.value if status else 'not checked'})", fontsize=10)
     ax.set_xlabel("scored position (sequences concatenated, in order)", fontsize=8)
     ax.set_ylabel("|Δ logprob| (nats)", fontsize=8)
     ax.tick_params(labelsize=7)

@@ -1,8 +1,12 @@
-"""The PR report of one verified receipt: verdict, A/B/C table, plots, comparisons with their worst
-positions, checks, update agreement, perturbation and sync, provenance, timings. As markdown (a PR
-comment or a job summary), plain text, or JSON-ready data.
+"""The PR report of one verified receipt: verdict (and its sync / numerics halves), who signed it, the
+A/B/C table with the thresholds that decided, plots, failing checks with their reasons, comparisons with
+their worst positions, the error breakdown, update agreement, perturbation and sync, provenance,
+timings. As markdown (a PR comment or a job summary), plain text, or JSON-ready data.
 
-Pure rendering: a verified `Receipt` in, text or plain data out; no I/O.
+Thresholds are read off each recorded check (its `op` and `budget`, the ones that decided it), never
+off the config's fixed budgets: a budget derived from measurements shows as derived. Every string goes
+through `lora_parity.escape` in the renderers. Pure rendering: a verified `Receipt` in, text or plain
+data out; no I/O.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from lora_parity import breakdown as breakdown_mod
 from lora_parity import checks as checks_mod
+from lora_parity import explain
 from lora_parity.receipt import Check, CheckStatus, Receipt, Verdict
 from lora_parity.report.document import (
     Block,
@@ -32,7 +38,20 @@ from lora_parity.report.document import (
     render_markdown,
     render_text,
 )
-from lora_parity.report.facts import CHECK_TITLES, HEADLINE, NOT_REACHED, group_of, group_status, worst_diffs
+from lora_parity.report.facts import (
+    CHECK_TITLES,
+    HEADLINE,
+    HEADLINE_CHECKS,
+    NOT_REACHED,
+    checks_by_id,
+    group_of,
+    group_status,
+    has_start_adapter,
+    signature_note,
+    start_point,
+    threshold,
+    worst_diffs,
+)
 
 REPORT_FORMATS = ("md", "text", "json", "html")
 _KEY_TIMINGS = {
@@ -69,6 +88,23 @@ def _verdict_line(receipt: Receipt) -> str:
             f"{code(receipt.environment.device)}, {code(receipt.model.dtype)}.")
 
 
+def _verdicts_line(receipt: Receipt) -> str | None:
+    """'Sync (the LoRA path): **pass**; numerics (...): **fail**, decided by ...'; None for a receipt made
+    before the two verdicts were recorded."""
+    if receipt.verdicts is None:
+        return None
+    parts = []
+    for name, what, group in (("sync", "the LoRA path: B, C, per-target", receipt.verdicts.sync),
+                              ("numerics", "the agreement at the start: A, the fp32 reference",
+                               receipt.verdicts.numerics)):
+        ids = group.decided_by
+        by = "" if group.verdict == Verdict.PASS or not ids else (
+            ", decided by " + ", ".join(code(i) for i in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4
+                                                                     else ""))
+        parts.append(f"{name} ({start_point(receipt, what)}): **{group.verdict.value}**{by}")
+    return "Verdicts: " + "; ".join(parts) + "."
+
+
 def _revision(receipt: Receipt, width: int | None = None) -> str:
     r = receipt.revision
     state = {True: ", dirty", False: ", clean", None: ""}[r.dirty]
@@ -88,26 +124,38 @@ def _group_result(receipt: Receipt, group: str) -> str:
     return f"{status.value.replace('_', ' ')}: {', '.join(bad[:3])}{more}"
 
 
+def _target_thresholds(receipt: Receipt, measure: str, suffix: str) -> str:
+    """One per-target measure's decided thresholds: '≥ 0.999', or their range where the noise set them per target."""
+    decided = sorted({threshold(c) for c in receipt.checks if c.id.startswith("T.") and c.id.endswith(suffix)})
+    return f"{measure} {decided[0]}" if len(decided) == 1 else f"{measure} {decided[0]} … {decided[-1]}" \
+        if decided else ""
+
+
 def _target_row(receipt: Receipt) -> list[str]:
-    b, prefix = receipt.budgets, checks_mod.TARGET_PREFIX
+    prefix = checks_mod.TARGET_PREFIX
     kinds = [d[len(prefix):] for d in receipt.deltas if d.startswith(prefix)]
+    decided = [t for t in (_target_thresholds(receipt, "Δ cosine", ".cosine"),
+                           _target_thresholds(receipt, "|scale - 1|", ".scale")) if t]
     return [CHECK_TITLES["T"], f"each target alone, synced ({len(kinds)} kinds)", "", "", "",
-            f"Δ cosine ≥ {fmt_budget(b.min_delta_cosine)}, |scale - 1| ≤ {fmt_budget(b.max_delta_scale_error)}",
-            _group_result(receipt, "T")]
+            ", ".join(decided) or "—", _group_result(receipt, "T")]
+
+
+def _decided(receipt: Receipt, group: str) -> str:
+    """The thresholds that decided a headline comparison, read off its checks ('mean ≤ 0.0001, ...')."""
+    return ", ".join(f"{c.id.rsplit('.', 1)[-1].replace('stimulus', 'mean')} {threshold(c)}"
+                     for c in checks_by_id(receipt, HEADLINE_CHECKS[group])) or "—"
 
 
 def _headline_table(receipt: Receipt) -> Table:
-    b = receipt.budgets
-    parity_budget = f"mean ≤ {fmt_budget(b.mean)}, p99 ≤ {fmt_budget(b.p99)}, max ≤ {fmt_budget(b.max)}"
-    budgets = {"A": parity_budget, "B": f"mean ≥ {fmt_budget(b.min_stimulus)}", "C": parity_budget}
     rows = []
     for group, (name, what) in HEADLINE.items():
         cmp = receipt.comparisons.get(name)
         stats = [fmt_num(cmp.mean_abs), fmt_num(cmp.p99), fmt_num(cmp.max_abs)] if cmp else [NOT_REACHED, "", ""]
-        rows.append([CHECK_TITLES[group], what, *stats, budgets[group], _group_result(receipt, group)])
+        rows.append([start_point(receipt, CHECK_TITLES[group]), start_point(receipt, what), *stats,
+                     _decided(receipt, group), _group_result(receipt, group)])
     if group_status(receipt.checks, "T") is not None:
         rows.append(_target_row(receipt))
-    return Table(["check", "comparison", "mean |diff|", "p99", "max", "budget", "result"], rows)
+    return Table(["check", "comparison", "mean |diff|", "p99", "max", "threshold (decided)", "result"], rows)
 
 
 def _reference_line(receipt: Receipt) -> str | None:
@@ -142,9 +190,33 @@ def _comparisons_table(receipt: Receipt) -> Table:
 
 
 def _checks_table(checks: Sequence[Check]) -> Table:
-    return Table(["check", "observed", "budget", "status", "reason"],
-                 [[c.id, fmt_num(c.observed), f"{c.op} {fmt_budget(c.budget)}" if c.budget is not None else "—",
-                   c.status.value.replace("_", " "), c.reason] for c in checks])
+    return Table(["check", "observed", "threshold", "status", "reason"],
+                 [[c.id, fmt_num(c.observed), threshold(c), c.status.value.replace("_", " "), c.reason]
+                  for c in checks])
+
+
+def _failing_table(checks: Sequence[Check]) -> Table:
+    """The checks that did not pass: each one's threshold, reason, and what it means."""
+    ids = frozenset(c.id for c in checks)
+    return Table(["check", "observed", "threshold", "status", "reason", "what it means, where to look"],
+                 [[c.id, fmt_num(c.observed), threshold(c), c.status.value.replace("_", " "), c.reason,
+                   explain.line(c, ids)] for c in checks])
+
+
+def _breakdown_tables(receipt: Receipt) -> list[Block]:
+    """|diff| of A and C by the trainer's logprob and by position quartile: the receipt's record, or for a
+    receipt made before it was recorded, the same from its scores."""
+    recorded = receipt.breakdown if receipt.breakdown is not None else breakdown_mod.compute(receipt.scores)
+    titles = {name: f"{start_point(receipt, CHECK_TITLES[group])}: {start_point(receipt, what)}"
+              for group, (name, what) in HEADLINE.items()}
+    blocks: list[Block] = []
+    for name, b in recorded.items():
+        rows = [[by, s.bucket, str(s.n), fmt_num(s.mean_abs), fmt_num(s.max_abs)]
+                for by, buckets in (("trainer logprob", b.by_logprob), ("position", b.by_position))
+                for s in buckets]
+        blocks += [Para(f"**{titles.get(name, name)}** ({code(name)})"),
+                   Table(["by", "bucket", "n", "mean |diff|", "max |diff|"], rows)]
+    return blocks
 
 
 def _deltas_table(receipt: Receipt) -> Table:
@@ -171,18 +243,26 @@ def _settings_table(receipt: Receipt) -> Table:
 # --- sections -----------------------------------------------------------------------------------------
 
 
-def _head_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None) -> list[Block]:
+def _title(receipt: Receipt) -> str:
     m, t, s = receipt.model, receipt.trainer, receipt.sampler
+    start = ", from a start adapter" if has_start_adapter(receipt) else ""
+    return f"lora-parity: {m.name}, {t.backend} trainer vs {s.backend} sampler{start}"
+
+
+def _head_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None, signature: str | None) -> list[Block]:
+    verdicts = _verdicts_line(receipt)
     blocks: list[Block] = [
-        Heading(f"lora-parity: {m.name}, {t.backend} trainer vs {s.backend} sampler", 2),
+        Heading(_title(receipt), 2),
         Para(_verdict_line(receipt)),
-        Para(f"Receipt {code(path)} (sha256 {code(receipt.digest[:12])}), revision {_revision(receipt, 12)}, "
-             f"lora-parity {code(receipt.tool_version)}, created {code(receipt.created_at)}."),
+        *([Para(verdicts)] if verdicts else []),
+        Para(f"Receipt {code(path)}: **{signature_note(signature)}**, sha256 {code(receipt.digest[:12])}; "
+             f"revision {_revision(receipt, 12)}, lora-parity {code(receipt.tool_version)}, "
+             f"created {code(receipt.created_at)}."),
         _headline_table(receipt),
     ]
     bad = checks_mod.not_passing(receipt.checks)
     if bad:
-        blocks += [Heading("Checks that did not pass"), _checks_table(bad)]
+        blocks += [Heading("Checks that did not pass"), _failing_table(bad)]
     reference = _reference_line(receipt)
     if reference:
         blocks += [Heading("fp32 reference"), Para(reference)]
@@ -199,8 +279,12 @@ def _comparison_blocks(receipt: Receipt) -> list[Block]:
         _comparisons_table(receipt) if receipt.comparisons else Para("No comparison was reached."),
         Details(f"All {len(receipt.checks)} checks", [_checks_table(receipt.checks)]),
     ]
+    breakdown = _breakdown_tables(receipt)
+    if breakdown:
+        blocks += [Heading("Error breakdown: |diff| by the trainer's logprob and by position quartile"), *breakdown]
     if receipt.deltas:
-        blocks += [Heading("Update agreement (Δ = updated − zero-init, sampler vs trainer)"), _deltas_table(receipt)]
+        blocks += [Heading(start_point(receipt, "Update agreement (Δ = updated − zero-init, sampler vs trainer)")),
+                   _deltas_table(receipt)]
     return blocks
 
 
@@ -271,17 +355,20 @@ def _timing_blocks(receipt: Receipt) -> list[Block]:
 # --- the report ---------------------------------------------------------------------------------------
 
 
-def report_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None) -> list[Block]:
-    """The report as blocks: verdict, A/B/C table, plots, comparisons, checks, update agreement,
-    perturbation and sync, provenance, timings. `path` is printed as given; `plots` maps a
-    comparison name to its image link."""
-    return [*_head_blocks(receipt, path, plots), *_comparison_blocks(receipt), *_perturbation_blocks(receipt),
-            *_provenance_blocks(receipt), *_timing_blocks(receipt)]
+def report_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None,
+                  signature: str | None = None) -> list[Block]:
+    """The report as blocks: verdict, the sync and numerics verdicts, signature, A/B/C table with the
+    thresholds that decided, plots, failing checks, comparisons, error breakdown, checks, update
+    agreement, perturbation and sync, provenance, timings. `path` is printed as given; `plots` maps a
+    comparison name to its image link; `signature` is `verify`'s signature status (None: unsigned)."""
+    return [*_head_blocks(receipt, path, plots, signature), *_comparison_blocks(receipt),
+            *_perturbation_blocks(receipt), *_provenance_blocks(receipt), *_timing_blocks(receipt)]
 
 
-def report_markdown(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None) -> str:
+def report_markdown(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None,
+                    signature: str | None = None) -> str:
     """The report as GitHub markdown (for a PR comment or a job summary)."""
-    return render_markdown(report_blocks(receipt, path, plots))
+    return render_markdown(report_blocks(receipt, path, plots, signature))
 
 
 def _headline_data(receipt: Receipt) -> dict[str, Any]:
@@ -290,16 +377,23 @@ def _headline_data(receipt: Receipt) -> dict[str, Any]:
         status = group_status(receipt.checks, group)
         cmp = receipt.comparisons.get(name)
         numbers = {k: getattr(cmp, k) for k in ("mean_abs", "p99", "max_abs")} if cmp else {"reached": False}
-        out[group] = {"comparison": name, "result": status.value if status else None, **numbers}
+        thresholds = {c.id: {"op": c.op, "budget": c.budget} for c in checks_by_id(receipt, HEADLINE_CHECKS[group])}
+        out[group] = {"comparison": name, "result": status.value if status else None, **numbers,
+                      "thresholds": thresholds}
     return out
 
 
-def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None) -> dict[str, Any]:
+def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None,
+                signature: str | None = None) -> dict[str, Any]:
     """The report as JSON-ready data."""
+    recorded = receipt.breakdown if receipt.breakdown is not None else breakdown_mod.compute(receipt.scores)
     return {
         "receipt": path,
         "digest": receipt.digest,
+        "signature": signature_note(signature),
         "verdict": receipt.verdict.value,
+        "verdicts": receipt.verdicts.model_dump(mode="json") if receipt.verdicts else None,
+        "start": "start adapter" if has_start_adapter(receipt) else "zero-init",
         "error": receipt.error,
         "injected_fault": receipt.injected_fault,
         "not_passing": [c.id for c in checks_mod.not_passing(receipt.checks)],
@@ -312,6 +406,7 @@ def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = N
         },
         "checks": [c.model_dump(mode="json") for c in receipt.checks],
         "deltas": {k: v.model_dump(mode="json") for k, v in receipt.deltas.items()},
+        "breakdown": {k: v.model_dump(mode="json") for k, v in recorded.items()},
         "perturbation": receipt.perturbation.model_dump(mode="json") if receipt.perturbation else None,
         "sync_mode": receipt.sync_mode,
         "adapters": [a.model_dump(mode="json") for a in receipt.adapters],
@@ -328,13 +423,14 @@ def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = N
     }
 
 
-def render_report(receipt: Receipt, path: str, fmt: str, plots: Mapping[str, str] | None = None) -> str:
+def render_report(receipt: Receipt, path: str, fmt: str, plots: Mapping[str, str] | None = None,
+                  signature: str | None = None) -> str:
     """The report in `fmt` (md, text, json or html: one page; its images are the `plots` links as given,
-    data: URIs for a self-contained page)."""
+    data: URIs for a self-contained page); `signature` as in `report_blocks`."""
     check_format(fmt, REPORT_FORMATS)
     if fmt == "json":
-        return json.dumps(report_data(receipt, path, plots), indent=2) + "\n"
-    blocks = report_blocks(receipt, path, plots)
+        return json.dumps(report_data(receipt, path, plots, signature), indent=2) + "\n"
+    blocks = report_blocks(receipt, path, plots, signature)
     if fmt == "html":
         return render_html(blocks, f"lora-parity: {receipt.model.name} ({receipt.verdict.value})")
     return render_markdown(blocks) if fmt == "md" else render_text(blocks)

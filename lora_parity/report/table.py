@@ -1,4 +1,6 @@
-"""The evidence table: one row per verified receipt, the mean |diff| of A, B and C and the result."""
+"""The evidence table: one row per verified receipt, the mean |diff| of A, B and C and the result; the
+header names the thresholds that decided when every receipt's checks had the same; a line below says
+which receipts are signed."""
 
 from __future__ import annotations
 
@@ -7,8 +9,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lora_parity.receipt import BackendInfo, ComparisonStats, Receipt
-from lora_parity.report.document import Table, fmt_budget, render_markdown
-from lora_parity.report.facts import HEADLINE, NOT_REACHED, outcome
+from lora_parity.report.document import Para, Table, render_markdown
+from lora_parity.report.facts import (
+    HEADLINE,
+    HEADLINE_CHECKS,
+    NOT_REACHED,
+    checks_by_id,
+    has_start_adapter,
+    outcome,
+    signature_note,
+    threshold,
+)
 
 TABLE_FORMATS = ("md", "rich")
 TABLE_HEADER = ["Model / input", "A: zero-init diff", "B: diff before sync", "C: diff after sync", "Result"]
@@ -78,17 +89,42 @@ def table_rows(receipts: Sequence[Receipt]) -> list[list[str]]:
             for row, r in zip(rows, receipts, strict=True)]
 
 
+def _decided_mean(receipts: Sequence[Receipt], group: str) -> str:
+    """' (≤ 0.0001)': the threshold that decided the group's mean check, when it is the same in every receipt."""
+    decided = {threshold(c) for r in receipts for c in checks_by_id(r, HEADLINE_CHECKS[group][:1])}
+    reached = all(checks_by_id(r, HEADLINE_CHECKS[group][:1]) for r in receipts)
+    return f" ({decided.pop()})" if reached and len(decided) == 1 else ""
+
+
+def _start_column(receipts: Sequence[Receipt]) -> str:
+    """A's header: 'zero-init', 'start adapter' when every run started from a user's adapter, or both."""
+    starts = {has_start_adapter(r) for r in receipts}
+    if starts == {True}:
+        return TABLE_HEADER[1].replace("zero-init", "start adapter")
+    return TABLE_HEADER[1] if starts != {True, False} else "A: zero-init or start adapter diff"
+
+
 def table_header(receipts: Sequence[Receipt]) -> list[str]:
-    """The header; when every receipt has the same budgets they are named in it, as in the seed."""
-    budgets = {r.budgets for r in receipts}
-    if len(budgets) != 1:
-        return list(TABLE_HEADER)
-    (b,) = budgets
-    return [TABLE_HEADER[0], f"{TABLE_HEADER[1]} (≤ {fmt_budget(b.mean)})",
-            f"{TABLE_HEADER[2]} (≥ {fmt_budget(b.min_stimulus)})", f"{TABLE_HEADER[3]} (≤ {fmt_budget(b.mean)})",
+    """The header; a threshold every receipt's mean checks were decided by is named in it, as in the seed."""
+    return [TABLE_HEADER[0], _start_column(receipts) + _decided_mean(receipts, "A"),
+            TABLE_HEADER[2] + _decided_mean(receipts, "B"), TABLE_HEADER[3] + _decided_mean(receipts, "C"),
             TABLE_HEADER[4]]
 
 
-def table_markdown(receipts: Sequence[Receipt]) -> str:
-    """The evidence table in markdown, one row per receipt in the order given."""
-    return render_markdown([Table(table_header(receipts), table_rows(receipts))])
+def signatures_line(paths: Sequence[str], signatures: Sequence[str | None]) -> str:
+    """'Signatures: all 3 receipts unsigned.', or each kind with the receipts it applies to."""
+    notes = [signature_note(s) for s in signatures]
+    if len(notes) == 1:
+        return f"Signature: {notes[0]}."
+    if len(set(notes)) == 1:
+        return f"Signatures: all {len(notes)} receipts {notes[0]}."
+    kinds = dict.fromkeys(notes)
+    return "Signatures: " + "; ".join(
+        f"{kind}: {', '.join(p for p, n in zip(paths, notes, strict=True) if n == kind)}" for kind in kinds) + "."
+
+
+def table_markdown(receipts: Sequence[Receipt], signatures: str | None = None) -> str:
+    """The evidence table in markdown, one row per receipt in the order given; `signatures` (from
+    `signatures_line`) below it."""
+    return render_markdown([Table(table_header(receipts), table_rows(receipts)),
+                            *([Para(signatures)] if signatures else [])])
