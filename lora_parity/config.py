@@ -164,8 +164,10 @@ class PerturbationSpec(_Cfg):
     """Std of the noise added to every LoRA B tensor (trainers that expose their tensors); 'auto':
     searched on the trainer alone until its change is at least stimulus_factor times A's mean
     disagreement and at least budgets.min_stimulus (`lora_parity.calibrate`)."""
-    stimulus_factor: float = Field(default=10.0, gt=0)
-    """k of std 'auto': the trainer's change must be at least k times A's mean disagreement."""
+    stimulus_factor: float = Field(default=5.0, gt=0)
+    """k of std 'auto': the trainer's change must be at least k times A's mean disagreement (and B.stimulus's
+    threshold). 5: enough for every direction check (noise bends a 5x change by at most about 25°), while
+    larger updates only add bf16 tails (docs/verdicts.md)."""
     learning_rate: float = Field(default=1e-2, gt=0)
     """Learning rate of the one Adam step of trainers that update only through an optimizer (tinker);
     the noise trainers ignore it. 1e-2 moves the tiny synthetic Qwen3's probe logprobs by about

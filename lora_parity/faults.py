@@ -162,8 +162,10 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               ("C.parity.mean",), "fail", modes=("merged",), sync=StalePath),
     FaultSpec("stale-tensors", "the sampler is handed weights copied before the update",
               ("C.parity.mean",), "fail", modes=("memory",), sync=StaleTensors),
+    # Only per-target coverage names a dropped target: where its share of the change is small next to
+    # the noise, C moves by less than its threshold (docs/verdicts.md, "Detection power").
     FaultSpec("drop-target", "the exported adapter lacks the first target module's tensors",
-              ("C.parity.mean", "T.{target}.moved"), "fail", modes=ADAPTER_MODES, rewrites_files=True),
+              ("T.{target}.moved",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("wrong-scale", "the exported adapter's lora_alpha is doubled", ("C.delta.scale",), "fail",
               modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("wrong-direction", "the exported B tensors are negated", ("C.delta.cosine",), "fail",

@@ -57,7 +57,8 @@ def run_sequence(run: Run) -> None:
         run.step("trainer_after_stale", lambda: run.trainer_score("trainer_after_stale"))
     if run.cfg.per_target and run.per_target and run.trainer_has_per_target:
         for kind in run.cfg.adapter.targets:
-            run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
+            if run.per_target_only is None or kind in run.per_target_only:
+                run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
 
 
 def _base_and_publish_zero(run: Run) -> None:
@@ -89,6 +90,8 @@ class Run:
     faults: Faults
     sync_mode: str = "new-id"
     per_target: bool = True
+    per_target_only: tuple[str, ...] | None = None
+    """Per-target coverage of these target kinds only (None: every target)."""
     progress: Callable[[str, str, float], None] = lambda phase, status, seconds: None
     scores: dict[str, Scores] = field(default_factory=dict)
     phases: list[PhaseRecord] = field(default_factory=list)
@@ -329,7 +332,7 @@ class _PhaseLister:
     phase is taken (unknown attributes read as a callable, which is true), and no action runs."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg, self.per_target, self.names = cfg, True, list[str]()
+        self.cfg, self.per_target, self.per_target_only, self.names = cfg, True, None, list[str]()
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         self.names.append(name)

@@ -88,6 +88,8 @@ class RunOptions:
     inject: str | None = None
     sync: str = "new-id"
     per_target: bool = True
+    per_target_only: tuple[str, ...] | None = None
+    """Per-target coverage of these target kinds only (the selftest's drop-target under --no-per-target)."""
     command: tuple[str, ...] = ()
     tinker_url: str | None = None
     """URL of the Tinker service (the tinker backends only)."""
@@ -295,7 +297,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     router = router_agreement(loaded.trainer, loaded.sampler, loaded.sampler_info.backend, plan.probes.sequences)
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
-              per_target=plan.opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id,
+              per_target=plan.opts.per_target, per_target_only=plan.opts.per_target_only, progress=say, first_adapter_id=loaded.next_adapter_id,
               reference=_reference(plan, loaded), sampled=plan.sampled, start_adapter=plan.opts.adapter is not None)
     try:
         run_sequence(run)

@@ -223,9 +223,17 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
 def plan_for(plan: Plan, fault: str) -> Plan:
     """The plan of one fault's run: per-target coverage only for a fault that a per-target check must
     catch or must let pass (drop-target); for the others it adds minutes to the selftest and no
-    evidence about the fault (the clean runs keep it, so every T.* check is still shown to pass)."""
+    evidence about the fault (the clean runs keep it, so every T.* check is still shown to pass).
+    With `--no-per-target`, a fault that only a per-target check can name still gets coverage of the
+    target it breaks (drop-target: the dropped one), and of no other."""
     spec = FAULTS[fault.partition("=")[0]]
-    if not plan.opts.per_target or any(c.startswith("T.") for c in spec.caught_by + spec.must_pass):
+    needs_targets = any(c.startswith("T.") for c in spec.caught_by + spec.must_pass)
+    if not plan.opts.per_target:
+        if not needs_targets:
+            return plan
+        dropped = plan.cfg.adapter.targets[0]
+        return replace(plan, opts=replace(plan.opts, per_target=True, per_target_only=(dropped,)))
+    if needs_targets:
         return plan
     return replace(plan, opts=replace(plan.opts, per_target=False))
 

@@ -1,5 +1,6 @@
 """Every check fires on its injected fault: the whole matrix on the fake backends, in milliseconds."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,16 @@ def test_selftest_catches_every_fault_on_fakes(tmp_path: Path) -> None:
 
 
 def test_selftest_without_per_target_coverage_catches_every_fault(tmp_path: Path) -> None:
-    """drop-target is then caught by C alone (its T.<target>.moved check does not exist)."""
+    """drop-target is then caught by T.<target>.moved on coverage of the dropped target alone (C cannot
+    name a dropped target whose share of the change is small next to the noise)."""
     result = selftest(RunOptions(**FAKE, per_target=False), tmp_path)
     assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
     drop = next(r for r in result.rows if r.fault == "drop-target")
-    assert drop.expected == "fail: C.parity.mean" and result.ok
+    assert drop.expected == "fail: T.q_proj.moved" and result.ok
+    receipt = json.loads(Path(drop.receipt).read_text())
+    assert [p["name"] for p in receipt["phases"] if p["name"].startswith("target.")] == ["target.q_proj"]
+    clean = json.loads(Path(result.rows[0].receipt).read_text())
+    assert not [p for p in clean["phases"] if p["name"].startswith("target.")]
 
 
 @pytest.mark.parametrize("fault", [f for f in faults_for("new-id") if not f.startswith("crash-at")])
