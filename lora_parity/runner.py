@@ -60,6 +60,7 @@ from lora_parity.receipt import (
     Revision,
     RouterAgreement,
     seal,
+    sha256_json,
     write_atomic,
 )
 from lora_parity.routing import router_agreement
@@ -236,6 +237,8 @@ class Backends:
         self.error_detail: ErrorDetail | None = None
         self.reference: Reference | None = None
         """The fp32 reference decision of the latest run."""
+        self.reference_scores: dict[str, Any] = {}
+        """fp32 reference scores by probe-set digest: scored once per probe set on these backends."""
         self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
@@ -422,7 +425,17 @@ def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any]
         return None
     from lora_parity.backends.hf import fp32_reference
 
-    return fp32_reference(plan.cfg, model_dir, plan.opts.adapter)
+    score = fp32_reference(plan.cfg, model_dir, plan.opts.adapter)
+
+    def once_per_probe_set(sequences: list[list[int]]) -> Any:
+        # The reference depends on the checkpoint, the start adapter and the tokens only: every run of a
+        # selftest on one load scores each probe set once (it loads the fp32 model to do so).
+        key = sha256_json(sequences)
+        if key not in loaded.reference_scores:
+            loaded.reference_scores[key] = score(sequences)
+        return loaded.reference_scores[key]
+
+    return once_per_probe_set
 
 
 def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None,
