@@ -300,7 +300,8 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     router = router_agreement(loaded.trainer, loaded.sampler, loaded.sampler_info.backend, plan.probes.sequences)
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
-              per_target=plan.opts.per_target, per_target_only=plan.opts.per_target_only, progress=say, first_adapter_id=loaded.next_adapter_id,
+              per_target=plan.opts.per_target, per_target_only=plan.opts.per_target_only, progress=say,
+              first_adapter_id=loaded.next_adapter_id,
               reference=_reference(plan, loaded), sampled=plan.sampled, start_adapter=plan.opts.adapter is not None)
     try:
         run_sequence(run)
