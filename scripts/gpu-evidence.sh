@@ -15,6 +15,11 @@
 #   adapter REV    a PEFT adapter with non-zero B on SmolLM2-135M bf16 (built here), run with --adapter
 #                  by the hf and the megatron trainers: receipts into $OUT
 #   bench [RUNS]   per-phase times, sync latency, 1x and 10x probe tokens alternating: $OUT/bench.txt
+#   seeds REV N NAME:TRAINER[:ARG,ARG..] ...
+#                  selftest --seeds N on SmolLM2-135M bf16 by path, per-target coverage off (the dropped
+#                  target's still covered), one invocation per spec; ARG @adapter is a user's PEFT adapter
+#                  (r16, alpha 32, B ~ N(0, 0.02), all seven projections). Summaries and receipts come back
+#                  as one tarball, $OUT/seeds-NAME....tgz
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
 # torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. The megatron-core wheel (pure Python,
@@ -117,6 +122,40 @@ PY
         --out "$receipt" --json > "/tmp/gpu-logs/adapter-$t.json" 2> "/tmp/gpu-logs/adapter-$t.err" && rc=0 || rc=$?
       echo "== adapter $t rc=$rc: $(head -c 400 "/tmp/gpu-logs/adapter-$t.json") | $(tail -3 "/tmp/gpu-logs/adapter-$t.err" | cut -c1-300)"
     done ;;
+  seeds)
+    rev=${2:?revision}; n=${3:?seeds}; shift 3
+    mkdir -p /tmp/st
+    ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+    if [ ! -f /tmp/user-adapter/adapter_config.json ]; then
+      python3 - "$ck" /tmp/user-adapter <<'PY'
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+torch.manual_seed(7)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16)
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.02)
+peft_model.save_pretrained(sys.argv[2])
+PY
+    fi
+    names=""
+    for spec in "$@"; do
+      name=${spec%%:*}; rest=${spec#*:}; t=${rest%%:*}; args=${rest#*:}; [ "$args" = "$rest" ] && args=""
+      args=${args//@adapter/--adapter,/tmp/user-adapter}
+      SECONDS=0
+      # shellcheck disable=SC2086
+      timeout 560 python3 -m lora_parity selftest --model "$ck" --trainer "$t" --no-per-target --seeds "$n" \
+        ${args//,/ } --revision "$rev" --out-dir "/tmp/st/$name" --json > "/tmp/st/$name.json" 2> "/tmp/st/$name.err" \
+        && rc=0 || rc=$?
+      echo "== $name rc=$rc ${SECONDS}s: $(tail -1 "/tmp/st/$name.err" | cut -c1-400)"
+      names="$names $name"
+    done
+    tar czf "$out/seeds$(echo "$names" | tr ' ' '-').tgz" -C /tmp/st $names $(for x in $names; do echo "$x.json $x.err"; done)
+    ls -la "$out" ;;
   bench)
     {
       python3 scripts/bench.py --model qwen3-0.6b-synth --runs "${2:-3}" --probes default,default-x10
