@@ -212,6 +212,11 @@ class NoiseRule(Strict):
     tail_alpha: float = Field(default=1e-3, gt=0, lt=1)
     """Chance that noise alone puts one of n tokens above the predicted max (exponential tail of the
     start point's |diff| above its 90th percentile)."""
+    own_tail: bool = False
+    """C's and G's max may also reach the tail their own bulk predicts (p90 and p99 of their |diff|: a
+    change widens the whole error distribution; one or two tokens beyond it still fail). False in receipts
+    made before it (the start point's tail alone): on the H200, Megatron's C max at one position-1 token
+    was 0.81 against 0.73 on a correct sync."""
 
 
 class NoiseModel(Strict):

@@ -40,25 +40,41 @@ def noise_model(scores: Mapping[str, ScoreArray], comparisons: Mapping[str, Comp
     if a is None or "zero" not in scores or "trainer_zero" not in scores:
         return None
     diffs = [abs(d) for d in stats.differences(scores["zero"], scores["trainer_zero"])]
-    ordered = sorted(diffs)
-    p90 = stats.quantile(ordered, 0.90)
+    p90, scale = tail_of(diffs)
     logprobs = stats.flatten(scores["zero"])
     mean_logprob = math.fsum(abs(x) for x in logprobs) / len(logprobs)
     repeats = [c.max_abs for k in ("A.sampler_repeat", "A.trainer_repeat") if (c := comparisons.get(k)) is not None]
     return NoiseModel(
         start="start adapter" if "adapter_base" in scores else "zero-init",
-        n=a.n, mean=a.mean_abs, p99=a.p99, max=a.max_abs, l2=stats.l2(diffs), tail_p90=p90,
-        tail_scale=(stats.quantile(ordered, 0.99) - p90) / math.log(10),
+        n=a.n, mean=a.mean_abs, p99=a.p99, max=a.max_abs, l2=stats.l2(diffs), tail_p90=p90, tail_scale=scale,
         relative=a.mean_abs / mean_logprob if mean_logprob > 0 else 0.0,
         repeat=max(repeats, default=0.0),
     )
 
 
-def predicted_max(noise: NoiseModel, n: int, alpha: float) -> float:
-    """The |diff| that noise alone exceeds at one of `n` tokens with chance `alpha`: the start point's
-    exponential tail, P(|d| > p90 + x) = 0.1 exp(-x / scale), solved for n · P = alpha. The scale comes
-    from the 90th and 99th percentiles, so that one bad token at the start point does not widen it."""
-    return noise.tail_p90 + noise.tail_scale * math.log(max(1.0, 0.1 * n / alpha))
+Tail = tuple[float, float]
+"""(p90, scale) of an exponential tail of |diff|: P(|d| > p90 + x) = 0.1 exp(-x / scale)."""
+
+
+def tail_of(abs_diffs: Sequence[float]) -> Tail:
+    """The exponential tail of |diff| above its 90th percentile, its scale from the 90th and 99th
+    percentiles ((p99 - p90) / ln 10): one or two bad tokens among a few hundred do not widen it."""
+    ordered = sorted(abs_diffs)
+    p90 = stats.quantile(ordered, 0.90)
+    return p90, (stats.quantile(ordered, 0.99) - p90) / math.log(10)
+
+
+def own_tails(scores: Mapping[str, ScoreArray], pairs: Mapping[str, tuple[str, str]]) -> dict[str, Tail]:
+    """The tail of each after-change comparison's own bulk (C, P, G), where both its phases were scored."""
+    return {name: tail_of([abs(d) for d in stats.differences(scores[a], scores[b])])
+            for name, (a, b) in pairs.items() if a in scores and b in scores}
+
+
+def predicted_max(noise: NoiseModel | Tail, n: int, alpha: float) -> float:
+    """The |diff| that noise alone exceeds at one of `n` tokens with chance `alpha`: an exponential tail
+    (the start point's, or a comparison's own bulk) solved for n · P = alpha."""
+    p90, scale = (noise.tail_p90, noise.tail_scale) if isinstance(noise, NoiseModel) else noise
+    return p90 + scale * math.log(max(1.0, 0.1 * n / alpha))
 
 
 def repeat_noise(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], side: str) -> Threshold:
@@ -75,10 +91,12 @@ def repeat_noise(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], s
 
 
 def after_change(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel | None,
-                 change: ComparisonStats | None, n: int | None) -> dict[str, Threshold]:
+                 change: ComparisonStats | None, n: int | None, own: Tail | None = None) -> dict[str, Threshold]:
     """Parity thresholds after a change (C, P, G): C relative to A where the budgets say so; with the
-    noise rule, the max at least the predicted tail for `n` tokens, and every statistic widened by
-    relative_k × ρ × the change's own statistic (`change`: the trainer's change, where measured)."""
+    noise rule, the max at least the tail predicted for `n` tokens from the start point's bulk or the
+    comparison's own bulk (`own`: a change widens the whole error distribution; a token or two beyond its
+    bulk still fail), and every statistic widened by relative_k × ρ × the change's own statistic
+    (`change`: the trainer's change, where measured)."""
     base = check_rules.c_parity_thresholds(budgets, a)
     rule = budgets.noise
     if rule is None or noise is None:
@@ -88,8 +106,10 @@ def after_change(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel 
         value, note = base[short].budget, base[short].note or f"absolute {base[short].budget:g}"
         if short == "max" and n:
             tail = predicted_max(noise, n, rule.tail_alpha)
-            if tail > value:
-                value, note = tail, f"the tail noise predicts for {n} tokens, {tail:.4g}"
+            bulk = predicted_max(own, n, rule.tail_alpha) if own is not None and rule.own_tail else 0.0
+            if max(tail, bulk) > value:
+                value, note = max(tail, bulk), (f"the tail noise predicts for {n} tokens, {tail:.4g}" if tail >= bulk
+                                                else f"the tail its own bulk predicts for {n} tokens, {bulk:.4g}")
         if change is not None and rule.relative_k > 0:
             extra = rule.relative_k * noise.relative * float(getattr(change, field))
             value, note = value + extra, f"{note} + {rule.relative_k:g} x ρ {noise.relative:.3g} x change {short} " \
@@ -122,8 +142,10 @@ def delta(budgets: Budgets, noise_l2: float | None, trainer_norm: float | None,
 
 
 def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats],
-           noise: NoiseModel | None) -> dict[str, Threshold]:
-    """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them)."""
+           noise: NoiseModel | None, tails: Mapping[str, Tail] | None = None) -> dict[str, Threshold]:
+    """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them).
+    `tails`: the after-change comparisons' own bulk tails (`own_tails`)."""
+    tails = tails or {}
     get = comparisons.get
     a = get("A.trainer_vs_sampler")
     out = _start_point(budgets, comparisons)
@@ -132,11 +154,11 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
         out[key] = moved
     change = get("C.trainer_change")
     out["B.stimulus"] = stimulus(budgets, a, noise, None)
-    c = after_change(budgets, a, noise, change, a.n if a is not None else None)
+    c = after_change(budgets, a, noise, change, a.n if a is not None else None, tails.get("C.trainer_vs_sampler"))
     for short, _ in STATS:
         out[f"C.parity.{short}"] = out[f"P.parity.{short}"] = c[short]
     for prefix in GENERATION_PREFIXES:
-        g = _generation(budgets, prefix, comparisons, a, noise, change, c)
+        g = _generation(budgets, prefix, comparisons, a, noise, change, c, tails)
         for short, _ in STATS:
             out[f"{prefix}.parity.{short}"] = g[short]
     out.update(_directions(budgets, deltas, noise, moved))
@@ -177,7 +199,7 @@ def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: Noise
 
 def _generation(budgets: Budgets, prefix: str, comparisons: Mapping[str, ComparisonStats],
                 a: ComparisonStats | None, noise: NoiseModel | None, change: ComparisonStats | None,
-                c: dict[str, Threshold]) -> dict[str, Threshold]:
+                c: dict[str, Threshold], tails: Mapping[str, Tail]) -> dict[str, Threshold]:
     """G.*: absolute before the noise rule; with it, C's thresholds, the max's tail predicted for the
     generated tokens' count."""
     if budgets.noise is None:
@@ -185,9 +207,9 @@ def _generation(budgets: Budgets, prefix: str, comparisons: Mapping[str, Compari
     key = {"G.sampled": "G.sampled_generation_vs_prompt", "G.updated": "G.updated_generation_vs_prompt",
            "G.trainer": "G.trainer_vs_generation"}[prefix]
     cmp = comparisons.get(key)
-    if cmp is None or a is None or cmp.n == a.n:
+    if cmp is None or a is None:
         return c
-    return after_change(budgets, a, noise, change, cmp.n)
+    return after_change(budgets, a, noise, change, cmp.n, tails.get(key))
 
 
 def _absolute(budgets: Budgets) -> dict[str, Threshold]:
