@@ -10,18 +10,16 @@ projections the weights name. Everything else is the embedded default's. The res
 from __future__ import annotations
 
 import json
-import struct
 import textwrap
 from pathlib import Path
 from typing import Any
 
-from lora_parity import config
+from lora_parity import config, safe_read
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import Budgets
 
 BUDGETS_FROM = {"float32": config.DEFAULT_MODEL, "bfloat16": "qwen3-0.6b-synth", "float16": "qwen3-0.6b-synth"}
 """Weights dtype → the config whose budgets a new config starts from."""
-_MAX_HEADER = 100 * 2**20
 # Canonical order of the projection names seen in Qwen/Llama (q..down) and GLM/DeepSeek MLA models.
 _ORDER = ["q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
           "gate_proj", "up_proj", "down_proj"]
@@ -38,15 +36,7 @@ def tensor_names(folder: Path) -> list[str]:
     """The tensor names in the folder's safetensors headers (no tensor data is read)."""
     names: list[str] = []
     for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with path.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                if size > _MAX_HEADER:
-                    raise ConfigError(f"{path}: safetensors header of {size} bytes; not a safetensors file?")
-                header = json.loads(f.read(size))
-        except (OSError, struct.error, ValueError) as e:
-            raise ConfigError(f"{path}: unreadable safetensors header: {e}") from None
-        names += [k for k in header if k != "__metadata__"]
+        names += [k for k in safe_read.safetensors_header(path) if k != "__metadata__"]
     return names
 
 
@@ -77,10 +67,7 @@ def _read_hf_config(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"{folder}: not an HF checkpoint folder (no config.json)")
     if not any(folder.glob("*.safetensors")):
         raise ConfigError(f"{folder}: no .safetensors weights (lora-parity never loads pickled weights)")
-    try:
-        hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{folder}/config.json: unreadable: {e}") from None
+    hf = safe_read.read_json(folder / "config.json")
     if not isinstance(hf, dict):
         raise ConfigError(f"{folder}/config.json: not a JSON object")
     return hf
