@@ -17,6 +17,7 @@ from typing import Any
 from lora_parity import config, safe_read
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import Budgets
+from lora_parity.receipt_io import one_line
 
 BUDGETS_FROM = {"float32": config.DEFAULT_MODEL, "bfloat16": "qwen3-0.6b-synth", "float16": "qwen3-0.6b-synth"}
 """Weights dtype → the config whose budgets a new config starts from."""
@@ -78,6 +79,11 @@ def _v(value: Any) -> str:
     return json.dumps(value)
 
 
+def _comment(text: str) -> str:
+    """Text from config.json on one line of a YAML comment: a newline in it would start a key."""
+    return one_line(text, 200)
+
+
 def _budget_lines(budgets: Budgets) -> list[str]:
     lines = []
     for key, field in Budgets.model_fields.items():
@@ -99,12 +105,14 @@ def config_yaml(folder: Path) -> str:
     if not targets:
         raise ConfigError(f"{folder}: no *proj* Linear weights found for LoRA; write adapter.targets yourself")
     base, source = config.load(config.DEFAULT_MODEL), config.load(BUDGETS_FROM[dtype])
-    arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
+    archs = hf.get("architectures")
+    arch = ", ".join(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else ""
+    arch = _comment(arch or "unknown architecture")
     name = folder.resolve().name
-    dtype_note = "" if dtype == raw_dtype else f" (config.json says {raw_dtype!r}; read as float32)"
+    dtype_note = "" if dtype == raw_dtype else f" (config.json says {_comment(repr(raw_dtype))}; read as float32)"
     lines = [
-        f"# lora-parity config for the checkpoint folder {name}",
-        f"# ({arch}, model_type {hf.get('model_type', 'unknown')}), written by `lora-parity init`.",
+        f"# lora-parity config for the checkpoint folder {_comment(name)}",
+        f"# ({arch}, model_type {_comment(str(hf.get('model_type', 'unknown')))}), written by `lora-parity init`.",
         "# Check it, then: lora-parity run --model THIS_FILE. Field reference: README, and the pydantic",
         "# models in lora_parity/config.py (every field has a docstring).",
         f"name: {_v(name)}",
