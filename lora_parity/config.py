@@ -400,7 +400,7 @@ def budgets_for(dtype: str) -> Budgets:
 def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
     """A local HF checkpoint with the embedded default's adapter and probes, a calibrated perturbation
     (std auto); budgets follow the dtype (`dtype`, else config.json's, else float32)."""
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").exists():
         raise ConfigError(f"{path}: not an HF checkpoint folder (no config.json)")
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"{path}: no .safetensors weights (lora-parity never loads pickled weights)")
@@ -438,7 +438,7 @@ def _resolve(name_or_path: str | None, dtype: str | None) -> ModelConfig:
     if dtype is not None:
         raise ConfigError(f"--dtype applies to a checkpoint passed by path; the config {ref} names its own dtype")
     if p.suffix in (".yaml", ".yml"):
-        if not p.is_file():
+        if not p.exists():  # anything else there (a FIFO, a device) is refused by the reader, in one line
             raise ConfigError(f"config file {ref} not found")
         return _load_yaml(p)
     candidate = configs_dir() / f"{ref}.yaml"

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from lora_parity import adapter_files as af
 from lora_parity import safe_read
 from lora_parity.backends.base import StartAdapterTrainer
-from lora_parity.config import AdapterSpec, ModelConfig
+from lora_parity.config import TARGET_NAME, AdapterSpec, ModelConfig
 from lora_parity.errors import ConfigError
 from lora_parity.receipt_io import one_line
 
@@ -61,6 +61,10 @@ def _refuse_variants(folder: Path, config: dict[str, Any]) -> None:
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise ConfigError(f"--adapter {folder}: target_modules must be a list of module names, "
                           f"not {one_line(repr(targets))}")
+    bad = next((t for t in targets if not TARGET_NAME.fullmatch(t)), None)
+    if bad is not None:  # the names go onto `vllm serve`'s command line: never an option such as --host
+        raise ConfigError(f"--adapter {folder}: target_modules: {one_line(repr(bad))} is not a module name "
+                          "(letters, digits, _ and .)")
 
 
 def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:

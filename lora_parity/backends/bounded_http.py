@@ -69,12 +69,13 @@ def request(url: str, body: bytes | None = None, headers: dict[str, str] | None 
     body over `max_bytes` (`MAX_ERROR_BYTES` for an error status, whose body is cut, not refused)."""
     conn, target = _connection(url, timeout_s)
     expired = threading.Event()
+    sockets: list[socket.socket] = []
 
     def watchdog() -> None:  # a server that trickles bytes never trips the per-read timeout
         expired.set()
-        if conn.sock is not None:
+        for sock in sockets:  # the connection's own: a response read to the close has taken it over
             try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -82,6 +83,11 @@ def request(url: str, body: bytes | None = None, headers: dict[str, str] | None 
     timer.daemon = True
     timer.start()
     try:
+        conn.connect()
+        if conn.sock is not None:
+            sockets.append(conn.sock)
+        if expired.is_set():  # the deadline passed while connecting
+            raise HTTPCallError(f"no complete answer within {deadline_s:g} s")
         conn.request("POST" if body is not None else "GET", target, body=body, headers=headers or {})
         response = conn.getresponse()
         if 300 <= response.status < 400:
