@@ -62,6 +62,16 @@ def _body(response: http.client.HTTPResponse, max_bytes: int) -> bytes:
     return b"".join(chunks)[:limit]
 
 
+def _failure(e: Exception, expired: bool, timeout_s: float, deadline_s: float) -> HTTPCallError:
+    """What a socket or protocol error means, in one line."""
+    if expired:  # the watchdog shut the socket down
+        return HTTPCallError(f"no complete answer within {deadline_s:g} s")
+    if isinstance(e, TimeoutError):
+        return HTTPCallError(f"no answer within {timeout_s:g} s")
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return HTTPCallError(reason or type(e).__name__)
+
+
 def request(url: str, body: bytes | None = None, headers: dict[str, str] | None = None, *, timeout_s: float,
             deadline_s: float, max_bytes: int = MAX_RESPONSE_BYTES) -> Response:
     """POST `body` (GET without one) to `url` and return the whole response, within `deadline_s` in
@@ -99,12 +109,7 @@ def request(url: str, body: bytes | None = None, headers: dict[str, str] | None 
     except HTTPCallError:
         raise
     except (OSError, http.client.HTTPException) as e:
-        if expired.is_set():
-            raise HTTPCallError(f"no complete answer within {deadline_s:g} s") from None
-        if isinstance(e, TimeoutError):
-            raise HTTPCallError(f"no answer within {timeout_s:g} s") from None
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise HTTPCallError(reason or type(e).__name__) from None
+        raise _failure(e, expired.is_set(), timeout_s, deadline_s) from None
     finally:
         timer.cancel()
         conn.close()
