@@ -14,6 +14,7 @@ from pathlib import Path
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _folders: list[Path] = []
 _saved_env: dict[str, str | None] = {}
+_made_by_run: list[Path] = []
 
 
 def folder(prefix: str) -> Path:
@@ -34,6 +35,8 @@ def remove_all() -> None:
         else:
             os.environ[name] = value
     _saved_env.clear()
+    while _made_by_run:
+        shutil.rmtree(_made_by_run.pop(), ignore_errors=True)
 
 
 def _torch_default_cache() -> str:
@@ -50,9 +53,15 @@ def torch_compile_cache() -> None:
     """Point torch's compile cache (`TORCHINDUCTOR_CACHE_DIR`, read by this process and inherited by
     the engines it starts) at a scratch folder, removed by `remove_all`: torch's default,
     $TMPDIR/torchinductor_<user>, is never cleaned (about 150 MB after every run). A folder the user
-    chose is left alone; one made here already is kept."""
+    chose is left alone; one made here already is kept. torch's default folder is removed with the
+    scratch folders if it did not exist before (a run made it)."""
     current = os.environ.get(INDUCTOR_CACHE_ENV)
     if current is not None and (Path(current) in _folders or current != _torch_default_cache()):
         return
     _saved_env.setdefault(INDUCTOR_CACHE_ENV, current)
     os.environ[INDUCTOR_CACHE_ENV] = str(folder("lora-parity-inductor-"))
+    # Some of torch's caches ignore the variable (the precompiled headers: a path fixed when
+    # torch._inductor.codecache is imported): the default folder is removed too if this run made it.
+    default = Path(_torch_default_cache())
+    if not default.exists() and default not in _made_by_run:
+        _made_by_run.append(default)

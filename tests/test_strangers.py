@@ -605,14 +605,28 @@ def test_18_an_adapter_for_another_model_is_refused_at_preflight_naming_its_base
 
 def test_15_torch_compile_cache_is_the_runs_scratch_and_removed(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv(scratch.INDUCTOR_CACHE_ENV, raising=False)
+    default = tmp_path / Path(scratch._torch_default_cache()).name
+    assert default.name.startswith("torchinductor_")
     seen: list[str | None] = []
-    execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "r.json"),
-            progress=lambda *a: seen.append(os.environ.get(scratch.INDUCTOR_CACHE_ENV)))
+
+    def compile_something(*args: object) -> None:  # torch writes both: its variable's folder, and its
+        seen.append(os.environ.get(scratch.INDUCTOR_CACHE_ENV))  # precompiled headers in the default one
+        (default / "precompiled_headers").mkdir(parents=True, exist_ok=True)
+
+    execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "out" / "r.json"),
+            progress=compile_something)
     during = {s for s in seen if s}
-    assert len(during) == 1 and Path(next(iter(during))).name.startswith("lora-parity-inductor-")
-    assert not Path(next(iter(during))).exists() and scratch.INDUCTOR_CACHE_ENV not in os.environ
-    monkeypatch.setenv(scratch.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))  # the user's own choice stays
-    execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "r2.json"),
+    assert len(during) == 1 and Path(next(iter(during))).parent == tmp_path
+    assert Path(next(iter(during))).name.startswith("lora-parity-inductor-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and scratch.INDUCTOR_CACHE_ENV not in os.environ
+    # A folder that was there before the run is not the run's to remove; the user's own choice stays.
+    default.mkdir()
+    monkeypatch.setenv(scratch.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "out" / "r2.json"),
             progress=lambda *a: seen.append(os.environ.get(scratch.INDUCTOR_CACHE_ENV)))
     assert seen[-1] == str(tmp_path / "mine") and os.environ[scratch.INDUCTOR_CACHE_ENV] == str(tmp_path / "mine")
+    assert default.is_dir()
