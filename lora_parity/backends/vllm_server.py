@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
+from lora_parity import scratch
 from lora_parity.backends import bounded_http
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -132,9 +133,12 @@ def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> di
     """The environment of the server: runtime LoRA updating allowed; on CUDA batch-invariant kernels
     (`VLLM_BATCH_INVARIANT=1`, as the in-process sampler; a value the user set wins); on the CPU the
     in-process sampler's settings (none reserved, an explicit KV cache size) and its uniproc executor,
-    its OpenMP threads bound to one core (the last this process may use). The server keeps its
-    engine core in a process of its own (always)."""
+    its OpenMP threads bound to one core (the last this process may use); a temp dir of its own in
+    the run's scratch. The server keeps its engine core in a process of its own (always)."""
     env = dict(os.environ)
+    # Its own temp dir, removed with the run's scratch: the IPC sockets vLLM makes there are left
+    # behind when the server is ended by a signal.
+    env["TMPDIR"] = str(scratch.folder("lora-parity-server-"))
     if cuda and batch_invariant and cfg.sampler.batch_invariant:
         env.setdefault("VLLM_BATCH_INVARIANT", "1")
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
