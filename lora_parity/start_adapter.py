@@ -106,8 +106,9 @@ def _dims(hf: dict[str, Any]) -> dict[str, tuple[int, int]] | None:
 
 
 def shape_problem(header: dict[str, Any], hf: dict[str, Any], rank: int) -> str | None:
-    """Why the adapter's tensors (a safetensors header) cannot be a LoRA of rank `rank` on the model of
-    config.json `hf`: a layer it does not have, a projection of another size; None if they fit."""
+    """Why the adapter's tensors (a safetensors header) cannot be a LoRA on the model of config.json
+    `hf`: a layer it does not have, a projection of another size (`rank` only completes the shape
+    named); None if they fit."""
     layers = hf.get("num_hidden_layers")
     dims = _dims(hf)
     for name, entry in header.items():
@@ -124,7 +125,9 @@ def shape_problem(header: dict[str, Any], hf: dict[str, Any], rank: int) -> str 
         kind, ab = dense.group(3), dense.group(4)
         inputs, outputs = dims[kind]
         want = [rank, inputs] if ab == "A" else [outputs, rank]
-        if shape != want:
+        # Only the model's side of the shape: a wrong rank is a malformed adapter, which the
+        # trainer's own import refuses in its own words.
+        if (shape[1] != inputs) if ab == "A" else (shape[0] != outputs):
             return f"its {kind} lora_{ab} is {shape}, the model needs {want}"
     return None
 
