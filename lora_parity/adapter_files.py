@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_parity import safe_read
 from lora_parity.errors import ConfigError
 
 CONFIG_FILE = "adapter_config.json"
@@ -59,7 +60,8 @@ class Tensor:
 
 def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Tensors by name, and the file's metadata."""
-    raw = Path(path).read_bytes()
+    with safe_read.open_regular(Path(path)) as f:
+        raw = f.read()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     meta = header.pop("__metadata__", {}) or {}
@@ -94,7 +96,8 @@ def write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str
 
 def read_config(folder: Path) -> dict[str, Any]:
     """The adapter's adapter_config.json."""
-    return json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+    config: dict[str, Any] = safe_read.read_json(Path(folder) / CONFIG_FILE)
+    return config
 
 
 def write_config(folder: Path, config: dict[str, Any]) -> None:

@@ -7,12 +7,12 @@ lora-parity never downloads. Pure: no torch, no network.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_parity import safe_read
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError
 
@@ -43,7 +43,7 @@ def hub_checkpoint(hf_id: str) -> Path | None:
         ref = base / "refs" / "main"
         candidates = []
         if ref.is_file():
-            candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
+            candidates.append(snapshots / safe_read.read_text(ref, 4096).strip())
         candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
         for snap in candidates:
             if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
@@ -112,7 +112,7 @@ def weights_digest(folder: Path) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
-        with open(f, "rb") as fh:
+        with safe_read.open_regular(f) as fh:  # never /dev/zero: it would be hashed forever
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
@@ -127,11 +127,16 @@ class Checkpoint:
 
     @classmethod
     def open(cls, folder: Path) -> Checkpoint:
-        """Read `folder`/config.json; an unreadable one gives an empty config."""
-        try:
-            config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            config = {}
+        """Read `folder`/config.json; a missing or malformed one gives an empty config, one that is not a
+        regular file of at most `safe_read.MAX_CONFIG_BYTES` a `ConfigError`."""
+        path = Path(folder) / "config.json"
+        config: Any = {}
+        if path.exists():
+            text = safe_read.read_text(path)  # a device, a FIFO or a huge file is refused, not read
+            try:
+                config = safe_read.loads(text)
+            except (ValueError, RecursionError):
+                config = {}
         return cls(Path(folder), config if isinstance(config, dict) else {})
 
     @property

@@ -141,6 +141,9 @@ def run(
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts, session)
+    if out is not None and result.path != out:  # said while the engines' output went to the log: said again
+        why = "appeared during the run and was left as it is" if out.exists() else "could not be written"
+        output.hint(f"--out {out} {why}; the receipt was written to {result.path}")
     path = _signing().sign_file(result.path, key) if key is not None else result.path
     # Signed here with this key: as `verify --public-key` of the matching public key would say.
     signature = f"valid (keyid {_signing().keyid(key.public_key())[:16]})" if key is not None else None

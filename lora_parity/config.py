@@ -7,20 +7,25 @@ safetensors), which then runs with the embedded default's settings.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lora_parity import safe_read
 from lora_parity.errors import ConfigError
 from lora_parity.lora_targets import projection_targets, tensor_names
 from lora_parity.receipt import Budgets, Probes, sha256_json
-from lora_parity.receipt_io import nonfinite_field
+from lora_parity.receipt_io import nonfinite_field, one_line
 
 DEFAULT_MODEL = "tiny-qwen3"
+TARGET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}(\.[A-Za-z0-9_]{1,128}){0,15}")
+"""A LoRA target module name: a Python identifier, or dotted ones (`model.layers.0.q_proj`). The
+names go onto `vllm serve`'s command line, so nothing else (an option such as `--host=0.0.0.0`,
+a space, a shell character) is ever taken."""
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -153,8 +158,16 @@ class AdapterSpec(_Cfg):
     """The LoRA adapter both sides use."""
 
     rank: int = Field(gt=0)
-    alpha: float = Field(gt=0)
+    alpha: float = Field(gt=0, allow_inf_nan=False)
     targets: list[str] = Field(min_length=1)
+    """Module names (`TARGET_NAME`: identifiers only, never an option or a path)."""
+
+    @model_validator(mode="after")
+    def _target_names(self) -> AdapterSpec:
+        bad = next((t for t in self.targets if not TARGET_NAME.fullmatch(t)), None)
+        if bad is not None:
+            raise ValueError(f"target module {bad!r} is not a module name (letters, digits, _ and .)")
+        return self
 
 
 class PerturbationSpec(_Cfg):
@@ -331,11 +344,10 @@ def available() -> list[Path]:
 
 
 def _load_yaml(path: Path) -> ModelConfig:
+    text = safe_read.read_text(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read: {e}") from None
-    except yaml.YAMLError as e:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}: malformed YAML{where}") from None
@@ -345,11 +357,16 @@ def _load_yaml(path: Path) -> ModelConfig:
     if bad is not None:
         raise ConfigError(f"{path}: invalid config: {bad}: not a finite number")
     try:
-        return ModelConfig.model_validate(data)
+        cfg = ModelConfig.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "(top)"
-        raise ConfigError(f"{path}: invalid config: {where}: {first.get('msg')}") from None
+        raise ConfigError(f"{path}: invalid config: {where}: {one_line(str(first.get('msg')))}") from None
+    # YAML reads 1e400 (no dot) as a string, which pydantic turns into inf: checked after validation too.
+    bad = nonfinite_field(cfg.model_dump())
+    if bad is not None:
+        raise ConfigError(f"{path}: invalid config: {bad}: not a finite number")
+    return cfg
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -364,8 +381,8 @@ def profile_budgets(name: str) -> Budgets:
         raise ConfigError(f"unknown budget profile {name!r}; choose from {', '.join(BUDGET_PROFILES)}")
     path = configs_dir() / "budgets" / f"{name}.yaml"
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        data = yaml.safe_load(safe_read.read_text(path))
+    except (ConfigError, yaml.YAMLError) as e:
         raise ConfigError(f"budget profile {name}: cannot read {path.name}: {type(e).__name__}") from None
     if not isinstance(data, dict) or nonfinite_field(data) is not None:
         raise ConfigError(f"budget profile {name}: {path.name} is not a mapping of finite budgets")
@@ -388,14 +405,11 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> ModelConfig:
     the projections its weights name (`lora_targets`; the default's targets where it names none), a
     calibrated perturbation (std auto); budgets follow the dtype (`dtype`, else config.json's, else
     float32). `lora-parity init FOLDER` writes exactly this config."""
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").exists():
         raise ConfigError(f"{path}: not an HF checkpoint folder (no config.json)")
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"{path}: no .safetensors weights (lora-parity never loads pickled weights)")
-    try:
-        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}/config.json: unreadable: {e}") from None
+    hf = safe_read.read_json(path / "config.json")
     if not isinstance(hf, dict):
         raise ConfigError(f"{path}/config.json: not a JSON object")
     base = load(DEFAULT_MODEL)
@@ -436,7 +450,7 @@ def _resolve(name_or_path: str | None, dtype: str | None) -> ModelConfig:
     if dtype is not None:
         raise ConfigError(f"--dtype applies to a checkpoint passed by path; the config {ref} names its own dtype")
     if p.suffix in (".yaml", ".yml"):
-        if not p.is_file():
+        if not p.exists():  # anything else there (a FIFO, a device) is refused by the reader, in one line
             raise ConfigError(f"config file {ref} not found")
         return _load_yaml(p)
     candidate = configs_dir() / f"{ref}.yaml"

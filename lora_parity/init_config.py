@@ -16,9 +16,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from lora_parity import config
+from lora_parity import config, safe_read
 from lora_parity.errors import ConfigError
 from lora_parity.lora_targets import projection_targets, tensor_names
+from lora_parity.receipt_io import one_line
 
 __all__ = ["config_yaml", "projection_targets", "tensor_names"]
 
@@ -80,12 +81,16 @@ def config_yaml(folder: Path) -> str:
     targets, notes = projection_targets(tensor_names(folder))
     if not targets:
         raise ConfigError(f"{folder}: no *proj* Linear weights found for LoRA; write adapter.targets yourself")
-    hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
+    hf = safe_read.read_json(folder / "config.json")
+    # Text from config.json goes into comments on one line each: a newline in it would start a YAML key.
+    archs = hf.get("architectures") if isinstance(hf, dict) else None
+    arch = one_line(", ".join(a for a in archs if isinstance(a, str)) if isinstance(archs, list) else "", 200)
+    arch = arch or "unknown architecture"
+    model_type = one_line(str(hf.get("model_type", "unknown")) if isinstance(hf, dict) else "unknown", 200)
     name = folder.resolve().name
     lines = [
-        f"# lora-parity config for the checkpoint folder {name}",
-        f"# ({arch}, model_type {hf.get('model_type', 'unknown')}), written by `lora-parity init`: the settings",
+        f"# lora-parity config for the checkpoint folder {one_line(name, 200)}",
+        f"# ({arch}, model_type {model_type}), written by `lora-parity init`: the settings",
         "# `lora-parity run --model FOLDER` uses. Check it, then: lora-parity run --model THIS_FILE. Field",
         "# reference: README, and the pydantic models in lora_parity/config.py (every field has a docstring).",
         f"name: {_v(name)}",

@@ -82,9 +82,12 @@ def junit_xml(receipt: Receipt, receipt_path: str, signature: str | None = None)
 
 
 def write_junit(receipt: Receipt, receipt_path: str, path: Path, signature: str | None = None) -> Path:
-    """Write `junit_xml` to `path` atomically (a temporary file in its folder, then a rename)."""
+    """Write `junit_xml` to `path` atomically (a temporary file in its folder, then a rename); only a
+    regular file is replaced."""
+    from lora_parity.receipt_io import check_replaceable
     from lora_parity.report.files import write_atomic
 
+    check_replaceable(path, "--junit")
     try:
         write_atomic(path, junit_xml(receipt, receipt_path, signature))
     except OSError as e:
@@ -93,9 +96,13 @@ def write_junit(receipt: Receipt, receipt_path: str, path: Path, signature: str 
 
 
 def check_target(path: Path) -> None:
-    """Refuse, before a run, a `--junit` path that cannot be written: a folder, or in a missing folder."""
+    """Refuse, before a run, a `--junit` path that cannot be written: a folder, a missing folder, one
+    that is not writable or full, or anything but a regular file in its place (a device stays one)."""
+    from lora_parity.outpath import check_writable
+
     if path.is_dir():
         raise ConfigError(f"--junit {path}: is a folder; give a file path")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise ConfigError(f"--junit {path}: folder {parent} does not exist")
+    check_writable(path, force=True, option="--junit")

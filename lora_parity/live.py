@@ -28,6 +28,7 @@ from rich.spinner import Spinner
 from lora_parity import output
 from lora_parity.errors import LoraParityError
 from lora_parity.escape import rich as escape
+from lora_parity.receipt_io import umask_mode
 
 MODES = ("verbose", "normal", "quiet")
 
@@ -57,6 +58,7 @@ class Session:
         a CI log of `run` still shows how far a run got."""
         self.first_line = first_line
         fd, name = tempfile.mkstemp(prefix="lora-parity-", suffix=".log")
+        os.fchmod(fd, umask_mode())  # kept beside the receipt: readable as the receipt is, not mkstemp's 0600
         os.close(fd)
         self.log: Path | None = None if mode == "verbose" else Path(name)
         if self.log is None:

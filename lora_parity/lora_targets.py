@@ -5,13 +5,10 @@ so `run --model FOLDER` and the config `init FOLDER` writes name the same target
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
-from lora_parity.errors import ConfigError
+from lora_parity import safe_read
 
-_MAX_HEADER = 100 * 2**20
 # Canonical order of the projection names seen in Qwen/Llama (q..down) and GLM/DeepSeek MLA models.
 _ORDER = ["q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
           "gate_proj", "up_proj", "down_proj"]
@@ -25,18 +22,10 @@ _SKIPPED = {
 
 
 def tensor_names(folder: Path) -> list[str]:
-    """The tensor names in the folder's safetensors headers (no tensor data is read)."""
+    """The tensor names in the folder's safetensors headers (no tensor data is read; `safe_read`)."""
     names: list[str] = []
     for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with path.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                if size > _MAX_HEADER:
-                    raise ConfigError(f"{path}: safetensors header of {size} bytes; not a safetensors file?")
-                header = json.loads(f.read(size))
-        except (OSError, struct.error, ValueError) as e:
-            raise ConfigError(f"{path}: unreadable safetensors header: {e}") from None
-        names += [k for k in header if k != "__metadata__"]
+        names += [k for k in safe_read.safetensors_header(path) if k != "__metadata__"]
     return names
 
 

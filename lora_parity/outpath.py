@@ -1,5 +1,6 @@
 """The receipt's output path, checked before a run starts: writable, not a folder, not taken by
-another run (a lock file beside it, released at the end; a lock left by a dead process is ignored)."""
+another run (a lock file beside it, released at the end; a lock left by a dead process is ignored),
+and never a device or FIFO that `--force` would replace."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from lora_parity.errors import ConfigError, ReceiptExistsError
+from lora_parity.receipt_io import check_replaceable
 
 MIN_FREE_BYTES = 16 * 1024 * 1024
 """Free space the output folder needs: real receipts are 100-140 KB; this leaves a wide margin."""
@@ -26,16 +28,19 @@ def _existing_parent(out: Path) -> Path:
     return parent
 
 
-def check_writable(out: Path, force: bool) -> None:
-    """Raise a one-line `ConfigError` unless a receipt can be written at `out`: not a folder, not an
-    existing file without `force`, its folder (or the nearest one that exists) writable and not full."""
+def check_writable(out: Path, force: bool, option: str = "--out") -> None:
+    """Raise a one-line `ConfigError` unless a file can be written at `out`: not a folder, not an
+    existing file without `force`, nothing but a regular file with it (a device or FIFO is never
+    replaced), its folder (or the nearest one that exists) writable and not full. `option` names
+    the option in the message."""
     if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder; give a file path")
+        raise ConfigError(f"{option} {out} is a folder; give a file path")
+    check_replaceable(out, option)
     if out.exists() and not force:
         raise ReceiptExistsError(f"{out} exists; pass --force to overwrite it")
     parent = _existing_parent(out)
     if not parent.is_dir():
-        raise ConfigError(f"--out {out}: {parent} is not a folder")
+        raise ConfigError(f"{option} {out}: {parent} is not a folder")
     try:
         free = shutil.disk_usage(parent).free
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".lora-parity-probe-") as probe:
@@ -43,9 +48,9 @@ def check_writable(out: Path, force: bool) -> None:
             probe.flush()
             os.fsync(probe.fileno())
     except OSError as e:
-        raise ConfigError(f"--out {out}: {parent} is not writable ({e.strerror or e})") from None
+        raise ConfigError(f"{option} {out}: {parent} is not writable ({e.strerror or e})") from None
     if free < MIN_FREE_BYTES:
-        raise ConfigError(f"--out {out}: only {free // 1024} KiB free in {parent} "
+        raise ConfigError(f"{option} {out}: only {free // 1024} KiB free in {parent} "
                           f"({MIN_FREE_BYTES // 2**20} MiB needed)")
 
 

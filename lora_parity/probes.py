@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lora_parity import safe_read
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import Probes, ProbeSource, sha256_json
 
@@ -166,12 +167,10 @@ def file_probes(path: Path, vocab_size: int, max_len: int, max_sequences: int,
                 tokenizer: Callable[[], tuple[Tokenize, str]]) -> Probes:
     """Probes from a `.jsonl` file, every line checked (see `parse_jsonl`); errors name the file."""
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB")
-        raw = path.read_bytes()
+        raw = safe_read.read_bytes(path, MAX_FILE_BYTES, what="a probe file")  # never /dev/zero or a FIFO
         text = raw.decode("utf-8")
-    except OSError as e:
-        raise ConfigError(f"probe file {path}: cannot read: {e.strerror or e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"probe file {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"probe file {path}: not UTF-8 (byte {e.start})") from None
     used: list[str] = []
@@ -227,8 +226,9 @@ def checkpoint_tokenizer(cfg: ModelConfig, kind: str = "text") -> tuple[Tokenize
         raise ConfigError(f"{folder}: no tokenizer.json; {kind} probes need the checkpoint's tokenizer")
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    digest = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+    raw = safe_read.read_bytes(folder / "tokenizer.json", safe_read.MAX_TOKENIZER_BYTES, what="a tokenizer")
+    tok = Tokenizer.from_str(raw.decode("utf-8", errors="replace"))
+    digest = hashlib.sha256(raw).hexdigest()
 
     def tokenize(text: str) -> list[int]:
         return list(tok.encode(text, add_special_tokens=False).ids)

@@ -1,5 +1,6 @@
 """Where a run came from, as a receipt records it: the revision under test, the environment, the
-command line (credentials removed) and the model's source."""
+command line (credentials removed) and the model's source; and the credentials a receipt must
+never hold (`remember_secret`, `redact_secrets`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ import sys
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
 
 from lora_parity.config import ModelConfig
 from lora_parity.receipt import Environment, Revision
+
+REDACTED = "[redacted]"
+_SECRETS: set[str] = set()
 
 
 def git_revision(explicit: str | None, cwd: Path | None = None) -> Revision:
@@ -71,3 +78,33 @@ def source(cfg: ModelConfig) -> str:
     if cfg.model.gguf:
         return f"gguf:{cfg.model.gguf.package}/{cfg.model.gguf.file}"
     return f"hf:{cfg.model.hf_id}"
+
+
+def remember_secret(value: str | None) -> None:
+    """Keep `value` (an API key the run sends) out of every receipt and message (`redact_secrets`):
+    a server's error body may echo the Authorization header it was sent."""
+    if value and len(value) >= 4:  # shorter is no secret; replacing it would garble every message
+        _SECRETS.add(value)
+
+
+def redact_secrets(text: str, *values: str | None) -> str:
+    """`text` with each remembered secret, and each of `values`, replaced by `[redacted]`."""
+    for secret in sorted(_SECRETS | {v for v in values if v and len(v) >= 4}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def scrub_secrets(value: Any) -> Any:
+    """`value` (a string, a pydantic model, or lists and dicts of them) with every remembered secret
+    redacted in its strings; `value` itself when there is none."""
+    if not _SECRETS:
+        return value
+    if isinstance(value, str):
+        return redact_secrets(value)
+    if isinstance(value, BaseModel):
+        return type(value).model_validate(scrub_secrets(value.model_dump()))
+    if isinstance(value, list):
+        return [scrub_secrets(v) for v in value]
+    if isinstance(value, dict):
+        return {k: scrub_secrets(v) for k, v in value.items()}
+    return value

@@ -48,7 +48,7 @@ from lora_parity.faults import Faults
 from lora_parity.phases import Run, StopRun, run_sequence
 from lora_parity.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
 from lora_parity.preflight import reference_decision as reference_decision
-from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
+from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
 from lora_parity.receipt import (
     SCHEMA_VERSION,
     BackendInfo,
@@ -170,7 +170,18 @@ class Plan:
 def prepare(opts: RunOptions, launch_early: bool = False) -> Plan:
     """Preflight: resolve the config, backends and probes; raise on bad input; write nothing. With
     `launch_early`, a sampler's server is launched once the sampler's own checks pass, before the
-    trainer's imports (`Plan.server`; a later refusal stops it: the caller stops it after the run)."""
+    trainer's imports (`Plan.server`; a later refusal stops it: the caller stops it after the run).
+    torch's compile cache goes to a scratch folder from here on (`scratch.torch_compile_cache`),
+    removed when the backends close, or at once on a refusal."""
+    scratch.torch_compile_cache()  # before torch is imported: it may make its default folder then
+    try:
+        return _prepare(opts, launch_early)
+    except BaseException:
+        scratch.remove_all()
+        raise
+
+
+def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     cfg = config.load(opts.model, opts.dtype, opts.budgets)
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
@@ -381,8 +392,9 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "command": redacted_command(opts.command, opts.tinker_url, opts.sampler_url),
         "revision": plan.revision,
         "model": loaded.model_info,
-        "trainer": loaded.trainer_info,
-        "sampler": loaded.sampler_info,
+        # A server's error body may echo the API key it was sent: never into the receipt.
+        "trainer": scrub_secrets(loaded.trainer_info),
+        "sampler": scrub_secrets(loaded.sampler_info),
         "environment": environment(loaded.device),
         "budgets": cfg.budgets,
         "probes": probes,
@@ -390,19 +402,19 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "sync_mode": opts.sync,
         "adapters": run.adapters if run else [],
         "injected_fault": inject,
-        "phases": run.phases if run else [],
+        "phases": scrub_secrets(run.phases) if run else [],
         "scores": scores,
         "comparisons": ev.comparisons,
         "deltas": ev.deltas,
         "checks": ev.checks,
         "verdict": ev.verdict,
         "verdicts": ev.verdicts,
-        "error": error,
+        "error": scrub_secrets(error),
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
         "router": router,
         "breakdown": breakdown.compute(scores),
-        "error_detail": (run.error_detail if run else None) or (loaded.error_detail if error else None),
+        "error_detail": scrub_secrets((run.error_detail if run else None) or (loaded.error_detail if error else None)),
         "reference": loaded.reference if run else None,
         "noise": ev.noise,
         "thresholds": ev.thresholds,

@@ -9,38 +9,44 @@ line. See docs/probes-and-adapters.md.
 from __future__ import annotations
 
 import hashlib
-import json
+import re
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from lora_parity import adapter_files as af
+from lora_parity import safe_read
 from lora_parity.backends.base import StartAdapterTrainer
-from lora_parity.config import ModelConfig
+from lora_parity.config import TARGET_NAME, AdapterSpec, ModelConfig
 from lora_parity.errors import ConfigError
 from lora_parity.receipt import StartAdapter
+from lora_parity.receipt_io import one_line
 
 _UNSUPPORTED = {"use_dora": "DoRA", "use_rslora": "rsLoRA", "lora_bias": "LoRA-bias",
                 "layers_to_transform": "layers_to_transform (some layers only)"}
+_DENSE_TENSOR = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    """The adapter's adapter_config.json, after checking the folder holds a safetensors PEFT LoRA."""
+    """The adapter's adapter_config.json, after checking the folder holds a safetensors PEFT LoRA.
+    Both files are read through `safe_read`: a device or FIFO in their place is refused at once."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"--adapter {folder}: not a folder")
-    if not (folder / af.WEIGHTS_FILE).is_file():
+    if not (folder / af.WEIGHTS_FILE).exists():
         pickled = (folder / "adapter_model.bin").is_file()
         raise ConfigError(f"--adapter {folder}: no {af.WEIGHTS_FILE}" +
                           (" (adapter_model.bin is a pickle: lora-parity loads safetensors only)" if pickled else ""))
-    try:
-        config = json.loads((folder / af.CONFIG_FILE).read_text(encoding="utf-8"))
-    except OSError:
-        raise ConfigError(f"--adapter {folder}: no readable {af.CONFIG_FILE}") from None
-    except ValueError as e:
-        raise ConfigError(f"--adapter {folder}: {af.CONFIG_FILE} is not JSON ({e})") from None
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise ConfigError(f"--adapter {folder}: not a LoRA adapter (peft_type {config.get('peft_type')!r})"
-                          if isinstance(config, dict) else f"--adapter {folder}: {af.CONFIG_FILE} is not an object")
+    safe_read.open_regular(folder / af.WEIGHTS_FILE).close()
+    if not (folder / af.CONFIG_FILE).exists():
+        raise ConfigError(f"--adapter {folder}: no readable {af.CONFIG_FILE}")
+    config = safe_read.read_json(folder / af.CONFIG_FILE)
+    if not isinstance(config, dict):
+        raise ConfigError(f"--adapter {folder}: {af.CONFIG_FILE} is not an object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"--adapter {folder}: not a LoRA adapter (peft_type {one_line(repr(config['peft_type']))})")
     _refuse_variants(folder, config)
     return config
 
@@ -55,7 +61,12 @@ def _refuse_variants(folder: Path, config: dict[str, Any]) -> None:
         raise ConfigError(f"--adapter {folder}: per-module ranks or alphas are not supported")
     targets = config.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise ConfigError(f"--adapter {folder}: target_modules must be a list of module names, not {targets!r}")
+        raise ConfigError(f"--adapter {folder}: target_modules must be a list of module names, "
+                          f"not {one_line(repr(targets))}")
+    bad = next((t for t in targets if not TARGET_NAME.fullmatch(t)), None)
+    if bad is not None:  # the names go onto `vllm serve`'s command line: never an option such as --host
+        raise ConfigError(f"--adapter {folder}: target_modules: {one_line(repr(bad))} is not a module name "
+                          "(letters, digits, _ and .)")
 
 
 def digest(folder: Path) -> str:
@@ -81,17 +92,85 @@ def record(folder: Path | None) -> StartAdapter | None:
 
 
 def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:
-    """`cfg` with the adapter's rank, alpha and targets (`cfg` itself without an adapter)."""
+    """`cfg` with the adapter's rank, alpha and targets (`cfg` itself without an adapter), checked
+    as a config's are (a positive integer rank, a finite positive alpha, module names that can go on
+    a command line), and against the model's shapes (`check_for_model`)."""
     if folder is None:
         return cfg
     config = read_config(folder)
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not isinstance(alpha, int | float) \
+            or isinstance(alpha, bool):
+        raise ConfigError(f"--adapter {folder}: adapter_config.json needs an integer r and a numeric lora_alpha")
     try:
-        rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    except (KeyError, TypeError, ValueError):
-        raise ConfigError(f"--adapter {folder}: adapter_config.json needs numeric r and lora_alpha") from None
-    adapter = cfg.adapter.model_copy(update={"rank": rank, "alpha": alpha,
-                                             "targets": sorted(config["target_modules"])})
+        adapter = AdapterSpec.model_validate({"rank": rank, "alpha": alpha,
+                                              "targets": sorted(config["target_modules"])})
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = {"rank": "r", "alpha": "lora_alpha", "targets": "target_modules"}.get(str(first["loc"][0]), "") \
+            if first.get("loc") else ""
+        raise ConfigError(f"--adapter {folder}: {af.CONFIG_FILE}: {field or 'adapter'}: "
+                          f"{one_line(str(first.get('msg')))}") from None
+    check_for_model(folder, cfg, config, adapter.rank)
     return cfg.model_copy(update={"adapter": adapter})
+
+
+def _dims(hf: dict[str, Any]) -> dict[str, tuple[int, int]] | None:
+    """(input, output) features of each dense projection, from config.json; None where it lacks them."""
+    need = ("hidden_size", "intermediate_size", "num_attention_heads")
+    if not all(isinstance(hf.get(k), int) and hf[k] > 0 for k in need):
+        return None
+    hidden, inter, heads = hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"]
+    kv, head_dim = hf.get("num_key_value_heads"), hf.get("head_dim")
+    kv = kv if isinstance(kv, int) else heads
+    head_dim = head_dim if isinstance(head_dim, int) else hidden // heads
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim), "v_proj": (hidden, kv * head_dim),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def shape_problem(header: dict[str, Any], hf: dict[str, Any], rank: int) -> str | None:
+    """Why the adapter's tensors (a safetensors header) cannot be a LoRA on the model of config.json
+    `hf`: a layer it does not have, a projection of another size (`rank` only completes the shape
+    named); None if they fit."""
+    layers = hf.get("num_hidden_layers")
+    dims = _dims(hf)
+    for name, entry in header.items():
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        layer = _ANY_LAYER.search(name)
+        if layer and isinstance(layers, int) and int(layer.group(1)) >= layers:
+            return f"it has tensors for layer {layer.group(1)}, the model {layers} layers"
+        dense = _DENSE_TENSOR.fullmatch(name)
+        shape = entry.get("shape")
+        if dense is None or dims is None or dense.group(3) not in dims or not isinstance(shape, list) \
+                or len(shape) != 2:
+            continue
+        kind, ab = dense.group(3), dense.group(4)
+        inputs, outputs = dims[kind]
+        want = [rank, inputs] if ab == "A" else [outputs, rank]
+        # Only the model's side of the shape: a wrong rank is a malformed adapter, which the
+        # trainer's own import refuses in its own words.
+        if (shape[1] != inputs) if ab == "A" else (shape[0] != outputs):
+            return f"its {kind} lora_{ab} is {shape}, the model needs {want}"
+    return None
+
+
+def check_for_model(folder: Path, cfg: ModelConfig, config: dict[str, Any], rank: int) -> None:
+    """Before anything loads: the adapter's tensors fit the model's config.json (its layers and
+    projection sizes; safetensors header only), else one line naming the adapter's base model (a
+    forgotten `--model` is found in a second, not after the model has loaded)."""
+    from lora_parity.checkpoint import preflight_hf_config
+
+    hf = preflight_hf_config(cfg)
+    if not hf:
+        return
+    problem = shape_problem(safe_read.safetensors_header(Path(folder) / af.WEIGHTS_FILE), hf, rank)
+    if problem is None:
+        return
+    base = config.get("base_model_name_or_path")
+    made_for = f"made for {one_line(repr(base))}" if isinstance(base, str) and base else "made for another model"
+    raise ConfigError(f"--adapter {folder}: {made_for}, not {cfg.name} ({problem}); pass its base model with --model")
 
 
 def check_for_trainer(folder: Path | None, trainer: str, cfg: ModelConfig) -> None:

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from lora_parity import receipt as rc
-from lora_parity.errors import ReceiptError, ReceiptExistsError
+from lora_parity.errors import ReceiptError
 from lora_parity.runner import RunOptions, execute
 from lora_parity.verify import verify
 
@@ -68,12 +68,12 @@ def test_write_is_atomic_and_never_overwrites(fake_receipt: Path, tmp_path: Path
     r, _ = rc.load(fake_receipt)
     dst = tmp_path / "out.json"
     rc.write_atomic(r, dst)
-    before = dst.read_bytes()
-    with pytest.raises(ReceiptExistsError):
-        rc.write_atomic(r, dst)
-    assert dst.read_bytes() == before
-    rc.write_atomic(r, dst, force=True)
-    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+    dst.write_text("someone else's file")
+    # A path taken after the run's check is left as it is; the receipt goes beside it, never lost.
+    assert rc.write_atomic(r, dst) == tmp_path / "out.1.json"
+    assert dst.read_text() == "someone else's file" and rc.load(tmp_path / "out.1.json")[0] == r
+    assert rc.write_atomic(r, dst, force=True) == dst
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.1.json", "out.json"]
 
 
 def test_verify_exit_codes(fake_receipt: Path, tmp_path: Path) -> None:

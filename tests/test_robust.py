@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -279,6 +280,19 @@ def test_configs_ship_in_the_wheel_and_never_come_from_the_working_directory(tmp
 
 # --- verify --rerun ---------------------------------------------------------------------------------
 
+def _parse(name: str, args: list[str]) -> dict[str, object]:
+    """The CLI's parser of a recorded command line, as `verify --rerun` hands it to `rerun`."""
+    import typer
+
+    from lora_parity.cli import app
+    from lora_parity.commands.receipts import command_parser
+
+    parse: Callable[[str, list[str]], dict[str, object]] = command_parser(typer.main.get_command(app))
+    return parse(name, args)
+
+
+PARSE = _parse
+
 @pytest.fixture(scope="module")
 def fake_receipt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("rerun") / "r.json"
@@ -303,7 +317,7 @@ def test_rerun_names_the_first_differing_phase_and_position(fake_receipt: Path,
     from lora_parity.verify import verify
 
     receipt = verify(fake_receipt).receipt
-    opts = options_for(receipt)
+    opts = options_for(receipt, PARSE)
     assert (opts.probes, opts.seed, opts.per_target, opts.trainer) == ("held-out", 3, False, "fake")
     original = fake.FakeSampler.score
 
@@ -313,7 +327,7 @@ def test_rerun_names_the_first_differing_phase_and_position(fake_receipt: Path,
                 for s, seq in enumerate(scores)]
 
     monkeypatch.setattr(fake.FakeSampler, "score", off_by_a_little)
-    result = rerun(receipt)
+    result = rerun(receipt, PARSE)
     assert result.code == 1 and "phase zero, sequence 1, position 4" in result.message
 
 

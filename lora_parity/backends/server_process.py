@@ -1,6 +1,7 @@
 """A `vllm serve` process owned by lora-parity: started on 127.0.0.1 and a free port in a process
 group of its own, ready once `/health` answers, and stopped (the whole group, by pid) on close, on
-error, at exit and on SIGTERM. SIGINT reaches Python as KeyboardInterrupt, whose unwinding closes it.
+error, at exit and on SIGTERM (by the run's own handler where it has one, see `_install_handlers`).
+SIGINT reaches Python as KeyboardInterrupt, whose unwinding closes it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from lora_parity.errors import BackendUnavailableError
 
 LOG_TAIL_LINES = 20
 _RUNNING: dict[int, ServerProcess] = {}
-_previous_sigterm: object = None
+_exit_hook_registered = False
 
 
 def free_port() -> int:
@@ -56,10 +57,17 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _install_handlers() -> None:
-    global _previous_sigterm
-    if _previous_sigterm is None and threading.current_thread() is threading.main_thread():
-        _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+    """Stop the servers at exit, and on SIGTERM where nothing else handles it. Where a handler is
+    installed (`lora-parity run`'s, `interrupt.handle_signals`: it writes the error receipt, then ends
+    every child process, the server's group included), it is left in place: replacing it would end
+    the run with no receipt, no line, and its work dir and lock left behind."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
         atexit.register(_stop_all)
+        _exit_hook_registered = True
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 class ServerProcess:

@@ -36,9 +36,7 @@ import json
 import os
 import random
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from typing import Any
 import tinker
 from tinker import types
 
+from lora_parity.backends import bounded_http
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
@@ -59,7 +58,7 @@ from lora_parity.backends.base import (
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError, PhaseError, ScoreError
 from lora_parity.faults import FILE_FAULTS
-from lora_parity.provenance import redact_url
+from lora_parity.provenance import redact_url, remember_secret
 from lora_parity.receipt import BackendInfo, Perturbation
 
 UPDATE_NUM_TOKENS = 64
@@ -89,15 +88,13 @@ def preflight(opts: PreflightOptions) -> None:
     if opts.inject and opts.inject.partition("=")[0] in FILE_FAULTS:
         raise ConfigError(f"fault {opts.inject!r} rewrites exported PEFT files; the tinker trainer publishes "
                           "through the service and exports none")
+    remember_secret(os.environ.get("TINKER_API_KEY"))  # never into a receipt, whatever a server echoes
     health = redact_url(opts.url) + "/api/v1/healthz"
-    try:
-        with urllib.request.urlopen(health, timeout=PREFLIGHT_TIMEOUT_S):  # http(s) only: checked above
-            pass
-    except urllib.error.HTTPError:
-        pass  # it answered: reachable (a hosted service may want credentials even here)
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise ConfigError(f"cannot reach the Tinker service at {redact_url(opts.url)}: {reason}") from None
+    try:  # any status is an answer: reachable (a hosted service may want credentials even here)
+        bounded_http.request(health, timeout_s=PREFLIGHT_TIMEOUT_S, deadline_s=PREFLIGHT_TIMEOUT_S)
+    except bounded_http.HTTPCallError as e:
+        if "redirect" not in str(e):
+            raise ConfigError(f"cannot reach the Tinker service at {redact_url(opts.url)}: {e}") from None
 
 
 def _datum(tokens: list[int]) -> Any:

@@ -25,13 +25,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
+from lora_parity import scratch
+from lora_parity.backends import bounded_http
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
@@ -43,14 +43,19 @@ from lora_parity.backends.base import (
 )
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import max_lora_rank
-from lora_parity.config import ModelConfig
+from lora_parity.config import DTYPES, TARGET_NAME, ModelConfig
 from lora_parity.errors import ConfigError, ScoreError
+from lora_parity.provenance import redact_secrets, remember_secret
 from lora_parity.provenance import redact_url as redact
 from lora_parity.receipt import BackendInfo
+from lora_parity.receipt_io import one_line
 
 PREFLIGHT_TIMEOUT_S = 5.0
 """Longest wait for an attached server's `/health` before the run starts."""
 REQUEST_TIMEOUT_S = 300.0
+"""Longest wait on the socket within one call (the first scoring calls on a fresh CPU server compile)."""
+REQUEST_DEADLINE_S = 900.0
+"""Longest one call may take in all: a server that trickles bytes cannot hold the run longer."""
 START_TIMEOUT_S = float(os.environ.get("LORA_PARITY_VLLM_SERVER_START_TIMEOUT", "600"))
 CACHED_CONCURRENCY = 32
 """Requests in flight at once when scoring through the prefix cache (one per prefix)."""
@@ -75,20 +80,33 @@ def preflight(opts: PreflightOptions) -> None:
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         raise ConfigError(f"--sampler-url {redact(url)!r} is not an http(s) URL")
     try:
-        with urllib.request.urlopen(redact(url) + "/health", timeout=PREFLIGHT_TIMEOUT_S):  # http(s): checked
-            pass
-    except urllib.error.HTTPError as e:
-        raise ConfigError(f"vLLM server at {redact(url)}: /health answered {e.code}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise ConfigError(f"cannot reach the vLLM server at {redact(url)}: {reason}") from None
+        answer = bounded_http.request(redact(url) + "/health", timeout_s=PREFLIGHT_TIMEOUT_S,
+                                      deadline_s=PREFLIGHT_TIMEOUT_S)
+    except bounded_http.HTTPCallError as e:
+        raise ConfigError(f"cannot reach the vLLM server at {redact(url)}: {e}") from None
+    if answer.status >= 400:
+        raise ConfigError(f"vLLM server at {redact(url)}: /health answered {answer.status}")
+
+
+def check_server_args(cfg: ModelConfig) -> None:
+    """Every value from a config or an adapter that goes onto `vllm serve`'s command line is what it
+    should be (a module name, a dtype), never an option: `ConfigError` otherwise. The configs and
+    adapters are checked when read (`config.TARGET_NAME`); this is the last look before a launch."""
+    bad = [t for t in cfg.adapter.targets if not TARGET_NAME.fullmatch(t)]
+    if bad:
+        raise ConfigError(f"LoRA target {one_line(repr(bad[0]))} is not a module name; it would go onto the "
+                          "vllm serve command line")
+    if cfg.model.dtype not in DTYPES:
+        raise ConfigError(f"dtype {one_line(repr(cfg.model.dtype))} is not one of {', '.join(DTYPES)}")
 
 
 def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> list[str]:
     """`vllm serve` with the run's rank, targets and dtype; LoRA limited to the adapter's own targets
     (the CPU build crashes on batched prompt_logprobs otherwise), prefix caching on (as served)."""
+    check_server_args(cfg)
     rank = max_lora_rank(cfg.adapter.rank)
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+    # An absolute path: a folder named like an option (`-x`) can never read as one.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model_dir).absolute()),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.model.dtype,
             "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1",
             "--lora-target-modules", *cfg.adapter.targets, "--skip-tokenizer-init",
@@ -115,9 +133,12 @@ def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> di
     """The environment of the server: runtime LoRA updating allowed; on CUDA batch-invariant kernels
     (`VLLM_BATCH_INVARIANT=1`, as the in-process sampler; a value the user set wins); on the CPU the
     in-process sampler's settings (none reserved, an explicit KV cache size) and its uniproc executor,
-    its OpenMP threads bound to one core (the last this process may use). The server keeps its
-    engine core in a process of its own (always)."""
+    its OpenMP threads bound to one core (the last this process may use); a temp dir of its own in
+    the run's scratch. The server keeps its engine core in a process of its own (always)."""
     env = dict(os.environ)
+    # Its own temp dir, removed with the run's scratch: the IPC sockets vLLM makes there are left
+    # behind when the server is ended by a signal.
+    env["TMPDIR"] = str(scratch.folder("lora-parity-server-"))
     if cuda and batch_invariant and cfg.sampler.batch_invariant:
         env.setdefault("VLLM_BATCH_INVARIANT", "1")
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -213,6 +234,7 @@ class VLLMServerSampler(SamplerBackend):
                  batch_invariant: bool = True, launched: ServerProcess | None = None) -> None:
         self.cfg, self.timings, self.batch_invariant = cfg, timings, batch_invariant
         self.api_key = os.environ.get(api_key_env) if api_key_env else None
+        remember_secret(self.api_key)
         # A folder of this sampler's own under --shared-dir: runs never overwrite each other's adapters.
         self.shared_dir = Path(tempfile.mkdtemp(prefix="lora-parity-", dir=shared_dir)) if shared_dir else None
         self.cuda = _has_cuda()
@@ -269,27 +291,31 @@ class VLLMServerSampler(SamplerBackend):
         return self._base_model_id
 
     def _call(self, path: str, body: dict[str, Any] | None, label: str) -> Any:
-        """One HTTP call, timed under `http.<label>`; an error status raises `ServerError` with its body."""
+        """One HTTP call (`bounded_http`: timeouts, a total deadline, a size cap, no redirects), timed
+        under `http.<label>`; an error status raises `ServerError` with its body, the API key's value
+        cut out of it wherever the server echoed it."""
         self.wait_ready()
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url + path, data=data, headers=headers)
         start = time.perf_counter()
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as r:  # http(s): checked in preflight
-                text = r.read().decode("utf-8", errors="replace")
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode("utf-8", errors="replace")[:500]
-            raise ServerError(f"vLLM server: {path} answered {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ServerError(f"vLLM server: {path}: {getattr(e, 'reason', e)}") from None
+            answer = bounded_http.request(self.url + path, data, headers, timeout_s=REQUEST_TIMEOUT_S,
+                                          deadline_s=REQUEST_DEADLINE_S)
+        except bounded_http.HTTPCallError as e:
+            raise ServerError(self._redact(f"vLLM server: {path}: {e}")) from None
         finally:
             key = f"http.{label}"
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
             self.num_calls += 1
+        text = answer.body.decode("utf-8", errors="replace")
+        if answer.status >= 400:
+            raise ServerError(self._redact(f"vLLM server: {path} answered {answer.status}: {text[:500]}"))
         return json.loads(text) if text.startswith(("{", "[")) else text
+
+    def _redact(self, text: str) -> str:
+        return redact_secrets(text, self.api_key)
 
     def _base_model(self) -> str:
         models = self._call("/v1/models", None, "models")

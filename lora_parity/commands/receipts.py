@@ -63,8 +63,11 @@ VERIFY_HELP = (
     "and injected fault, with the current working tree, which it says is or is not the recorded revision) "
     "and compares the raw scores: bit for bit on the CPU in fp32, within the receipt's own recorded repeat "
     "noise elsewhere. That proves this code and machine produce the receipt's scores again, which makes the "
-    "receipt evidence rather than a claim: 0 they match; 1 they differ (the first phase and position named); "
-    "2 the run cannot be repeated here (a changed config or probe set, a missing backend)."
+    "receipt evidence rather than a claim: 0 they match and the verdict is pass; 1 they differ (the first phase "
+    "and position named) or the verdict is not pass; 2 the run cannot be repeated here (a changed config or "
+    "probe set, a missing backend). A receipt is data: the rerun takes no trust flag, URL, credential or path "
+    "from it. A run on anything but a shipped config needs your --model, a tinker run your --tinker-url, a "
+    "run on a probe file your --probes."
 )
 
 
@@ -81,18 +84,30 @@ def _verify_one(path: Path, public_key: Path | None, json_: bool) -> tuple[int, 
 
 
 def verify(
+    ctx: typer.Context,
     paths: Annotated[list[Path], typer.Argument(help="Receipt JSON files, or signed envelopes (run --sign).")],
     public_key: PublicKeyOpt = None,
     json_: Annotated[bool, typer.Option("--json", help="A JSON object on stdout (a list of them for many "
                                                        "files).")] = False,
     rerun: Annotated[bool, typer.Option("--rerun", help="Also re-execute the run the receipt describes and "
                                                          "compare the scores (one receipt; see below).")] = False,
+    model: Annotated[str | None, typer.Option(help="With --rerun: the model to rerun on (a receipt never names a "
+                                                   "path to load; needed unless it ran a shipped config).")] = None,
+    tinker_url: Annotated[str | None, typer.Option(help="With --rerun: the Tinker service to rerun a tinker run on "
+                                                        "(a receipt never names a URL to contact).")] = None,
+    probes: Annotated[str | None, typer.Option(help="With --rerun: the probe file of a run whose probes were a "
+                                                    "file.")] = None,
 ) -> None:
     """Re-check receipts (see VERIFY_HELP)."""
     from lora_parity.verify import PROVES
 
     if rerun:
-        _verify_rerun(paths, public_key)
+        from lora_parity.rerun import VerifierInputs
+
+        _verify_rerun(paths, public_key, command_parser(ctx.find_root().command),
+                      VerifierInputs(model, tinker_url, probes))
+    if model is not None or tinker_url is not None or probes is not None:
+        raise ConfigError("--model, --tinker-url and --probes go with --rerun")
     if len(paths) == 1:  # one file: its error is the one line, as ever
         code, data = _verify_one(paths[0], public_key, json_)
         results: Any = data
@@ -114,14 +129,28 @@ def verify(
     raise typer.Exit(code)
 
 
-def _verify_rerun(paths: list[Path], public_key: Path | None) -> None:
+def command_parser(group: Any) -> Any:
+    """The parser `rerun` reads a recorded command line with (`rerun.ParseCommand`): the `run` and
+    `selftest` commands of `group`, the CLI's own click group (the running command's root: no
+    import of the CLI's app here)."""
+
+    def parse(name: str, args: list[str]) -> dict[str, Any]:
+        command = group.commands.get(name)
+        if command is None:
+            raise ConfigError(f"no command {name!r}")
+        return dict(command.make_context(name, args, resilient_parsing=True).params)
+
+    return parse
+
+
+def _verify_rerun(paths: list[Path], public_key: Path | None, parse: Any, mine: Any) -> None:
     """verify --rerun: the receipt must verify; then its run is repeated. One line; exit 0, 1 or 2."""
     from lora_parity.rerun import rerun
     from lora_parity.verify import verify as verify_receipt
 
     if len(paths) != 1:
         raise ConfigError("--rerun takes one receipt")
-    result = rerun(verify_receipt(paths[0], public_key).receipt, progress=output.progress)
+    result = rerun(verify_receipt(paths[0], public_key).receipt, parse, mine, progress=output.progress)
     line = f"{paths[0]}: {result.message}; ran {result.revision}"
     if result.code == EXIT_BAD_INPUT:
         output.error(line)

@@ -17,13 +17,12 @@ imported only inside them).
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_parity import adapter_files as af
+from lora_parity import safe_read
 from lora_parity.backends.megatron.layout import (
     FUSED_PARTS,
     LORA_MODULES,
@@ -99,14 +98,7 @@ def check_adapter(folder: Path, targets: Sequence[str], rank: int, hf_config: di
 
 
 def _header(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, struct.error, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{path}: not a safetensors file (its header is not an object)")
+    header = safe_read.safetensors_header(path)
     header.pop("__metadata__", None)
     return {k: v for k, v in header.items() if isinstance(v, dict)}
 

@@ -13,12 +13,12 @@ rank order.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lora_parity import safe_read
 from lora_parity.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -125,10 +125,9 @@ def _check_supported(hf: dict[str, Any]) -> str:
 
 def read_shape(model_dir: Path, tp: int) -> Shape:
     """The Shape of a checkpoint folder."""
-    try:
-        hf = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{model_dir}/config.json: unreadable: {e}") from None
+    hf = safe_read.read_json(Path(model_dir) / "config.json")
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{model_dir}/config.json: not a JSON object")
     return Shape.from_hf(hf, tp)
 
 
