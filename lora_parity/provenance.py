@@ -61,11 +61,19 @@ def redact_url(url: str) -> str:
 
 
 def redacted_command(command: Sequence[str], *urls: str | None) -> list[str]:
-    """The command line, with the service URLs' credentials removed (None: no such URL)."""
-    out = list(command)
+    """The command line, with the service URLs' credentials removed (None: no such URL) and every absolute
+    path cut to its last component (`.../NAME`): a receipt travels, the machine's folders stay behind."""
+    out = [_without_machine_path(arg) for arg in command]
     for url in filter(None, urls):
         out = [arg.replace(url, redact_url(url)) for arg in out]
     return out
+
+
+def _without_machine_path(arg: str) -> str:
+    option, sep, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+    if value.startswith(("/", "~")) and "://" not in value:
+        value = f".../{Path(value).name}"
+    return option + sep + value
 
 
 def source(cfg: ModelConfig) -> str:

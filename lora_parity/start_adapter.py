@@ -87,6 +87,8 @@ def record(folder: Path | None) -> StartAdapter | None:
     if folder is None:
         return None
     base = read_config(folder).get("base_model_name_or_path")
+    if isinstance(base, str) and base.startswith(("/", "~")):
+        base = f".../{Path(base).name}"  # a folder on the machine that made the adapter: its name only
     return StartAdapter(name=Path(folder).name, sha256=digest(folder),
                         base_model=base if isinstance(base, str) else None)
 

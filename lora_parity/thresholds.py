@@ -106,7 +106,10 @@ def after_change(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel 
         value, note = base[short].budget, base[short].note or f"absolute {base[short].budget:g}"
         if short == "max" and n:
             tail = predicted_max(noise, n, rule.tail_alpha)
-            bulk = predicted_max(own, n, rule.tail_alpha) if own is not None and rule.own_tail else 0.0
+            # Its own bulk only where that bulk is itself within the p99 threshold: a change computed with
+            # more error widens the whole distribution evenly; a broken sync's bulk is the change itself.
+            calm = own is not None and rule.own_tail and own[0] + own[1] * math.log(10) <= out["p99"].budget
+            bulk = predicted_max(own, n, rule.tail_alpha) if calm and own is not None else 0.0
             if max(tail, bulk) > value:
                 value, note = max(tail, bulk), (f"the tail noise predicts for {n} tokens, {tail:.4g}" if tail >= bulk
                                                 else f"the tail its own bulk predicts for {n} tokens, {bulk:.4g}")

@@ -197,3 +197,29 @@ def test_defect_1_the_fp32_reference_carries_the_start_adapter(tmp_path: Path) -
     record = start_adapter.record(adapter)
     assert record is not None and record.name == "adapter" and len(record.sha256) == 64
     assert record.sha256 == start_adapter.digest(adapter)
+
+
+@pytest.mark.unit
+def test_c_max_may_reach_its_own_bulks_tail_only_while_that_bulk_is_calm() -> None:
+    """On the H200, Megatron's C max at one position-1 token was 0.81 against the start point's tail 0.73
+    on a correct sync: a change widens the whole error distribution. A stale sampler's bulk is the change
+    itself, so there the start point's tail stays the limit."""
+    a = cmp(0.07, 0.276, 0.30)
+    model = noise(mean=0.07, relative=0.005, p90=0.151, scale=0.0543)
+    wide: thresholds.Tail = (0.17, 0.11)  # C's own p90 and scale: p99 0.42, within 2 x 0.276 + 0.02
+    rule = RULE.model_copy(update={"noise": NoiseRule(own_tail=True)})
+    before = thresholds.after_change(RULE, a, model, None, 192, wide)["max"].budget
+    now = thresholds.after_change(rule, a, model, None, 192, wide)["max"].budget
+    assert before < 0.81 < now == pytest.approx(thresholds.predicted_max(wide, 192, 1e-3))
+    stale: thresholds.Tail = (1.2, 0.8)  # p99 3.0: far over C's p99 threshold
+    assert thresholds.after_change(rule, a, model, None, 192, stale)["max"].budget == pytest.approx(before)
+
+
+@pytest.mark.unit
+def test_receipts_record_no_machine_path() -> None:
+    from lora_parity.provenance import redacted_command
+
+    command = ["run", "--model", "/data/ckpts/smollm2", "--out=/home/me/r.json", "--probes", "text",
+               "--tinker-url", "http://user:pw@host:1/x"]
+    assert redacted_command(command, "http://user:pw@host:1/x") == [
+        "run", "--model", ".../smollm2", "--out=.../r.json", "--probes", "text", "--tinker-url", "http://host:1/x"]

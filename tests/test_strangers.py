@@ -581,7 +581,7 @@ def test_14_init_never_lets_config_json_write_yaml_keys(tmp_path: Path) -> None:
                          {"model.layers.0.self_attn.q_proj.weight": af.Tensor.from_floats("F32", [2, 2], [0.0] * 4)})
     data = yaml.safe_load(config_yaml(folder))
     assert set(data) == {"name", "description", "model", "adapter", "perturbation", "probes", "budgets", "sampler",
-                         "per_target"}
+                         "scoring", "per_target"}
     assert data["model"]["trust_remote_code"] is False and data["name"] == "ckpt"
 
 
