@@ -35,11 +35,11 @@ EXPECTED_NOT_PASSING = {
     # tiny-glm-dsa with a kv_b_proj LoRA: vLLM's MLA never applies it, and per-target coverage names it
     # (T.kv_b_proj.moved: the sampler moved 0): the sync verdict fails, as it should.
     "tiny-glm-dsa-kv-b__hf__vllm__h200.json",
-    # A user's adapter (PEFT r8 on all seven projections, B ~ N(0, 0.02)) on SmolLM2 bf16, hf and megatron
-    # trainers: the sync verdict passes; numerics fail on the fp32 reference's absolute ceilings (with this
-    # large random adapter both sides are up to 1.2 nats p99 / 3.4 max from the fp32 model).
-    "smollm2-135m-bf16-path.user-adapter__hf__vllm__h200.json",
-    "smollm2-135m-bf16-path.user-adapter__megatron__vllm__h200.json",
+    # The H200 selftest over seeds (issue 28), Megatron, seed 1's clean run: a false alarm under the noise
+    # rule it was made with, C.parity.max 0.81 against the start point's tail 0.73 at one position-1 token
+    # (sync passed). The rule's own_tail, added after it, judges the same raw scores right
+    # (benchmarks/gpu-seeds-rejudged.txt, scripts/rejudge-seeds.py).
+    "smollm2-135m-bf16-path.random.seed-01__megatron__vllm__h200.json",
 }
 
 
