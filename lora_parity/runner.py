@@ -45,7 +45,7 @@ from lora_parity.backends.base import (
 from lora_parity.checkpoint import Checkpoint, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
 from lora_parity.faults import Faults
-from lora_parity.phases import Run, StopRun, run_sequence
+from lora_parity.phases import WARM_FOLDER, Run, StopRun, run_sequence
 from lora_parity.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
 from lora_parity.preflight import reference_decision as reference_decision
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, source
@@ -87,6 +87,8 @@ class RunOptions:
     force: bool = False
     inject: str | None = None
     sync: str = "new-id"
+    update: str | None = None
+    """`--update noise|step`: replaces the config's `perturbation.update`; None: the config's."""
     per_target: bool = True
     command: tuple[str, ...] = ()
     tinker_url: str | None = None
@@ -173,6 +175,7 @@ def prepare(opts: RunOptions, launch_early: bool = False) -> Plan:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
     cfg = start_adapter.apply(cfg, opts.adapter)
+    cfg = preflight.with_update(cfg, opts.update)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -296,7 +299,9 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
               per_target=plan.opts.per_target, progress=say, first_adapter_id=loaded.next_adapter_id,
-              reference=_reference(plan, loaded), sampled=plan.sampled, start_adapter=plan.opts.adapter is not None)
+              reference=_reference(plan, loaded, workdir), sampled=plan.sampled,
+              start_adapter=plan.opts.adapter is not None or warms(plan),
+              warm_start=warms(plan) and plan.opts.adapter is None)
     try:
         run_sequence(run)
     except StopRun:
@@ -326,7 +331,7 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     cfg, probes = plan.cfg, plan.probes
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
-                    sampled=plan.sampled)
+                    sampled=plan.sampled, update="step" if warms(plan) else "noise")
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
     start = time.perf_counter()
     run: Run | None = None
@@ -404,8 +409,15 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
     })
 
 
-def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any] | None:
-    """The fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`)."""
+def warms(plan: Plan) -> bool:
+    """`--update step` with a trainer that can start from an adapter: the run starts from the seeded warm
+    adapter (`update_step`), unless the user gave one (`--adapter`, which is then the start)."""
+    return plan.cfg.perturbation.update == "step" and plan.trainer_cls.traits.start_adapter_unavailable is None
+
+
+def _reference(plan: Plan, loaded: Backends, workdir: Path) -> Callable[[list[list[int]]], Any] | None:
+    """The fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`); it
+    carries the start adapter: the user's, or the warm start the sequence writes (`Run.warm_folder`)."""
     model_dir = loaded.model_dir
 
     def measure() -> tuple[int, int]:
@@ -420,7 +432,8 @@ def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any]
         return None
     from lora_parity.backends.hf import fp32_reference
 
-    return fp32_reference(plan.cfg, model_dir, plan.opts.adapter)
+    adapter = plan.opts.adapter or (workdir / WARM_FOLDER if warms(plan) else None)
+    return fp32_reference(plan.cfg, model_dir, adapter)
 
 
 def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None,

@@ -200,7 +200,9 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
         near, near_id = margin(receipt.checks, (), tuple(c.id for c in receipt.checks))
         return Judgement("pass", observed, receipt.verdict == Verdict.PASS, near, near_id)
     sampled = receipt.probes.source is not None and receipt.probes.source.kind == "sampled"
-    spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled).expected()
+    update = "step" if receipt.perturbation is not None and receipt.perturbation.warm_std is not None else "noise"
+    spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled,
+                  update=update).expected()
     status = {c.id: c.status for c in receipt.checks}
     caught_by = _without_absent_targets(spec.caught_by, status)
     expected = f"{spec.verdict}: {', '.join(caught_by) or 'error recorded'}"
@@ -262,7 +264,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     result = SelftestResult(repeats=max(1, repeat))
     loaded = Backends(plan, say)
     targets = list(plan.cfg.adapter.targets)
-    fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled)
+    fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled,
+                                                               targets)
     try:
         loaded.open()
         for index in range(max(1, seeds)):

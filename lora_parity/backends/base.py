@@ -11,7 +11,7 @@ request) unless the config batches them, because batching changes numbers on rea
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
-`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`), which callers
+`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`, `SteppingTrainer`), which callers
 test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
 `create(cfg, model_dir, timings, options)`.
 """
@@ -240,6 +240,17 @@ class GeneratingSampler(Protocol):
         completion, and its logprobs by the alignment rule above: entry t is the logprob the same
         request gave token t+1, its prompt logprob for a prompt token, the logprob it was sampled
         with for a generated one."""
+        ...
+
+
+@runtime_checkable
+class SteppingTrainer(Protocol):
+    """A trainer that takes one optimizer step on its LoRA A and B tensors (`--update step`)."""
+
+    def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> Perturbation:
+        """One AdamW step (fresh state, no weight decay) on every lora_A and lora_B (or target kind `only`'s),
+        raising the mean logprob of `sequences` over their scored positions (the alignment rule above);
+        dropout 0. Refuses unless every LoRA tensor is at the start point; `zero_b` puts them all back."""
         ...
 
 
