@@ -35,10 +35,10 @@ from lora_parity.commands.options import (
     SeedOpt,
     SharedDirOpt,
     SyncOpt,
-    UpdateOpt,
     TpOpt,
     TrainerOpt,
     TrustRemoteCodeOpt,
+    UpdateOpt,
     exit_for,
 )
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
@@ -244,7 +244,8 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, update=update, revision=revision,
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, update=update,
+                      revision=revision,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir)
     from lora_parity import interrupt

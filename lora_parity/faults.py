@@ -57,6 +57,10 @@ class FaultSpec:
     """Breaks the generation path after sync, which runs with `--probes sampled` only."""
     caught_by_step: tuple[str, ...] | None = None
     """What must catch it with `--update step`, where that differs (None: `caught_by`)."""
+    only_rounds: bool = False
+    """Changes the adapter's values by rounding alone (a trainer with `traits.rounding_unresolved` skips it)."""
+    needs_step: str | None = None
+    """Why the noise update cannot reveal the fault (the selftest runs it with `--update step` only), or None."""
     needs_targets: tuple[str, ...] = ()
     """Target kinds the adapter must have for the fault to exist (e.g. gate_proj and up_proj)."""
 
@@ -170,7 +174,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     # With a warm start the dropped target loses its warm part too: the sampler moves, the wrong way.
     FaultSpec("drop-target", "the exported adapter lacks the first target module's tensors",
               ("C.parity.mean", "T.{target}.moved"), "fail", modes=ADAPTER_MODES, rewrites_files=True,
-              caught_by_step=("C.parity.mean", "T.{target}.cosine")),
+              caught_by_step=("C.parity.mean", "T.{target}.scale")),
     FaultSpec("wrong-scale", "the exported adapter's lora_alpha is doubled", ("C.delta.scale",), "fail",
               modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("wrong-direction", "the exported B tensors are negated", ("C.delta.cosine",), "fail",
@@ -191,12 +195,13 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     # The faults only an update of A and B can reveal (`--update step`, docs/faults.md): under the noise
     # update A never changes, so stale-a publishes the very same files.
     FaultSpec("stale-a", "the published adapter carries the new B with the previous version's A",
-              ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
+              ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
+              needs_step="the noise update never moves A, so the previous version's A is the new one"),
     FaultSpec("partial-export", "half the layers (the later ones) keep the previous version's tensors",
               ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("fp16-export", "every exported tensor is cast to fp16 (beyond 65504: inf; below 6e-8: zero; "
               "rounded to fp16's 11-bit mantissa in between)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
-              rewrites_files=True),
+              rewrites_files=True, only_rounds=True),
     FaultSpec("up-gets-gate", "the synced adapter's up_proj tensors are gate_proj's (unsloth-zoo #941: the "
               "hot-load appends gate_proj twice, shapes match, nothing errors)", ("C.parity.mean",), "fail",
               modes=ADAPTER_MODES, rewrites_files=True, needs_targets=("gate_proj", "up_proj")),
@@ -225,6 +230,8 @@ FILE_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.rewrites_files
 """Faults that rewrite the exported PEFT files (a trainer that exports none cannot take them)."""
 
 
+UPDATE_FILE_FAULTS = ("stale-a", "partial-export", "fp16-export", "up-gets-gate")
+"""File faults of an exported update (`Faults._rewrite_update`)."""
 SERVING_LAYER_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.serving_layer)
 """Faults of the HTTP serving layer (a sampler with `traits.served_over_http` only)."""
 
@@ -247,12 +254,16 @@ def require_applies(spec: str | None, sampler: BackendTraits, sampler_name: str)
 
 
 def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False,
-               targets: list[str] | None = None) -> list[str]:
+               targets: list[str] | None = None, update: str = "noise",
+               trainer: BackendTraits | None = None) -> list[str]:
     """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
     one that is not served over HTTP); with `sampled`, also the generation path's; with `targets`, only
-    those whose target kinds the adapter has."""
+    those whose target kinds the adapter has; with `update` noise, not those only a step can reveal; with
+    `trainer` traits, not the rounding faults it cannot resolve."""
     traits = sampler or BackendTraits()
-    names = SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
+    names = [f for f in SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
+             if (update == "step" or FAULTS[f.partition("=")[0]].needs_step is None)
+             and not (trainer is not None and trainer.rounding_unresolved and FAULTS[f.partition("=")[0]].only_rounds)]
     return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
             or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None
             and (targets is None or set(FAULTS[f.partition("=")[0]].needs_targets) <= set(targets))]
@@ -273,7 +284,7 @@ class Faults:
         self.name: str | None = None
         self.update = update
         self.previous: dict[str, af.Tensor] | None = None
-        """The tensors of the last exported version, as published (stale-a, partial-export keep from them)."""
+        """The last exported version's tensors, as the trainer wrote them (stale-a, partial-export keep them)."""
         self.crash_phase: str | None = None
         self.changed: set[Path] = set()
         if spec:
@@ -337,19 +348,8 @@ class Faults:
             return
         config, tensors = af.read_adapter(folder)
         previous, self.previous = self.previous, tensors
-        if previous is not None and self.is_("stale-a"):
-            tensors = {n: previous.get(n, t) if not is_lora_b(n) else t for n, t in tensors.items()}
-        elif previous is not None and self.is_("partial-export"):
-            layers = sorted({_layer(n) for n in tensors} - {None}, key=lambda i: i or 0)
-            kept = set(layers[len(layers) // 2:])
-            tensors = {n: previous.get(n, t) if _layer(n) in kept else t for n, t in tensors.items()}
-        elif self.is_("fp16-export"):
-            tensors = {n: _fp16(t) for n, t in tensors.items()}
-        elif version > 0 and self.is_("up-gets-gate"):
-            tensors = {n: tensors.get(n.replace(".up_proj.", ".gate_proj."), t) if ".up_proj." in n else t
-                       for n, t in tensors.items()}
-        if self.name in ("stale-a", "partial-export", "fp16-export", "up-gets-gate"):
-            pass
+        if self.name in UPDATE_FILE_FAULTS:
+            tensors = self._rewrite_update(version, tensors, previous)
         elif self.is_("drop-target"):
             tensors = {n: t for n, t in tensors.items() if target_kind(n) != self.dropped_target}
         elif self.is_("wrong-scale"):
@@ -361,6 +361,22 @@ class Faults:
             tensors = {n: af.Tensor.from_floats(t.dtype, t.shape, [rng.gauss(0, 0.02) for _ in t.to_floats()])
                        if is_lora_b(n) else t for n, t in tensors.items()}
         af.write_adapter(folder, config, tensors)
+
+    def _rewrite_update(self, version: int, tensors: dict[str, af.Tensor],
+                        previous: dict[str, af.Tensor] | None) -> dict[str, af.Tensor]:
+        """The faults of an exported update's tensors (`UPDATE_FILE_FAULTS`); `previous`: the last version's."""
+        if previous is not None and self.is_("stale-a"):
+            return {n: previous.get(n, t) if not is_lora_b(n) else t for n, t in tensors.items()}
+        if previous is not None and self.is_("partial-export"):
+            layers = sorted(i for i in {_layer(n) for n in tensors} if i is not None)
+            kept = set(layers[len(layers) // 2:])
+            return {n: previous.get(n, t) if _layer(n) in kept else t for n, t in tensors.items()}
+        if self.is_("fp16-export"):
+            return {n: _fp16(t) for n, t in tensors.items()}
+        if version > 0 and self.is_("up-gets-gate"):
+            return {n: tensors.get(n.replace(".up_proj.", ".gate_proj."), t) if ".up_proj." in n else t
+                    for n, t in tensors.items()}
+        return tensors
 
     def before_scoring(self, folder: Path) -> None:
         """adapter-changed: the first published folder the sampler scores with is rewritten on disk

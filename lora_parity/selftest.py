@@ -28,7 +28,7 @@ from lora_parity import probes as probe_sources
 from lora_parity.checkpoint import vocab_size
 from lora_parity.faults import FAULTS, Faults, faults_for
 from lora_parity.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
-from lora_parity.runner import Backends, Plan, RunOptions, prepare, run_once
+from lora_parity.runner import Backends, Plan, RunOptions, prepare, run_once, warms
 
 PROBE_SEED_STRIDE = 100_000
 """Seed i draws each probe set with the set's seed plus this times i (far from every set's own seed)."""
@@ -264,8 +264,9 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     result = SelftestResult(repeats=max(1, repeat))
     loaded = Backends(plan, say)
     targets = list(plan.cfg.adapter.targets)
+    update = "step" if warms(plan) else "noise"
     fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled,
-                                                               targets)
+                                                               targets, update, plan.trainer_cls.traits)
     try:
         loaded.open()
         for index in range(max(1, seeds)):

@@ -33,7 +33,8 @@ def group_of(name: str) -> str:
     return f"{target_kind(name)}.lora_{'B' if is_lora_b(name) else 'A'}"
 
 
-def tensor_changes(before: Mapping[str, Sequence[float]], after: Mapping[str, Sequence[float]]) -> dict[str, TensorChange]:
+def tensor_changes(before: Mapping[str, Sequence[float]],
+                   after: Mapping[str, Sequence[float]]) -> dict[str, TensorChange]:
     """Per group (`group_of`): how many tensors, their L2 norm before, the L2 norm of their change."""
     sums: dict[str, list[float]] = {}
     for name, old in before.items():
@@ -53,7 +54,8 @@ def warm_tensors(tensors: Mapping[str, af.Tensor], std: float, seed: int) -> dic
     for name, t in tensors.items():
         if is_lora_b(name):
             rng = random.Random(noise_seed(name, seed) ^ 0x5EED)
-            out[name] = af.Tensor.from_floats(t.dtype, t.shape, [rng.gauss(0.0, std) for _ in range(math.prod(t.shape))])
+            values = [rng.gauss(0.0, std) for _ in range(math.prod(t.shape))]
+            out[name] = af.Tensor.from_floats(t.dtype, t.shape, values)
         else:
             out[name] = t
     return out

@@ -11,7 +11,8 @@ request) unless the config batches them, because batching changes numbers on rea
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
-`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`, `SteppingTrainer`), which callers
+`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`,
+`SteppingTrainer`), which callers
 test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
 `create(cfg, model_dir, timings, options)`.
 """
@@ -71,6 +72,9 @@ class BackendTraits:
     served_over_http: bool = False
     """A sampler served over HTTP (vllm-server): built with `sampler_url`, `api_key_env` and
     `shared_dir`, and the only one the serving-layer faults apply to."""
+    rounding_unresolved: str | None = None
+    """Why a fault that only rounds the adapter's values (fp16-export) stays below what this trainer's
+    runs resolve, so the selftest leaves it out; or None."""
     same_name_reload_refused: str | None = None
     """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
     old adapter), so the faults that do only that do not apply; or None."""

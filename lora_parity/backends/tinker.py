@@ -46,6 +46,7 @@ from typing import Any
 import tinker
 from tinker import types
 
+from lora_parity import update_step
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
@@ -60,7 +61,6 @@ from lora_parity.config import ModelConfig
 from lora_parity.errors import ConfigError, PhaseError, ScoreError
 from lora_parity.faults import FILE_FAULTS
 from lora_parity.provenance import redact_url
-from lora_parity import update_step
 from lora_parity.receipt import BackendInfo, Perturbation
 
 UPDATE_NUM_TOKENS = 64
