@@ -111,15 +111,22 @@ class _NoStd(Exception):
 
 
 def _search_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
-                    cfg: ModelConfig, only: str | None, start: float) -> tuple[Calibration, list[list[float]]] | None:
+                    cfg: ModelConfig, only: str | None, start: float,
+                    steps: bool = False) -> tuple[Calibration, list[list[float]]] | None:
     """`search` on the trainer; the calibration and the trainer's scores at its last step (the chosen
-    std), with the trainer left there. None for a trainer whose update is not B noise."""
+    std), with the trainer left there. None for a trainer whose update is not B noise. With `steps`
+    (`--update step`) the search varies the optimizer step's learning rate instead, in the same window."""
+    from lora_parity.backends.base import SteppingTrainer
+
     before = scores["trainer_zero"]
     last: list[list[list[float]]] = []
 
-    def measure(std: float) -> float:
+    def measure(value: float) -> float:
         trainer.zero_b()
-        if trainer.perturb(std, seed, only=only).kind != "lora_b_noise":
+        if steps:
+            assert isinstance(trainer, SteppingTrainer)
+            trainer.step(sequences, value, seed, only=only)
+        elif trainer.perturb(value, seed, only=only).kind != "lora_b_noise":
             raise _NoStd
         last[:] = [trainer.score(sequences)]
         return mean_change(before, last[0])
@@ -132,10 +139,12 @@ def _search_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[s
         else:
             found = search_window(measure, a_mean, cfg.perturbation.stimulus_factor,
                                   stimulus_threshold(scores, cfg.budgets), rule.calibration_ceiling, start)
-            if found.std != found.steps[-1].std:  # the trainer is left at the chosen std, not the last tried
-                measure(found.std)
+        if found.std != found.steps[-1].std:  # the trainer is left at the chosen value, not the last tried
+            measure(found.std)
     except _NoStd:
         return None
+    if steps:
+        found = found.model_copy(update={"searched": "learning_rate"})
     return found, last[0]
 
 
@@ -149,27 +158,32 @@ def stimulus_threshold(scores: dict[str, list[list[float]]], budgets: Budgets) -
 
 
 def on_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
-               cfg: ModelConfig, only: str | None = None, start: float = START_STD) -> Calibration | None:
+               cfg: ModelConfig, only: str | None = None, start: float | None = None,
+               steps: bool = False) -> Calibration | None:
     """`search` from `start` with the trainer alone (zero B, perturb(std, seed, only), score), from the
     recorded scores zero and trainer_zero; leaves B zero. Per-target coverage starts from the whole
     update's std: one target alone moves the model less than all of them together. None for a trainer
-    whose update is not B noise (an optimizer step: std does not apply)."""
+    whose update is not B noise (an optimizer step: std does not apply). With `steps` the learning
+    rate of `--update step` is searched (from `perturbation.start_learning_rate`), in the window."""
+    if start is None:
+        start = cfg.perturbation.start_learning_rate if steps else START_STD
     try:
-        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start)
+        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start, steps)
         return found[0] if found is not None else None
     finally:
         trainer.zero_b()
 
 
 def on_trainer_kept(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
-                    cfg: ModelConfig, only: str, start: float) -> tuple[Calibration, list[list[float]]] | None:
+                    cfg: ModelConfig, only: str, start: float,
+                    steps: bool = False) -> tuple[Calibration, list[list[float]]] | None:
     """As `on_trainer` for one target kind `only`, but the trainer is left at the chosen std (B zero,
     then perturb(std, seed, only)) and its scores there are returned with the calibration: the search's
     last forward already is the per-target trainer score, so it is not run twice. B is left zero when
     the search raises or finds no std."""
     found = None
     try:
-        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start)
+        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start, steps)
         return found
     finally:
         if found is None:
@@ -263,7 +277,9 @@ def check_perturbation(p: Perturbation, scores: dict[str, list[list[float]]], bu
                                                            "adapter_base", "base")}
         floor, ceiling = stimulus_threshold(start, budgets), rule.calibration_ceiling
     if p.calibration is not None:
-        problem = check(p.calibration, p.std, scores, "trainer_updated", floor, ceiling)
+        chosen = p.learning_rate if p.calibration.searched == "learning_rate" else p.std
+        problem = check(p.calibration, chosen if chosen is not None else math.nan, scores, "trainer_updated", floor,
+                        ceiling)
         if problem:
             return f"perturbation.calibration: {problem}"
     for kind, cal in (p.target_calibrations or {}).items():

@@ -38,6 +38,7 @@ from lora_parity.commands.options import (
     TpOpt,
     TrainerOpt,
     TrustRemoteCodeOpt,
+    UpdateOpt,
     exit_for,
 )
 from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
@@ -83,6 +84,7 @@ def run(
     force: Annotated[bool, typer.Option(help="Overwrite an existing receipt.")] = False,
     inject: Annotated[str | None, typer.Option(help="Inject a fault (see `lora-parity selftest`).")] = None,
     sync: SyncOpt = "new-id",
+    update: UpdateOpt = None,
     per_target: PerTargetOpt = True,
     tinker_url: Annotated[
         str | None,
@@ -131,7 +133,7 @@ def run(
 
     key = _signing().load_private_key(sign) if sign is not None else None
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
-                      seed=seed, force=force, inject=inject, sync=sync, per_target=per_target,
+                      seed=seed, force=force, inject=inject, sync=sync, update=update, per_target=per_target,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
@@ -229,6 +231,7 @@ def selftest(
     per_target: PerTargetOpt = True,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
+    update: UpdateOpt = None,
     revision: RevisionOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     sampler_url: SamplerUrlOpt = None,
@@ -244,7 +247,8 @@ def selftest(
     from lora_parity.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, revision=revision,
+                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, update=update,
+                      revision=revision,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir)
     from lora_parity import interrupt

@@ -171,7 +171,16 @@ class AdapterSpec(_Cfg):
 
 
 class PerturbationSpec(_Cfg):
-    """The trainer-only B update: Gaussian noise of a fixed or calibrated std, seeded per tensor."""
+    """The trainer-only update: Gaussian noise on B of a fixed or calibrated std, seeded per tensor
+    (`update: noise`), or one AdamW step on A and B from a seeded warm start (`update: step`)."""
+
+    update: Literal["noise", "step"] = "noise"
+    """noise: seeded Gaussian noise on every LoRA B tensor (A never moves). step: the trainer starts from
+    a seeded warm adapter (B = N(0, warm_std²) per tensor, published as version 0), then takes one
+    AdamW step on A and B together (dropout 0) that raises the mean logprob of the probe tokens (a
+    policy-gradient step with unit advantages), its learning rate searched in the noise window
+    (`lora_parity.calibrate`). From B = 0 a step cannot move A (dL/dA is proportional to B), so the
+    warm start is what lets a stale A show (docs/verdicts.md)."""
 
     std: Annotated[float, Field(gt=0)] | Literal["auto"]
     """Std of the noise added to every LoRA B tensor (trainers that expose their tensors); 'auto':
@@ -184,7 +193,12 @@ class PerturbationSpec(_Cfg):
     learning_rate: float = Field(default=1e-2, gt=0)
     """Learning rate of the one Adam step of trainers that update only through an optimizer (tinker);
     the noise trainers ignore it. 1e-2 moves the tiny synthetic Qwen3's probe logprobs by about
-    1.8 nats on SkyRL's Tinker server."""
+    1.8 nats on SkyRL's Tinker server. With `update: step` on a trainer that exposes its tensors the
+    learning rate is searched instead (from start_learning_rate)."""
+    start_learning_rate: float = Field(default=1e-4, gt=0)
+    """`update: step`: the learning-rate search's first value (doubled or halved to bracket the window)."""
+    warm_std: float = Field(default=0.02, gt=0)
+    """`update: step`: std of the seeded warm start's B (A as initialized), the adapter version 0 carries."""
 
 
 class ProbeSpec(_Cfg):

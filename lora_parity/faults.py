@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -54,6 +55,14 @@ class FaultSpec:
     not for a sampler that refuses that reload with an error (`traits.same_name_reload_refused`)."""
     needs_sampled: bool = False
     """Breaks the generation path after sync, which runs with `--probes sampled` only."""
+    caught_by_step: tuple[str, ...] | None = None
+    """What must catch it with `--update step`, where that differs (None: `caught_by`)."""
+    only_rounds: bool = False
+    """Changes the adapter's values by rounding alone (a trainer with `traits.rounding_unresolved` skips it)."""
+    needs_step: str | None = None
+    """Why the noise update cannot reveal the fault (the selftest runs it with `--update step` only), or None."""
+    needs_targets: tuple[str, ...] = ()
+    """Target kinds the adapter must have for the fault to exist (e.g. gate_proj and up_proj)."""
 
 
 ADAPTER_MODES = ("new-id", "inplace")
@@ -163,9 +172,11 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("stale-tensors", "the sampler is handed weights copied before the update",
               ("C.parity.mean",), "fail", modes=("memory",), sync=StaleTensors),
     # Only per-target coverage names a dropped target: where its share of the change is small next to
-    # the noise, C moves by less than its threshold (docs/verdicts.md, "Detection power").
+    # the noise, C moves by less than its threshold (docs/verdicts.md, "Detection power"). With a warm
+    # start (--update step) the dropped target loses its warm part too: the sampler moves, the wrong way.
     FaultSpec("drop-target", "the exported adapter lacks the first target module's tensors",
-              ("T.{target}.moved",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
+              ("T.{target}.moved",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
+              caught_by_step=("C.parity.mean", "T.{target}.scale")),
     FaultSpec("wrong-scale", "the exported adapter's lora_alpha is doubled", ("C.delta.scale",), "fail",
               modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("wrong-direction", "the exported B tensors are negated", ("C.delta.cosine",), "fail",
@@ -175,13 +186,27 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("frozen-trainer", "the perturbation is not applied", ("B.stimulus",), "inconclusive",
               skips_update=True),
     FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail", sync=Leak),
-    FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B", ("A.zero_adapter_noop",), "fail",
-              modes=ADAPTER_MODES, rewrites_files=True),
+    FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B (with a warm start: other B than the "
+              "trainer's)", ("A.zero_adapter_noop",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
+              caught_by_step=("A.parity.mean",)),
     # A.parity.max: under the bf16 profile a shifted sampler is also far from the fp32 reference, so
     # A's triangulated mean budget widens with it (A.fp32.sampler.* fail instead); the max ceiling
     # is absolute in every profile (seen on the H200 selftest of SmolLM2-135M bf16).
     FaultSpec("misalign", "sampler scores shifted by one position", ("A.parity.max",), "fail"),
     FaultSpec("nan", "the sampler returns NaN at one position", (), "error"),
+    # The faults only an update of A and B can reveal (`--update step`, docs/faults.md): under the noise
+    # update A never changes, so stale-a publishes the very same files.
+    FaultSpec("stale-a", "the published adapter carries the new B with the previous version's A",
+              ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
+              needs_step="the noise update never moves A, so the previous version's A is the new one"),
+    FaultSpec("partial-export", "half the layers (the later ones) keep the previous version's tensors",
+              ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
+    FaultSpec("fp16-export", "every exported tensor is cast to fp16 (beyond 65504: inf; below 6e-8: zero; "
+              "rounded to fp16's 11-bit mantissa in between)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
+              rewrites_files=True, only_rounds=True),
+    FaultSpec("up-gets-gate", "the synced adapter's up_proj tensors are gate_proj's (unsloth-zoo #941: the "
+              "hot-load appends gate_proj twice, shapes match, nothing errors)", ("C.parity.mean",), "fail",
+              modes=ADAPTER_MODES, rewrites_files=True, needs_targets=("gate_proj", "up_proj")),
     FaultSpec("same-name-no-inplace", "sync reloads under the same name without load_inplace and does not read "
               "the server's reply", ("C.parity.mean",), "fail", modes=ADAPTER_MODES, sync=SameNameNoInplace,
               serving_layer=True),
@@ -207,6 +232,8 @@ FILE_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.rewrites_files
 """Faults that rewrite the exported PEFT files (a trainer that exports none cannot take them)."""
 
 
+UPDATE_FILE_FAULTS = ("stale-a", "partial-export", "fp16-export", "up-gets-gate")
+"""File faults of an exported update (`Faults._rewrite_update`)."""
 SERVING_LAYER_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.serving_layer)
 """Faults of the HTTP serving layer (a sampler with `traits.served_over_http` only)."""
 
@@ -228,13 +255,20 @@ def require_applies(spec: str | None, sampler: BackendTraits, sampler_name: str)
         raise ConfigError(f"fault {spec!r} does not apply to sampler {sampler_name!r}: {why}")
 
 
-def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False) -> list[str]:
+def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False,
+               targets: list[str] | None = None, update: str = "noise",
+               trainer: BackendTraits | None = None) -> list[str]:
     """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
-    one that is not served over HTTP); with `sampled`, also the generation path's."""
+    one that is not served over HTTP); with `sampled`, also the generation path's; with `targets`, only
+    those whose target kinds the adapter has; with `update` noise, not those only a step can reveal; with
+    `trainer` traits, not the rounding faults it cannot resolve."""
     traits = sampler or BackendTraits()
-    names = SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
+    names = [f for f in SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
+             if (update == "step" or FAULTS[f.partition("=")[0]].needs_step is None)
+             and not (trainer is not None and trainer.rounding_unresolved and FAULTS[f.partition("=")[0]].only_rounds)]
     return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
-            or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None]
+            or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None
+            and (targets is None or set(FAULTS[f.partition("=")[0]].needs_targets) <= set(targets))]
 
 
 def check_crash_phase(spec: str | None, phases: list[str]) -> None:
@@ -248,8 +282,11 @@ class Faults:
     """The injected fault of a run (or none): hooks the sequence calls at each seam."""
 
     def __init__(self, spec: str | None, targets: list[str], num_positions: int, mean_budget: float,
-                 sync_mode: str = "new-id", sampled: bool = False) -> None:
+                 sync_mode: str = "new-id", sampled: bool = False, update: str = "noise") -> None:
         self.name: str | None = None
+        self.update = update
+        self.previous: dict[str, af.Tensor] | None = None
+        """The last exported version's tensors, as the trainer wrote them (stale-a, partial-export keep them)."""
         self.crash_phase: str | None = None
         self.changed: set[Path] = set()
         if spec:
@@ -261,6 +298,10 @@ class Faults:
                                   f"not {sync_mode!r}")
             if FAULTS[name].needs_sampled and not sampled:
                 raise ConfigError(f"fault {name!r} breaks the generation path after sync: it needs --probes sampled")
+            missing = [t for t in FAULTS[name].needs_targets if t not in targets]
+            if missing:
+                raise ConfigError(f"fault {name!r} needs target modules {', '.join(FAULTS[name].needs_targets)}; "
+                                  f"the adapter lacks {', '.join(missing)}")
             if (name == "crash-at") != bool(arg):
                 raise ConfigError("crash-at needs a phase (crash-at=PHASE); other faults take no argument")
             self.name, self.crash_phase = name, arg or None
@@ -274,7 +315,8 @@ class Faults:
         """What must catch this fault."""
         assert self.name is not None
         spec = FAULTS[self.name]
-        return replace(spec, caught_by=tuple(c.format(target=self.dropped_target) for c in spec.caught_by))
+        caught_by = spec.caught_by_step if self.update == "step" and spec.caught_by_step is not None else spec.caught_by
+        return replace(spec, caught_by=tuple(c.format(target=self.dropped_target) for c in caught_by))
 
     def is_(self, name: str) -> bool:
         """Whether `name` is the injected fault."""
@@ -300,10 +342,17 @@ class Faults:
 
     def after_export(self, version: int, folder: Path) -> None:
         """Adapter-file faults: rewrite the exported PEFT folder before the sampler sees it."""
-        if self.name not in FILE_FAULTS:
+        if self.name not in FILE_FAULTS or (self.update == "step" and version == 0 and not self.is_("nonzero-init")):
+            # With a warm start, version 0 is the start adapter the sampler already holds: the faults of an
+            # update's export start with the update (at zero-init they left B = 0 unchanged there too).
+            if self.name in FILE_FAULTS:
+                self.previous = af.read_adapter(folder)[1]
             return
         config, tensors = af.read_adapter(folder)
-        if self.is_("drop-target"):
+        previous, self.previous = self.previous, tensors
+        if self.name in UPDATE_FILE_FAULTS:
+            tensors = self._rewrite_update(version, tensors, previous)
+        elif self.is_("drop-target"):
             tensors = {n: t for n, t in tensors.items() if target_kind(n) != self.dropped_target}
         elif self.is_("wrong-scale"):
             config["lora_alpha"] = 2 * config["lora_alpha"]
@@ -314,6 +363,22 @@ class Faults:
             tensors = {n: af.Tensor.from_floats(t.dtype, t.shape, [rng.gauss(0, 0.02) for _ in t.to_floats()])
                        if is_lora_b(n) else t for n, t in tensors.items()}
         af.write_adapter(folder, config, tensors)
+
+    def _rewrite_update(self, version: int, tensors: dict[str, af.Tensor],
+                        previous: dict[str, af.Tensor] | None) -> dict[str, af.Tensor]:
+        """The faults of an exported update's tensors (`UPDATE_FILE_FAULTS`); `previous`: the last version's."""
+        if previous is not None and self.is_("stale-a"):
+            return {n: previous.get(n, t) if not is_lora_b(n) else t for n, t in tensors.items()}
+        if previous is not None and self.is_("partial-export"):
+            layers = sorted(i for i in {_layer(n) for n in tensors} if i is not None)
+            kept = set(layers[len(layers) // 2:])
+            return {n: previous.get(n, t) if _layer(n) in kept else t for n, t in tensors.items()}
+        if self.is_("fp16-export"):
+            return {n: _fp16(t) for n, t in tensors.items()}
+        if version > 0 and self.is_("up-gets-gate"):
+            return {n: tensors.get(n.replace(".up_proj.", ".gate_proj."), t) if ".up_proj." in n else t
+                    for n, t in tensors.items()}
+        return tensors
 
     def before_scoring(self, folder: Path) -> None:
         """adapter-changed: the first published folder the sampler scores with is rewritten on disk
@@ -342,3 +407,22 @@ class Faults:
         if self.is_("nan"):
             return [[math.nan if (s, t) == (0, 5) else x for t, x in enumerate(seq)] for s, seq in enumerate(scores)]
         return scores
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _layer(name: str) -> int | None:
+    """The decoder layer index in a tensor's name, or None."""
+    found = _LAYER.search(name)
+    return int(found.group(1)) if found else None
+
+
+FP16_MAX = 65504.0
+"""The largest finite fp16; a value that rounds beyond it is inf, as torch's `.half()` makes it."""
+
+
+def _fp16(t: af.Tensor) -> af.Tensor:
+    """`t` cast to fp16 and stored as F16 (the sampler casts it to its own dtype when it loads)."""
+    values = [math.copysign(math.inf, v) if abs(v) >= FP16_MAX + 16 else v for v in t.to_floats()]
+    return af.Tensor.from_floats("F16", t.shape, values)

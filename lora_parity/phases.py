@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from lora_parity import calibrate, generation, stats, tracebacks
-from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, Trainer
+from lora_parity import calibrate, generation, stats, tracebacks, update_step
+from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, SteppingTrainer, Trainer
 from lora_parity.config import ModelConfig
 from lora_parity.errors import ScoreError
 from lora_parity.faults import Faults
@@ -30,9 +30,14 @@ from lora_parity.sync import mode as sync_mode_named
 
 T = TypeVar("T")
 
+WARM_FOLDER = "warm-start"
+"""Where in the run's folder the warm start adapter (`--update step`) is written."""
+
 
 def run_sequence(run: Run) -> None:
     """Every phase in order; stops at the first phase that raises (recorded as an error)."""
+    if run.warm_start:
+        run.step("warm_start", run.warm)
     _base_and_publish_zero(run)
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
     run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
@@ -55,10 +60,8 @@ def run_sequence(run: Run) -> None:
         # The old sampling client again, now that a newer one was used: does the trainer keep its update?
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
         run.step("trainer_after_stale", lambda: run.trainer_score("trainer_after_stale"))
-    if run.cfg.per_target and run.per_target and run.trainer_has_per_target:
-        for kind in run.cfg.adapter.targets:
-            if run.per_target_only is None or kind in run.per_target_only:
-                run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
+    for kind in run.covered_targets:
+        run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
 
 
 def _base_and_publish_zero(run: Run) -> None:
@@ -124,6 +127,9 @@ class Run:
     """What the sampler generated from `prompts` with the synced adapter (`sampled` runs)."""
     published_digests: dict[Path, str] = field(default_factory=dict)
     """sha256 of each adapter folder the sampler was handed, checked again before it scores with it."""
+    warm_start: bool = False
+    """`--update step` from zero-init: the trainer first moves to the seeded warm adapter (`update_step`),
+    which is then the start point (version 0), as a user's adapter would be."""
     mode: SyncMode = field(init=False)
     """How weights reach the sampler: the `sync_mode` strategy, as the injected fault (if any) changes it."""
 
@@ -150,6 +156,13 @@ class Run:
     def sampler_reads_prefix_cache(self) -> bool:
         """True for a sampler that also scores the way rollouts read its prefix cache (a `CachedScoringSampler`)."""
         return isinstance(self.sampler, CachedScoringSampler)
+
+    @property
+    def covered_targets(self) -> list[str]:
+        """The target kinds per-target coverage runs for, in the config's order (none where it is off)."""
+        if not (self.cfg.per_target and self.per_target and self.trainer_has_per_target):
+            return []
+        return [k for k in self.cfg.adapter.targets if self.per_target_only is None or k in self.per_target_only]
 
     @property
     def trainer_has_per_target(self) -> bool:
@@ -235,17 +248,32 @@ class Run:
         self.mode.publish(self, version=0)
 
     @property
+    def steps(self) -> bool:
+        """`--update step` on a trainer that takes one (`SteppingTrainer`): the update is an optimizer step."""
+        return self.cfg.perturbation.update == "step" and isinstance(self.trainer, SteppingTrainer)
+
+    @property
     def calibrates(self) -> bool:
-        """Whether the std is searched on the trainer (`perturbation.std: auto`)."""
-        return self.cfg.perturbation.std == "auto"
+        """Whether the update's size is searched on the trainer (`perturbation.std: auto`, or the
+        learning rate of `--update step`)."""
+        return self.steps or self.cfg.perturbation.std == "auto"
 
     def _std(self, calibration: Calibration | None) -> float:
         std = self.cfg.perturbation.std
         return calibration.std if calibration is not None else 0.0 if std == "auto" else std
 
+    def _learning_rate(self, calibration: Calibration | None) -> float:
+        return calibration.std if calibration is not None else self.cfg.perturbation.learning_rate
+
+    def warm(self) -> None:
+        """Move the trainer to the seeded warm adapter (`update_step.warm_start`): the start point."""
+        update_step.warm_start(self.trainer, self.workdir / WARM_FOLDER, self.cfg.perturbation.warm_std, self.seed)
+
     def calibrate(self) -> None:
-        """std auto: the smallest std of the ladder whose trainer change stands out of A's noise."""
-        self.calibration = calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg)
+        """std auto: the smallest std of the ladder whose trainer change stands out of A's noise; with
+        `--update step`, the learning rate in the same window."""
+        self.calibration = calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg,
+                                                steps=self.steps)
 
     def sample(self) -> None:
         """Replace each probe sequence by its prompt + a completion sampled with the zero-init adapter
@@ -274,7 +302,14 @@ class Run:
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
         std = self._std(self.calibration)
-        update = self.faults.perturb(lambda: self.trainer.perturb(std, self.seed))
+        trainer = self.trainer
+        if isinstance(trainer, SteppingTrainer) and self.steps:
+            lr = self._learning_rate(self.calibration)
+            update = self.faults.perturb(lambda: trainer.step(self.sequences, lr, self.seed))
+            if update is not None and self.warm_start:
+                update = update.model_copy(update={"warm_std": self.cfg.perturbation.warm_std})
+        else:
+            update = self.faults.perturb(lambda: trainer.perturb(std, self.seed))
         if update is not None and update.kind == "lora_b_noise":
             update = update.model_copy(update={"recipe": RECIPE})
         if update is not None and self.calibration is not None:
@@ -308,7 +343,11 @@ class Run:
             self._record(f"target.{kind}.trainer", found)
         else:
             self.trainer.zero_b()
-            self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
+            if isinstance(self.trainer, SteppingTrainer) and self.steps:
+                lr = self._learning_rate(self.target_calibrations.get(kind))
+                self.trainer.step(self.sequences, lr, self.seed, only=kind)
+            else:
+                self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
             self.trainer_score(f"target.{kind}.trainer")
         self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)
@@ -316,8 +355,10 @@ class Run:
     def _search_target(self, kind: str) -> Scores | None:
         """Target `kind`'s std search, recorded; the trainer's scores at the chosen std, where it is
         left (None: no search, B zero)."""
-        start = self.calibration.std if self.calibration is not None else calibrate.START_STD
-        found = calibrate.on_trainer_kept(self.trainer, self.sequences, self.scores, self.seed, self.cfg, kind, start)
+        first = self.cfg.perturbation.start_learning_rate if self.steps else calibrate.START_STD
+        start = self.calibration.std if self.calibration is not None else first
+        found = calibrate.on_trainer_kept(self.trainer, self.sequences, self.scores, self.seed, self.cfg, kind, start,
+                                          steps=self.steps)
         if found is None:
             return None
         self.target_calibrations[kind] = found[0]
@@ -332,7 +373,8 @@ class _PhaseLister:
     phase is taken (unknown attributes read as a callable, which is true), and no action runs."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg, self.per_target, self.per_target_only, self.names = cfg, True, None, list[str]()
+        self.cfg, self.names = cfg, list[str]()
+        self.covered_targets = list(cfg.adapter.targets)
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         self.names.append(name)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from lora_parity import backends, config, generation, outpath, start_adapter
 from lora_parity import probes as probe_sources
-from lora_parity.backends.base import PreflightOptions, SamplerBackend, TrainerBackend
+from lora_parity.backends.base import PreflightOptions, SamplerBackend, SteppingTrainer, TrainerBackend
 from lora_parity.checkpoint import preflight_hf_config, require_safetensors, vocab_size
 from lora_parity.errors import ConfigError
 from lora_parity.faults import Faults, check_crash_phase, require_applies
@@ -109,6 +109,20 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
         outpath.check_writable(opts.out, opts.force)
 
 
+UPDATES = ("noise", "step")
+"""The `--update` kinds (`PerturbationSpec.update`)."""
+
+
+def with_update(cfg: config.ModelConfig, update: str | None) -> config.ModelConfig:
+    """The config with `--update` in place of its `perturbation.update` (None: as it is); bad input is a
+    `ConfigError`."""
+    if update is None:
+        return cfg
+    if update not in UPDATES:
+        raise ConfigError(f"unknown update {update!r}; choose from {', '.join(UPDATES)}")
+    return cfg.model_copy(update={"perturbation": cfg.perturbation.model_copy(update={"update": update})})
+
+
 def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[TrainerBackend],
                    sampler_cls: type[SamplerBackend], pre: PreflightOptions, sync: SyncMode) -> Probes:
     """The checks that need both backend classes (`runner.prepare`, once the trainer's libraries are
@@ -118,6 +132,9 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     tp_preflight(opts, trainer_cls)
     shape_preflight(cfg, opts, trainer_cls)
     start_adapter.require(opts.adapter, trainer_cls, opts.trainer, sampler_cls, opts.sampler)
+    if cfg.perturbation.update == "step" and not issubclass(trainer_cls, SteppingTrainer):
+        raise ConfigError(f"--update step: trainer {opts.trainer!r} cannot take an optimizer step on LoRA A and B "
+                          "yet; use --update noise")
     probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
     sampled = generation.require(probes, sampler_cls, opts.sampler)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,

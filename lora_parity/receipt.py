@@ -228,8 +228,19 @@ class Probes(Strict):
     and runs that name a random set)."""
 
 
+class TensorChange(Strict):
+    """How much one group of LoRA tensors (one target kind's lora_A, or its lora_B) moved in the update."""
+
+    num_tensors: int
+    """Tensors in the group (one per layer)."""
+    l2_before: float
+    """L2 norm of the group before the update (over all its elements)."""
+    l2_change: float
+    """L2 norm of the group's change (after − before)."""
+
+
 class Perturbation(Strict):
-    """The deterministic trainer-only update of the LoRA B tensors."""
+    """The deterministic trainer-only update: seeded noise on LoRA B, or one optimizer step on A and B."""
 
     kind: Literal["lora_b_noise", "optimizer_step"]
     """What the update is: seeded Gaussian noise added to B, or one optimizer step."""
@@ -257,6 +268,16 @@ class Perturbation(Strict):
     recipe: str | None = None
     """How to rebuild the update from this record alone (kind lora_b_noise: the generator, the per-tensor
     seed and the noise's dtype; `lora_parity.perturb.RECIPE`). None in receipts made before it."""
+    optimizer: str | None = None
+    """The optimizer step's optimizer and its settings, in words (kind optimizer_step, `--update step`)."""
+    objective: str | None = None
+    """What the optimizer step maximised, in words (kind optimizer_step, `--update step`)."""
+    tensor_changes: dict[str, TensorChange] | None = None
+    """Per target kind and side ('q_proj.lora_A', 'q_proj.lora_B', ...): how far the step moved those
+    tensors (a trainer that exposes them; None for a service, or noise)."""
+    warm_std: float | None = None
+    """`--update step`: std of the seeded warm start's B (A as initialized), the start point and adapter
+    version 0; None for a run that starts from zero-init or the user's adapter."""
 
 
 class AdapterVersion(Strict):

@@ -312,6 +312,9 @@ class Calibration(Strict):
     upper: float | None = None
     """The window's top (`NoiseRule.calibration_ceiling` × target): the search bisects until the change
     lands in [target, upper]. None: receipts made with the older ladder (the first std over target)."""
+    searched: Literal["std", "learning_rate"] = "std"
+    """What the search varies: the B noise's std, or the optimizer step's learning rate (`--update
+    step`; each step's `std`, `start_std` and the chosen `std` then hold learning rates)."""
 
 
 class ErrorDetail(Strict):

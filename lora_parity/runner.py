@@ -45,7 +45,7 @@ from lora_parity.backends.base import (
 from lora_parity.checkpoint import Checkpoint, weights_digest
 from lora_parity.errors import ConfigError, LoraParityError
 from lora_parity.faults import Faults
-from lora_parity.phases import Run, StopRun, run_sequence
+from lora_parity.phases import WARM_FOLDER, Run, StopRun, run_sequence
 from lora_parity.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
 from lora_parity.preflight import reference_decision as reference_decision
 from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
@@ -88,6 +88,8 @@ class RunOptions:
     force: bool = False
     inject: str | None = None
     sync: str = "new-id"
+    update: str | None = None
+    """`--update noise|step`: replaces the config's `perturbation.update`; None: the config's."""
     per_target: bool = True
     per_target_only: tuple[str, ...] | None = None
     """Per-target coverage of these target kinds only (the selftest's drop-target under --no-per-target)."""
@@ -187,6 +189,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
     cfg = start_adapter.apply(cfg, opts.adapter)
+    cfg = preflight.with_update(cfg, opts.update)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
     from lora_parity import plan as launch_plan
@@ -312,8 +315,9 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
               per_target=plan.opts.per_target, per_target_only=plan.opts.per_target_only, progress=say,
-              first_adapter_id=loaded.next_adapter_id,
-              reference=_reference(plan, loaded), sampled=plan.sampled, start_adapter=plan.opts.adapter is not None)
+              first_adapter_id=loaded.next_adapter_id, reference=_reference(plan, loaded, workdir),
+              sampled=plan.sampled, start_adapter=plan.opts.adapter is not None or warms(plan),
+              warm_start=warms(plan) and plan.opts.adapter is None)
     try:
         run_sequence(run)
     except StopRun:
@@ -343,7 +347,7 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     cfg, probes = plan.cfg, plan.probes
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
-                    sampled=plan.sampled)
+                    sampled=plan.sampled, update="step" if warms(plan) else "noise")
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
     start = time.perf_counter()
     run: Run | None = None
@@ -422,8 +426,15 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
     })
 
 
-def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any] | None:
-    """The fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`)."""
+def warms(plan: Plan) -> bool:
+    """`--update step` with a trainer that can start from an adapter: the run starts from the seeded warm
+    adapter (`update_step`), unless the user gave one (`--adapter`, which is then the start)."""
+    return plan.cfg.perturbation.update == "step" and plan.trainer_cls.traits.start_adapter_unavailable is None
+
+
+def _reference(plan: Plan, loaded: Backends, workdir: Path) -> Callable[[list[list[int]]], Any] | None:
+    """The fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`); it
+    carries the start adapter: the user's, or the warm start the sequence writes (`Run.warm_folder`)."""
     model_dir = loaded.model_dir
 
     def measure() -> tuple[int, int]:
@@ -438,12 +449,13 @@ def _reference(plan: Plan, loaded: Backends) -> Callable[[list[list[int]]], Any]
         return None
     from lora_parity.backends.hf import fp32_reference
 
-    score = fp32_reference(plan.cfg, model_dir, plan.opts.adapter)
+    adapter = plan.opts.adapter or (workdir / WARM_FOLDER if warms(plan) else None)
+    score = fp32_reference(plan.cfg, model_dir, adapter)
 
     def once_per_probe_set(sequences: list[list[int]]) -> Any:
         # The reference depends on the checkpoint, the start adapter and the tokens only: every run of a
-        # selftest on one load scores each probe set once (it loads the fp32 model to do so).
-        key = sha256_json(sequences)
+        # selftest on one load scores each probe set from each start point once (it loads the fp32 model).
+        key = sha256_json([sequences, start_adapter.digest(adapter) if adapter is not None else None])
         if key not in loaded.reference_scores:
             loaded.reference_scores[key] = score(sequences)
         return loaded.reference_scores[key]

@@ -28,7 +28,7 @@ from lora_parity import probes as probe_sources
 from lora_parity.checkpoint import vocab_size
 from lora_parity.faults import FAULTS, Faults, faults_for
 from lora_parity.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
-from lora_parity.runner import Backends, Plan, RunOptions, prepare, run_once
+from lora_parity.runner import Backends, Plan, RunOptions, prepare, run_once, warms
 
 PROBE_SEED_STRIDE = 100_000
 """Seed i draws each probe set with the set's seed plus this times i (far from every set's own seed)."""
@@ -200,7 +200,9 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
         near, near_id = margin(receipt.checks, (), tuple(c.id for c in receipt.checks))
         return Judgement("pass", observed, receipt.verdict == Verdict.PASS, near, near_id)
     sampled = receipt.probes.source is not None and receipt.probes.source.kind == "sampled"
-    spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled).expected()
+    update = "step" if receipt.perturbation is not None and receipt.perturbation.warm_std is not None else "noise"
+    spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled,
+                  update=update).expected()
     status = {c.id: c.status for c in receipt.checks}
     caught_by = _without_absent_targets(spec.caught_by, status)
     expected = f"{spec.verdict}: {', '.join(caught_by) or 'error recorded'}"
@@ -270,7 +272,9 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     result = SelftestResult(repeats=max(1, repeat))
     loaded = Backends(plan, say)
     targets = list(plan.cfg.adapter.targets)
-    fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled)
+    update = "step" if warms(plan) else "noise"
+    fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled,
+                                                               targets, update, plan.trainer_cls.traits)
     try:
         loaded.open()
         for index in range(max(1, seeds)):

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_parity.backends.fake import FakeTrainer
 from lora_parity.faults import FAULTS, faults_for
 from lora_parity.receipt import CheckStatus, PhaseStatus, Verdict
 from lora_parity.runner import RunOptions, execute
@@ -18,7 +19,8 @@ FAKE = {"trainer": "fake", "sampler": "fake"}
 
 def test_selftest_catches_every_fault_on_fakes(tmp_path: Path) -> None:
     result = selftest(RunOptions(**FAKE), tmp_path, repeat=3)
-    assert [r.fault for r in result.rows] == ["none #1", "none #2", "none #3", *faults_for("new-id")]
+    assert [r.fault for r in result.rows] == ["none #1", "none #2", "none #3",
+                                              *faults_for("new-id", trainer=FakeTrainer.traits)]
     assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
     assert result.identical_repeats and result.ok
     for row in result.rows:
@@ -38,7 +40,8 @@ def test_selftest_without_per_target_coverage_catches_every_fault(tmp_path: Path
     assert not [p for p in clean["phases"] if p["name"].startswith("target.")]
 
 
-@pytest.mark.parametrize("fault", [f for f in faults_for("new-id") if not f.startswith("crash-at")])
+@pytest.mark.parametrize("fault", [f for f in faults_for("new-id", trainer=FakeTrainer.traits)
+                                   if not f.startswith("crash-at")])
 def test_each_fault_trips_its_check(fault: str, tmp_path: Path) -> None:
     receipt = execute(RunOptions(**FAKE, inject=fault, out=tmp_path / "r.json")).receipt
     spec = FAULTS[fault]
@@ -92,7 +95,7 @@ def test_perturbation_refuses_nonzero_b_and_trainable_base() -> None:
 
     trainer = FakeTrainer(config.load(None), None, 0, {})
     first = trainer.perturb(0.01, 0)
-    assert first.num_tensors == 7 and first.num_elements == 7 * 8
+    assert first.num_tensors == 7 * 2 and first.num_elements == 7 * 2 * 8  # 7 targets x 2 layers
     with pytest.raises(PhaseError, match="non-zero before the update"):
         trainer.perturb(0.01, 0)
     trainer.zero_b()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from lora_parity import selftest as st
+from lora_parity.backends.fake import FakeTrainer
 from lora_parity.faults import faults_for
 from lora_parity.receipt import Check, CheckStatus, Receipt
 from lora_parity.receipt import load as load_receipt
@@ -64,7 +65,7 @@ def _ratio(receipt_path: str, check_id: str) -> float:
 
 def test_three_seeds_vary_probes_and_update_and_tally_from_the_receipts(tmp_path: Path) -> None:
     result = st.selftest(RunOptions(**FAKE), tmp_path, seeds=3)
-    faults = faults_for("new-id")
+    faults = faults_for("new-id", trainer=FakeTrainer.traits)
     assert result.seeds == [0, 1, 2] and result.ok and result.false_alarms == 0
     assert [r.fault for r in result.rows] == (["none", *faults]) * 3
     receipts = {s: read_receipt(tmp_path / f"seed-{s:02d}" / "clean.json") for s in (0, 1, 2)}
@@ -141,7 +142,7 @@ def test_cli_seeds_prints_rates_margins_and_a_one_line_summary(tmp_path: Path) -
                           stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=300)
     assert both.returncode == 0, both.stdout
     last = both.stdout.strip().splitlines()[-1]
-    n = len(faults_for("new-id"))
+    n = len(faults_for("new-id", trainer=FakeTrainer.traits))
     assert re.fullmatch(rf"selftest ok, 2 seeds: 0/2 false alarms; {n}/{n} faults caught in every seed "
                         r"\(closest: \S+ \S+ margin [0-9.e+]+\) in \d+\.\d s", last), last
     res = cli("selftest", "--trainer", "fake", "--sampler", "fake", "--seeds", "2", "--out-dir", str(tmp_path))

@@ -11,7 +11,8 @@ request) unless the config batches them, because batching changes numbers on rea
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
-`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`), which callers
+`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`,
+`SteppingTrainer`), which callers
 test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
 `create(cfg, model_dir, timings, options)`.
 """
@@ -71,6 +72,9 @@ class BackendTraits:
     served_over_http: bool = False
     """A sampler served over HTTP (vllm-server): built with `sampler_url`, `api_key_env` and
     `shared_dir`, and the only one the serving-layer faults apply to."""
+    rounding_unresolved: str | None = None
+    """Why a fault that only rounds the adapter's values (fp16-export) stays below what this trainer's
+    runs resolve, so the selftest leaves it out; or None."""
     same_name_reload_refused: str | None = None
     """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
     old adapter), so the faults that do only that do not apply; or None."""
@@ -240,6 +244,17 @@ class GeneratingSampler(Protocol):
         completion, and its logprobs by the alignment rule above: entry t is the logprob the same
         request gave token t+1, its prompt logprob for a prompt token, the logprob it was sampled
         with for a generated one."""
+        ...
+
+
+@runtime_checkable
+class SteppingTrainer(Protocol):
+    """A trainer that takes one optimizer step on its LoRA A and B tensors (`--update step`)."""
+
+    def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> Perturbation:
+        """One AdamW step (fresh state, no weight decay) on every lora_A and lora_B (or target kind `only`'s),
+        raising the mean logprob of `sequences` over their scored positions (the alignment rule above);
+        dropout 0. Refuses unless every LoRA tensor is at the start point; `zero_b` puts them all back."""
         ...
 
 

@@ -1,9 +1,10 @@
 """Fake trainer and sampler behind the real Protocols, for unit tests: pure Python, milliseconds.
 
 The fake model's logprob of token `tok` after `prev` at position t is a fixed base value plus,
-for each target kind K, (alpha/r) · (B_K · A_K) · feature_K(prev, tok, t). It is linear in B, like
-a LoRA's first-order effect, so deltas, per-target coverage and every fault behave as on the real
-backends. Adapters travel as real PEFT folders (see `adapter_files`), and the fake sampler keeps
+for each target kind K, (alpha/r) · Σ_layers (B_K,l · A_K,l) · feature_K(prev, tok, t) over
+`NUM_LAYERS` layers. It is linear in B (and in A), like a LoRA's first-order effect, so deltas,
+per-target coverage, an optimizer step on A and B (`step`, exact gradients) and every fault behave
+as on the real backends. Adapters travel as real PEFT folders (see `adapter_files`), and the fake sampler keeps
 what it loaded under an id unless asked to reload in place, as vLLM does.
 """
 
@@ -20,13 +21,23 @@ from lora_parity.config import ModelConfig
 from lora_parity.errors import PhaseError
 from lora_parity.perturb import is_lora_b, noise_seed, target_kind
 from lora_parity.receipt import BackendInfo, Perturbation
+from lora_parity.update_step import OBJECTIVE, OPTIMIZER, tensor_changes
 
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
-def _module_path(kind: str) -> str:
+NUM_LAYERS = 2
+"""Layers of the fake model: more than one, so that faults of some layers (partial-export) exist."""
+
+
+def _module_path(kind: str, layer: int = 0) -> str:
     block = "self_attn" if kind in _ATTN else "mlp"
-    return f"base_model.model.model.layers.0.{block}.{kind}"
+    return f"base_model.model.model.layers.{layer}.{block}.{kind}"
+
+
+def _module_of(name: str) -> str:
+    """The module a LoRA tensor belongs to (its name before `.lora_A` / `.lora_B`)."""
+    return name.split(".lora_")[0]
 
 
 def _base_logprob(prev: int, tok: int) -> float:
@@ -46,7 +57,7 @@ def _score(sequences: Sequences, coefficients: dict[str, float], kinds: list[str
             value = _base_logprob(prev, tok)
             for k, kind in enumerate(kinds):
                 value += coefficients.get(kind, 0.0) * _feature(k, prev, tok, t)
-            row.append(value)
+            row.append(min(value, 0.0))  # a logprob: a search for a huge update (A broken) must not leave the domain
         out.append(row)
     return out
 
@@ -57,8 +68,12 @@ def _coefficients(config: dict, tensors: dict[str, af.Tensor]) -> dict[str, floa
     a: dict[str, list[float]] = {}
     b: dict[str, list[float]] = {}
     for name, tensor in tensors.items():
-        (b if is_lora_b(name) else a)[target_kind(name)] = tensor.to_floats()
-    return {k: scale * math.fsum(x * y for x, y in zip(a[k], b[k], strict=True)) for k in a if k in b}
+        (b if is_lora_b(name) else a)[_module_of(name)] = tensor.to_floats()
+    out: dict[str, float] = {}
+    for module in sorted(set(a) & set(b)):
+        kind = target_kind(module + ".lora_A")
+        out[kind] = out.get(kind, 0.0) + scale * math.fsum(x * y for x, y in zip(a[module], b[module], strict=True))
+    return out
 
 
 def _score_at(prev: int, tok: int, t: int, coefficients: dict[str, float], kinds: list[str]) -> float:
@@ -81,7 +96,9 @@ GENERATION_VOCAB = 64
 class FakeTrainer(TrainerBackend):
     """A trainer whose model is `_score` over the adapter's B·A per target kind."""
 
-    traits = BackendTraits(needs_checkpoint=False, start_adapter_unavailable=None)
+    traits = BackendTraits(needs_checkpoint=False, start_adapter_unavailable=None,
+                           rounding_unresolved="its 16 values per module, rounded to fp16, move its scores by about "
+                                               "the fp32 budget (1e-4): caught in some seeds only")
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, seed: int, timings: dict[str, float]) -> None:
         self.cfg = cfg
@@ -89,11 +106,14 @@ class FakeTrainer(TrainerBackend):
         r = cfg.adapter.rank
         rng = random.Random(seed)
         self.params: dict[str, list[float]] = {}
-        for kind in self.kinds:
-            self.params[f"{_module_path(kind)}.lora_A.default.weight"] = [rng.uniform(-1, 1) for _ in range(r)]
-            self.params[f"{_module_path(kind)}.lora_B.default.weight"] = [0.0] * r
+        for layer in range(NUM_LAYERS):
+            for kind in self.kinds:
+                module = _module_path(kind, layer)
+                self.params[f"{module}.lora_A.default.weight"] = [rng.uniform(-1, 1) for _ in range(r)]
+                self.params[f"{module}.lora_B.default.weight"] = [0.0] * r
         self.trainable_base = False
-        self.start_b = {name: [0.0] * r for name in self.params if is_lora_b(name)}
+        self.start = {name: list(values) for name, values in self.params.items()}
+        """Every LoRA tensor at the start point (A as initialized or loaded; B zero or the start adapter's)."""
 
     def load_start_adapter(self, folder: Path) -> None:
         """Take A and B from a PEFT folder of the fake's layout (the config matches it)."""
@@ -103,15 +123,16 @@ class FakeTrainer(TrainerBackend):
             if key not in self.params:
                 raise PhaseError(f"the adapter has {name}, which the fake trainer does not")
             self.params[key] = tensor.to_floats()
-        self.start_b = {name: list(self.params[name]) for name in self.params if is_lora_b(name)}
+        self.start = {name: list(values) for name, values in self.params.items()}
 
     def _coefficients(self) -> dict[str, float]:
         scale = self.cfg.adapter.alpha / self.cfg.adapter.rank
         out = {}
         for kind in self.kinds:
-            a = self.params[f"{_module_path(kind)}.lora_A.default.weight"]
-            b = self.params[f"{_module_path(kind)}.lora_B.default.weight"]
-            out[kind] = scale * math.fsum(x * y for x, y in zip(a, b, strict=True))
+            modules = [_module_path(kind, layer) for layer in range(NUM_LAYERS)]
+            out[kind] = math.fsum(scale * math.fsum(x * y for x, y in zip(self.params[f"{m}.lora_A.default.weight"],
+                                                                           self.params[f"{m}.lora_B.default.weight"],
+                                                                           strict=True)) for m in modules)
         return out
 
     def score(self, sequences: Sequences) -> Scores:
@@ -122,7 +143,7 @@ class FakeTrainer(TrainerBackend):
             raise PhaseError("refusing to perturb: a non-adapter parameter is trainable")
         names = [n for n in self.params if is_lora_b(n) and (only is None or target_kind(n) == only)]
         for name in names:
-            if self.params[name] != self.start_b[name]:
+            if self.params[name] != self.start[name]:
                 raise PhaseError(f"refusing to perturb: {name} is non-zero before the update "
                                  "(relative to the starting adapter's B)")
             rng = random.Random(noise_seed(name, seed))
@@ -130,10 +151,42 @@ class FakeTrainer(TrainerBackend):
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(names),
                             num_elements=sum(len(self.params[n]) for n in names), tensors=names)
 
+    def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> Perturbation:
+        """One AdamW step (betas 0.9/0.999, eps 1e-8, no weight decay, fresh state) on every A and B
+        (or target kind `only`'s) that raises the mean logprob of `sequences`; exact gradients of
+        the fake model. Refuses unless every tensor is at the start point."""
+        if self.trainable_base:
+            raise PhaseError("refusing to step: a non-adapter parameter is trainable")
+        names = [n for n in self.params if only is None or target_kind(n) == only]
+        moved = [n for n in names if self.params[n] != self.start[n]]
+        if moved:
+            raise PhaseError(f"refusing to step: {moved[0]} is not at the start point")
+        scale = self.cfg.adapter.alpha / self.cfg.adapter.rank
+        features = {kind: 0.0 for kind in self.kinds}
+        num_positions = 0
+        for seq in sequences:
+            for t in range(len(seq) - 1):
+                for k, kind in enumerate(self.kinds):
+                    features[kind] += _feature(k, seq[t], seq[t + 1], t)
+                num_positions += 1
+        before = {n: list(self.params[n]) for n in names}
+        for name in names:
+            other = before[name.replace(".lora_A.", ".lora_X.").replace(".lora_B.", ".lora_A.")
+                           .replace(".lora_X.", ".lora_B.")]
+            # d(mean logprob)/d(B_i) = scale · A_i · mean feature, and the same with A and B swapped; the loss
+            # is its negative. Adam's first step from zero moments: m̂ = g, v̂ = g².
+            grads = [-scale * o * features[target_kind(name)] / num_positions for o in other]
+            self.params[name] = [w - learning_rate * g / (abs(g) + 1e-8)
+                                 for w, g in zip(before[name], grads, strict=True)]
+        return Perturbation(kind="optimizer_step", seed=seed, std=0.0, num_tensors=len(names),
+                            num_elements=sum(len(self.params[n]) for n in names), tensors=names,
+                            learning_rate=learning_rate, optimizer=OPTIMIZER, objective=OBJECTIVE,
+                            tensor_changes=tensor_changes(before, self.params))
+
     def zero_b(self) -> None:
+        """Every LoRA tensor back to the start point (A too: a step moves it)."""
         for name in self.params:
-            if is_lora_b(name):
-                self.params[name] = list(self.start_b[name])
+            self.params[name] = list(self.start[name])
 
     def export_adapter(self, directory: Path) -> Path:
         r = self.cfg.adapter.rank

@@ -15,12 +15,13 @@ import peft
 import torch
 import transformers
 
+from lora_parity import update_step
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.backends.moe import Routes, hf_router_topk
 from lora_parity.config import ModelConfig
 from lora_parity.errors import PhaseError
 from lora_parity.perturb import is_lora_b, noise_seed, target_kind
-from lora_parity.receipt import BackendInfo, Perturbation
+from lora_parity.receipt import BackendInfo, Perturbation, TensorChange
 
 
 def pick_device() -> torch.device:
@@ -169,6 +170,8 @@ class HFTrainer(TrainerBackend):
         self.model = peft.get_peft_model(base, lora).to(self.device).eval()
         self.start_b: dict[str, torch.Tensor] | None = None
         """The starting adapter's B tensors (`load_start_adapter`); None: zero-init."""
+        self.start_a = self._copy_a()
+        """Every A at the start point (a step moves A; `zero_b` puts it back)."""
         timings["trainer.load"] = time.perf_counter() - start
 
     @torch.no_grad()
@@ -190,6 +193,10 @@ class HFTrainer(TrainerBackend):
                                  f"{list(param.shape)}")
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
         self.start_b = {n: p.detach().clone() for n, p in self._lora_b()}
+        self.start_a = self._copy_a()
+
+    def _copy_a(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if "lora_A" in n}
 
     def score(self, sequences: Sequences) -> Scores:
         return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
@@ -222,14 +229,70 @@ class HFTrainer(TrainerBackend):
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(params),
                             num_elements=sum(p.numel() for _, p in params), tensors=[n for n, _ in params])
 
+    def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> Perturbation:
+        """One `torch.optim.AdamW` step (betas 0.9/0.999, eps 1e-8, weight decay 0, fresh state) on every
+        lora_A and lora_B (or target kind `only`'s), autograd through PEFT, loss = −mean logprob of
+        `sequences` (every scored position, one sequence per forward, fp32 log-softmax); dropout is 0.
+        Refuses unless every LoRA tensor is at the start point, or if a non-adapter parameter is trainable."""
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and "lora_" not in n]
+        if trainable:
+            raise PhaseError(f"refusing to step: non-adapter parameter {trainable[0]} is trainable")
+        params = [(n, p) for n, p in self.model.named_parameters()
+                  if "lora_" in n and (only is None or target_kind(n) == only)]
+        if not params:
+            raise PhaseError(f"no LoRA tensors{' of ' + only if only else ''} to step")
+        for name, p in params:
+            start = (self.start_a.get(name) if "lora_A" in name else
+                     self.start_b[name] if self.start_b is not None else torch.zeros_like(p))
+            if start is not None and not torch.equal(p, start):
+                raise PhaseError(f"refusing to step: {name} is not at the start point")
+        chosen = {id(p) for _, p in params}
+        saved = {n: p.requires_grad for n, p in self.model.named_parameters()}
+        before = {n: p.detach().float().clone() for n, p in params}
+        try:
+            for _, p in self.model.named_parameters():
+                p.requires_grad_(id(p) in chosen)
+            optimizer = torch.optim.AdamW([p for _, p in params], lr=learning_rate, betas=(0.9, 0.999), eps=1e-8,
+                                          weight_decay=0.0)
+            optimizer.zero_grad(set_to_none=True)
+            num_positions = sum(len(seq) - 1 for seq in sequences)
+            for seq in sequences:
+                ids = torch.tensor([seq], device=self.device)
+                logits = self.model(input_ids=ids).logits[0, :-1].float()
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+                (-logprobs.sum() / num_positions).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        finally:
+            for n, p in self.model.named_parameters():
+                p.requires_grad_(saved[n])
+        changes: dict[str, list[float]] = {}
+        with torch.no_grad():
+            for name, p in params:
+                acc = changes.setdefault(update_step.group_of(name), [0, 0.0, 0.0])
+                acc[0] += 1
+                acc[1] += float(before[name].double().pow(2).sum())
+                acc[2] += float((p.detach().float() - before[name]).double().pow(2).sum())
+        return Perturbation(kind="optimizer_step", seed=seed, std=0.0, num_tensors=len(params),
+                            num_elements=sum(p.numel() for _, p in params), tensors=[n for n, _ in params],
+                            learning_rate=learning_rate, optimizer=update_step.OPTIMIZER,
+                            objective=update_step.OBJECTIVE,
+                            tensor_changes={g: TensorChange(num_tensors=int(n), l2_before=math.sqrt(b),
+                                                            l2_change=math.sqrt(c))
+                                            for g, (n, b, c) in sorted(changes.items())})
+
     @torch.no_grad()
     def zero_b(self) -> None:
-        """Every B back to the starting adapter's (zero at zero-init)."""
+        """Every LoRA tensor back to the start point: B to the starting adapter's (zero at zero-init),
+        A as initialized or loaded (a step moves it)."""
         for name, p in self._lora_b():
             if self.start_b is None:
                 p.zero_()
             else:
                 p.copy_(self.start_b[name])
+        for name, p in self.model.named_parameters():
+            if name in self.start_a:
+                p.copy_(self.start_a[name])
 
     def export_adapter(self, directory: Path) -> Path:
         self.model.save_pretrained(str(directory), safe_serialization=True)

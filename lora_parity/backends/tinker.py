@@ -44,6 +44,7 @@ from typing import Any
 import tinker
 from tinker import types
 
+from lora_parity import update_step
 from lora_parity.backends import bounded_http
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -252,6 +253,28 @@ class TinkerTrainer(TrainerBackend):
                    "targets [1:]), then optim_step(Adam, beta1 0.9, beta2 0.95, eps 1e-12, no weight decay, "
                    "no clipping)"),
         )
+
+    def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> Perturbation:
+        """`--update step`: `forward_backward` (cross-entropy) on the probe sequences themselves, then one
+        `optim_step` (Adam, betas 0.9/0.999, eps 1e-8, no weight decay) at `learning_rate`, so the step
+        raises the probes' logprobs (the service sums the loss over tokens; Adam's first step from zero
+        moments does not depend on the gradient's scale). Refuses a second update without a fresh client."""
+        if only is not None:
+            raise PhaseError(f"per-target update of {only}: {PER_TARGET_UNAVAILABLE}")
+        if self.updated:
+            raise PhaseError("refusing to step: the training client was already updated (not at the start point)")
+        adam = types.AdamParams(learning_rate=learning_rate, beta1=0.9, beta2=0.999, eps=1e-8,
+                                weight_decay=0.0, grad_clip_norm=0.0)
+        self.client.forward_backward([_datum(seq) for seq in sequences], "cross_entropy").result(timeout=CALL_TIMEOUT_S)
+        self.client.optim_step(adam).result(timeout=CALL_TIMEOUT_S)
+        self.updated = True
+        return Perturbation(
+            kind="optimizer_step", seed=seed, std=0.0, num_tensors=0, num_elements=0, tensors=[],
+            learning_rate=learning_rate, optimizer=update_step.OPTIMIZER.replace("AdamW (torch.optim.AdamW semantics",
+                                                                                "Adam (the service's optim_step"),
+            objective=update_step.OBJECTIVE,
+            scope=f"every LoRA tensor of training client {self.model_id} (rank {self.cfg.adapter.rank}); the "
+                  "service does not list them")
 
     def zero_b(self) -> None:
         """A fresh training client (same seed) if this one was updated: the SDK cannot write weights."""

@@ -37,6 +37,9 @@ ProbesOpt = Annotated[str, typer.Option(
          "({\"tokens\": [ids]} or {\"text\": ...} per line).")]
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
 SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
+UpdateOpt = Annotated[str | None, typer.Option(
+    "--update", help="The trainer's update: noise (seeded noise on LoRA B) or step (one AdamW step on A and B from "
+                     "a seeded warm start, its learning rate searched); default: the config's perturbation.update.")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(
     "--trust-remote-code", help="Allow a config that sets model.trust_remote_code: true to run the checkpoint's "
                                 "own Python code (refused without this flag).")]

@@ -1,0 +1,110 @@
+"""`--update step`: a warm start, then one AdamW step on A and B; the faults only that can reveal.
+The whole matrix on the fake backends, in milliseconds."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lora_parity import config
+from lora_parity.backends.fake import FakeTrainer
+from lora_parity.errors import ConfigError, PhaseError, ReceiptError
+from lora_parity.faults import FAULTS, _fp16, faults_for
+from lora_parity.receipt import CheckStatus, Verdict
+from lora_parity.runner import RunOptions, execute
+from lora_parity.selftest import selftest
+from lora_parity.verify import verify
+from tests.test_calibrate import _reseal
+
+pytestmark = pytest.mark.unit
+
+FAKE = {"trainer": "fake", "sampler": "fake"}
+STEP_ONLY = [name for name, spec in FAULTS.items() if spec.needs_step]
+
+
+def test_from_zero_init_a_step_cannot_move_a() -> None:
+    """dL/dA is proportional to B: at B = 0 the step moves B alone, which is why `step` starts warm."""
+    trainer = FakeTrainer(config.load(None), None, 0, {})
+    record = trainer.step([[1, 2, 3, 4, 5, 6]], 1e-3, 0)
+    assert record.tensor_changes is not None
+    assert all(c.l2_change == 0 for g, c in record.tensor_changes.items() if g.endswith("lora_A"))
+    assert all(c.l2_change > 0 for g, c in record.tensor_changes.items() if g.endswith("lora_B"))
+    with pytest.raises(PhaseError, match="not at the start point"):
+        trainer.step([[1, 2, 3]], 1e-3, 0)
+    trainer.zero_b()
+    trainer.step([[1, 2, 3]], 1e-3, 0, only="q_proj")  # back at the start: allowed again
+
+
+def test_step_receipt_records_the_step_and_verify_replays_the_learning_rate_search(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    receipt = execute(RunOptions(**FAKE, update="step", out=out)).receipt
+    assert receipt.verdict == Verdict.PASS
+    p = receipt.perturbation
+    assert p is not None and p.kind == "optimizer_step" and p.warm_std == 0.02
+    assert p.optimizer and "AdamW" in p.optimizer and p.objective and "mean logprob" in p.objective
+    assert p.calibration is not None and p.calibration.searched == "learning_rate"
+    assert p.learning_rate == p.calibration.std
+    assert p.tensor_changes is not None and {g.split(".")[1] for g in p.tensor_changes} == {"lora_A", "lora_B"}
+    assert all(c.l2_change > 0 for c in p.tensor_changes.values())  # from the warm start A moves too
+    targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(p.target_calibrations or {}) == targets
+    assert "A.adapter_moved" in {c.id for c in receipt.checks}
+    verify(out)
+    data = json.loads(out.read_text())
+    data["perturbation"]["learning_rate"] *= 2  # a larger step than the search chose
+    with pytest.raises(ReceiptError, match="is not the chosen std"):
+        verify(_reseal(data, tmp_path / "tampered.json"))
+
+
+def test_selftest_step_catches_every_fault_old_and_new(tmp_path: Path) -> None:
+    result = selftest(RunOptions(**FAKE, update="step"), tmp_path, seeds=3)
+    names = faults_for("new-id", update="step", trainer=FakeTrainer.traits)
+    assert set(STEP_ONLY) <= set(names) and {"partial-export", "up-gets-gate"} <= set(names)
+    assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
+    assert result.ok and len(result.rows) == 3 * (1 + len(names))
+    stale = next(r for r in result.rows if r.fault == "stale-a")
+    assert stale.expected == "fail: C.parity.mean" and stale.margin is not None and stale.margin > 1
+
+
+@pytest.mark.parametrize("fault", STEP_ONLY)
+def test_the_noise_update_misses_what_only_a_step_reveals(fault: str, tmp_path: Path) -> None:
+    """Under noise A never moves: stale-a publishes the very same files, and the run passes."""
+    noise = execute(RunOptions(**FAKE, update="noise", inject=fault, out=tmp_path / "n.json")).receipt
+    assert noise.verdict == Verdict.PASS
+    step = execute(RunOptions(**FAKE, update="step", inject=fault, out=tmp_path / "s.json")).receipt
+    status = {c.id: c.status for c in step.checks}
+    assert step.verdict == Verdict.FAIL and status["C.parity.mean"] == CheckStatus.FAIL
+    assert fault not in faults_for("new-id") and fault in faults_for("new-id", update="step")
+
+
+def test_partial_export_keeps_the_later_layers(tmp_path: Path) -> None:
+    """Caught under both updates: under noise the kept layers lose their whole update (B was zero)."""
+    for update in ("noise", "step"):
+        receipt = execute(RunOptions(**FAKE, update=update, inject="partial-export",
+                                     out=tmp_path / f"{update}.json")).receipt
+        assert receipt.verdict == Verdict.FAIL, update
+
+
+def test_fp16_cast_saturates_and_flushes() -> None:
+    from lora_parity import adapter_files as af
+
+    t = _fp16(af.Tensor.from_floats("F32", [4], [1e5, -7e4, 1e-9, 0.1]))
+    assert t.dtype == "F16"
+    big, neg, tiny, tenth = t.to_floats()
+    assert big == float("inf") and neg == float("-inf") and tiny == 0.0 and abs(tenth - 0.1) < 1e-4
+
+
+def test_up_gets_gate_needs_both_targets() -> None:
+    from lora_parity.faults import Faults
+
+    with pytest.raises(ConfigError, match="needs target modules"):
+        Faults("up-gets-gate", ["q_proj", "gate_proj"], 10, 1e-4)
+    assert "up-gets-gate" not in faults_for("new-id", targets=["q_proj"])
+
+
+def test_bad_update_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    from tests.conftest import cli
+
+    done = cli("run", "--update", "adam", "--out", str(tmp_path / "r.json"))
+    assert done.returncode == 2 and "unknown update 'adam'" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
