@@ -1,4 +1,4 @@
-from lora_parity.cli import main
+from lora_parity.cli.app import main
 
 if __name__ == "__main__":
     main()

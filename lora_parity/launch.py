@@ -31,7 +31,7 @@ def main() -> None:
 
         serve()
     else:
-        from lora_parity.cli import main as cli_main
+        from lora_parity.cli.app import main as cli_main
 
         cli_main()
 

@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from lora_parity import config, synthetic
 from lora_parity.backends.hf import load_base, pick_device
+from lora_parity.models import config, synthetic
 
 
 @torch.inference_mode()

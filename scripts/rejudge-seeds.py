@@ -15,8 +15,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from lora_parity import checks, selftest
-from lora_parity.verify import verify
+from lora_parity.run import selftest
+from lora_parity.verdict import checks
+from lora_parity.verdict.verify import verify
 
 
 def rejudge(path: Path) -> tuple[bool, bool]:

@@ -41,10 +41,12 @@ from typing import Any
 
 import torch
 
-from lora_parity import config, routing, stats, synthetic
-from lora_parity import probes as probe_sources
 from lora_parity.backends.hf import HFTrainer, score_sequences
-from lora_parity.checkpoint import vocab_size, weights_digest
+from lora_parity.models import config, synthetic
+from lora_parity.models.checkpoint import vocab_size, weights_digest
+from lora_parity.run import probes as probe_sources
+from lora_parity.run import routing
+from lora_parity.verdict import stats
 
 DEFAULT_RECEIPT = "receipts/tiny-glm-dsa.std-0.02__hf__vllm__h200.json"
 

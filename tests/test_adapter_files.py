@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import adapter_files as af
-from lora_parity.perturb import is_lora_b, logical_name, noise_seed, target_kind
+from lora_parity.models import adapter_files as af
+from lora_parity.models.perturb import is_lora_b, logical_name, noise_seed, target_kind
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import breakdown
-from lora_parity.errors import ReceiptError
-from lora_parity.receipt import compute_digest
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import compute_digest
+from lora_parity.util.errors import ReceiptError
+from lora_parity.verdict import breakdown
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli
 

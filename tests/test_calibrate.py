@@ -11,11 +11,14 @@ from typing import Any
 import pytest
 import yaml
 
-from lora_parity import calibrate, config, faults, tracebacks
-from lora_parity import receipt as rc
-from lora_parity.errors import ConfigError, ReceiptError
-from lora_parity.runner import REFERENCE_MARGIN, RunOptions, execute, prepare, reference_decision
-from lora_parity.verify import verify
+from lora_parity.evidence import receipt as rc
+from lora_parity.evidence import tracebacks
+from lora_parity.models import config
+from lora_parity.run import faults
+from lora_parity.run.runner import REFERENCE_MARGIN, RunOptions, execute, prepare, reference_decision
+from lora_parity.util.errors import ConfigError, ReceiptError
+from lora_parity.verdict import calibrate
+from lora_parity.verdict.verify import verify
 
 pytestmark = pytest.mark.unit
 
@@ -189,7 +192,7 @@ def test_crash_receipt_names_the_file_and_line(tmp_path: Path) -> None:
     line = inspect.getsourcelines(faults.Faults.on_phase)[1]
     body = inspect.getsource(faults.Faults.on_phase).splitlines()
     raise_line = line + next(i for i, text in enumerate(body) if "raise PhaseError" in text)
-    where = f"lora_parity/faults.py:{raise_line} on_phase"
+    where = f"lora_parity/run/faults.py:{raise_line} on_phase"
     failed = receipt.phases[-1]
     assert failed.name == "stale" and failed.error_type == "PhaseError"
     assert failed.frames is not None and failed.frames[-1] == where and len(failed.frames) <= tracebacks.MAX_FRAMES
@@ -212,7 +215,7 @@ def test_a_bare_exception_says_where_in_one_line() -> None:
 def test_frame_paths_are_relative() -> None:
     rel = tracebacks.relative_path
     assert rel("/opt/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py") == "vllm/v1/engine/core.py"
-    assert rel(calibrate.__file__) == "lora_parity/calibrate.py"
+    assert rel(calibrate.__file__) == "lora_parity/verdict/calibrate.py"
     assert rel("/somewhere/else/thing.py") == "thing.py"
 
 

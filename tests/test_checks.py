@@ -1,7 +1,7 @@
 import pytest
 
-from lora_parity import checks
-from lora_parity.receipt import Budgets, CheckStatus, Verdict
+from lora_parity.evidence.receipt import Budgets, CheckStatus, Verdict
+from lora_parity.verdict import checks
 
 pytestmark = pytest.mark.unit
 
@@ -148,7 +148,7 @@ def test_the_gpu_glm_receipts_query_targets_are_within_noise() -> None:
     """The GLM-5.3-architecture GPU receipt with the fixed std 0.02 (bf16 profile): the query projections'
     own effect is about the size of the zero-init noise, so their direction and scale are inconclusive (not failures);
     the targets with a clear effect (kv_a_proj_with_mqa, o_proj) pass; re-evaluating reproduces it."""
-    from lora_parity.receipt import load
+    from lora_parity.evidence.receipt import load
 
     from .conftest import ROOT
 

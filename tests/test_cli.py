@@ -89,7 +89,7 @@ def test_models_lists_configs() -> None:
 
 
 def test_revision_from_git_or_unknown(tmp_path: Path) -> None:
-    from lora_parity.runner import git_revision
+    from lora_parity.run.runner import git_revision
 
     unknown = git_revision(None, cwd=tmp_path)
     assert unknown.commit == "unknown" and unknown.reason

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.receipt import Verdict
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import Verdict
+from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT
 

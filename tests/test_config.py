@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config
-from lora_parity.errors import ConfigError
+from lora_parity.models import config
+from lora_parity.util.errors import ConfigError
 
 from .conftest import ROOT
 
@@ -41,7 +41,7 @@ def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
 
 
 def test_hub_ids_are_not_downloaded() -> None:
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     cfg = config.load(None)
     hub = cfg.model_copy(update={"model": config.ModelSpec(hf_id="some-org/some-model")})

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.faults import faults_for
-from lora_parity.receipt import CheckStatus, Verdict, load
-from lora_parity.runner import RunOptions
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, Verdict, load
+from lora_parity.run.faults import faults_for
+from lora_parity.run.runner import RunOptions
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli
 
@@ -22,7 +22,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not install
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory):
-    from lora_parity.selftest import selftest
+    from lora_parity.run.selftest import selftest
 
     out = tmp_path_factory.mktemp("selftest")
     return selftest(RunOptions(), out, repeat=2)
@@ -80,7 +80,7 @@ def test_hf_sampler_reference_passes(tmp_path: Path) -> None:
 
 
 def _batched_config(tmp_path: Path, batch_size: int) -> Path:
-    from lora_parity.config import configs_dir
+    from lora_parity.models.config import configs_dir
 
     text = (configs_dir() / "tiny-qwen3.yaml").read_text(encoding="utf-8")
     path = tmp_path / "tiny-qwen3-batched.yaml"
@@ -93,9 +93,9 @@ def test_hf_batched_forward_equals_one_sequence_per_forward() -> None:
     import torch
 
     from lora_parity.backends.hf import load_base, score_sequences
-    from lora_parity.config import load as load_config
-    from lora_parity.config import make_probes
-    from lora_parity.synthetic import materialize
+    from lora_parity.models.config import load as load_config
+    from lora_parity.models.config import make_probes
+    from lora_parity.models.synthetic import materialize
 
     cfg = load_config("tiny-qwen3")
     assert cfg.model.synthetic is not None
@@ -135,7 +135,7 @@ def test_fp32_reference_is_exact_in_fp32_and_shows_each_sides_bf16_drift(tmp_pat
     assert [p.name for p in receipt.phases].index("reference_fp32") == [p.name for p in receipt.phases].index(
         "trainer_zero") + 1
     # bf16 config: both sides drift from fp32 by bf16 rounding, and the report puts that beside A.
-    from lora_parity.config import configs_dir
+    from lora_parity.models.config import configs_dir
 
     bf16 = tmp_path / "tiny-qwen3-bf16.yaml"
     bf16.write_text((configs_dir() / "tiny-qwen3.yaml").read_text(encoding="utf-8")

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config, generation, probes
-from lora_parity.receipt import CheckStatus, Verdict, load
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, Verdict, load
+from lora_parity.models import config
+from lora_parity.run import generation, probes
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli, llama_with_adapter, needs_smollm2
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config, probes
-from lora_parity.receipt import Verdict, load
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import Verdict, load
+from lora_parity.models import config
+from lora_parity.run import probes
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli, needs_smollm2
 

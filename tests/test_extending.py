@@ -11,11 +11,11 @@ import pytest
 from lora_parity import backends
 from lora_parity.backends.base import AdapterHandle, SamplerBackend, Scores, Sequences
 from lora_parity.backends.fake import FakeSampler, FakeTrainer
-from lora_parity.config import ModelConfig
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import BackendInfo, CheckStatus, Verdict
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import BackendInfo, CheckStatus, Verdict
+from lora_parity.models.config import ModelConfig
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util.errors import ConfigError
+from lora_parity.verdict.verify import verify
 
 pytestmark = pytest.mark.unit
 

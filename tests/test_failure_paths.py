@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 
-from lora_parity import breakdown, checks, config, outpath, signing
-from lora_parity import receipt as rc
-from lora_parity.errors import ConfigError, ReceiptError, ReceiptExistsError
-from lora_parity.receipt_io import MAX_RECEIPT_BYTES, read_bounded
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.evidence import outpath, signing
+from lora_parity.evidence import receipt as rc
+from lora_parity.evidence.receipt_io import MAX_RECEIPT_BYTES, read_bounded
+from lora_parity.models import config
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util.errors import ConfigError, ReceiptError, ReceiptExistsError
+from lora_parity.verdict import breakdown, checks
+from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT, cli
 
@@ -84,7 +86,7 @@ def test_failed_phase_without_error_still_disagrees(fake: Path, tmp_path: Path) 
 
 def _tiny_checkpoint(tmp_path: Path) -> Path:
     """The tiny-qwen3 checkpoint's config.json, with its safetensors cut to half."""
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     src = synthetic.materialize(config.load("tiny-qwen3"))
     dst = tmp_path / "truncated"

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from lora_parity.backends.fake import FakeTrainer
-from lora_parity.faults import FAULTS, faults_for
-from lora_parity.receipt import CheckStatus, PhaseStatus, Verdict
-from lora_parity.runner import RunOptions, execute
-from lora_parity.selftest import selftest
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, PhaseStatus, Verdict
+from lora_parity.run.faults import FAULTS, faults_for
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.run.selftest import selftest
+from lora_parity.verdict.verify import verify
 
 pytestmark = pytest.mark.unit
 
@@ -89,9 +89,9 @@ def test_nan_is_an_error_with_a_clear_message(tmp_path: Path) -> None:
 
 
 def test_perturbation_refuses_nonzero_b_and_trainable_base() -> None:
-    from lora_parity import config
     from lora_parity.backends.fake import FakeTrainer
-    from lora_parity.errors import PhaseError
+    from lora_parity.models import config
+    from lora_parity.util.errors import PhaseError
 
     trainer = FakeTrainer(config.load(None), None, 0, {})
     first = trainer.perturb(0.01, 0)
@@ -105,8 +105,8 @@ def test_perturbation_refuses_nonzero_b_and_trainable_base() -> None:
 
 
 def test_perturbation_is_seeded_per_tensor() -> None:
-    from lora_parity import config
     from lora_parity.backends.fake import FakeTrainer
+    from lora_parity.models import config
 
     cfg = config.load(None)
     a, b = FakeTrainer(cfg, None, 0, {}), FakeTrainer(cfg, None, 0, {})

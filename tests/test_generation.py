@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import adapter_files as af
-from lora_parity import checks, generation, probes
 from lora_parity.backends.fake import FakeTrainer
-from lora_parity.config import load
-from lora_parity.errors import ConfigError, PhaseError
-from lora_parity.faults import FAULTS, faults_for
-from lora_parity.receipt import CheckStatus, Verdict
-from lora_parity.runner import RunOptions, execute
-from lora_parity.selftest import selftest
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, Verdict
+from lora_parity.models import adapter_files as af
+from lora_parity.models.config import load
+from lora_parity.run import generation, probes
+from lora_parity.run.faults import FAULTS, faults_for
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.run.selftest import selftest
+from lora_parity.util.errors import ConfigError, PhaseError
+from lora_parity.verdict import checks
+from lora_parity.verdict.verify import verify
 
 pytestmark = pytest.mark.unit
 

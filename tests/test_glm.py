@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_parity import checks, config, plan, synthetic
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import Budgets, ComparisonStats
-from lora_parity.runner import RunOptions, prepare
+from lora_parity.evidence.receipt import Budgets, ComparisonStats
+from lora_parity.models import config, synthetic
+from lora_parity.run import plan
+from lora_parity.run.runner import RunOptions, prepare
+from lora_parity.util.errors import ConfigError
+from lora_parity.verdict import checks
 
 from .conftest import ROOT, cli
 
@@ -113,8 +115,8 @@ def test_preflight_fails_fast_in_one_line_without_torch() -> None:
     assert "8 GPUs per node, found 0 (CUDA_VISIBLE_DEVICES hides every GPU)" in lines[0] and "--plan" in lines[0]
     probe = "\n".join([
         "import sys",
-        "from lora_parity.errors import ConfigError",
-        "from lora_parity.runner import RunOptions, prepare",
+        "from lora_parity.util.errors import ConfigError",
+        "from lora_parity.run.runner import RunOptions, prepare",
         "try:",
         "    prepare(RunOptions(model='glm-5.3'))",
         "except ConfigError:",
@@ -222,7 +224,7 @@ def test_existing_synthetic_cache_keys_do_not_change() -> None:
     spec = config.load("tiny-qwen3").model.synthetic
     assert spec is not None
     legacy = {k: v for k, v in spec.model_dump(mode="json").items() if k not in ("rms_norm_eps", "moe", "mla")}
-    from lora_parity.receipt import sha256_json
+    from lora_parity.evidence.receipt import sha256_json
 
     assert synthetic.spec_digest(spec, "float32") == sha256_json({"spec": legacy, "dtype": "float32",
                                                                    "generator": 1})[:16]

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lora_parity import receipt as rc
-from lora_parity.errors import ReceiptError
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.evidence import receipt as rc
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util.errors import ReceiptError
+from lora_parity.verdict.verify import verify
 
 pytestmark = pytest.mark.unit
 EXAMPLES = int(os.environ.get("LORA_PARITY_FUZZ_EXAMPLES", "500"))
@@ -159,7 +159,7 @@ def test_outputs_of_hostile_receipts_parse_and_carry_no_markup(valid: dict[str, 
     import xml.etree.ElementTree as ET
 
     from lora_parity import report as rp
-    from lora_parity.junit import junit_xml
+    from lora_parity.cli.junit import junit_xml
 
     mutated = copy.deepcopy(valid)
     for field_path in data.draw(st.lists(st.sampled_from(STRING_FIELDS), min_size=1, max_size=4, unique=True)):

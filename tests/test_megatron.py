@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from lora_parity import adapter_files as af
-from lora_parity import config, synthetic
-from lora_parity.errors import ConfigError, PhaseError
-from lora_parity.faults import faults_for
-from lora_parity.receipt import Verdict, load
-from lora_parity.runner import RunOptions, prepare
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import Verdict, load
+from lora_parity.models import adapter_files as af
+from lora_parity.models import config, synthetic
+from lora_parity.run.faults import faults_for
+from lora_parity.run.runner import RunOptions, prepare
+from lora_parity.util.errors import ConfigError, PhaseError
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli
 
@@ -323,7 +323,7 @@ def test_a_dead_rank_is_an_error_not_a_hang(tp2_trainer: Any) -> None:
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from lora_parity.selftest import selftest
+    from lora_parity.run.selftest import selftest
 
     return selftest(RunOptions(trainer="megatron"), tmp_path_factory.mktemp("megatron-selftest"), repeat=1)
 

@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from lora_parity import adapter_files as af
-from lora_parity import config, generation, start_adapter
 from lora_parity.backends.megatron.blocks import blocks_of
 from lora_parity.backends.megatron.layout import LORA_MODULES, Shape
-from lora_parity.receipt import CheckStatus, Verdict, load
-from lora_parity.synthetic import hf_config_fields
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, Verdict, load
+from lora_parity.models import adapter_files as af
+from lora_parity.models import config
+from lora_parity.models.synthetic import hf_config_fields
+from lora_parity.run import generation, start_adapter
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli, llama_with_adapter
 
@@ -117,8 +118,8 @@ def test_megatron_adapter_check_runs_before_any_backend_import(tmp_path: Path) -
     start_adapter.check_for_trainer(good, "megatron", cfg)  # the right tensors pass
     start_adapter.check_for_trainer(bad, "hf", cfg)  # other trainers: not this check's business
     probe = ("import sys\n"
-             "from lora_parity.errors import ConfigError\n"
-             "from lora_parity.runner import RunOptions, prepare\n"
+             "from lora_parity.util.errors import ConfigError\n"
+             "from lora_parity.run.runner import RunOptions, prepare\n"
              f"try: prepare(RunOptions(trainer='megatron', adapter={str(bad)!r}))\n"
              "except ConfigError as e: print(e)\n"
              "print(sorted(m for m in ('torch', 'vllm', 'megatron') if m in sys.modules))\n")

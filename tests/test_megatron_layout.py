@@ -21,7 +21,7 @@ from lora_parity.backends.megatron.layout import (
     tp_slice,
     unfused_rows,
 )
-from lora_parity.errors import ConfigError, PhaseError
+from lora_parity.util.errors import ConfigError, PhaseError
 
 pytestmark = pytest.mark.unit
 
@@ -176,7 +176,7 @@ def test_the_megatron_backend_imports_neither_the_cli_nor_the_runner() -> None:
     package = Path(__file__).resolve().parent.parent / "lora_parity" / "backends" / "megatron"
     for path in sorted(package.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
-        for upward in ("lora_parity.cli", "lora_parity.runner", "from lora_parity import cli",
+        for upward in ("lora_parity.cli", "lora_parity.run.runner", "from lora_parity import cli",
                        "from lora_parity import runner"):
             assert upward not in text, f"{path.name} imports {upward}"
 

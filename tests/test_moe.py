@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lora_parity import checks, routing, stats
-from lora_parity import receipt as rc
-from lora_parity.errors import ReceiptError, ScoreError
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.evidence import receipt as rc
+from lora_parity.run import routing
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util.errors import ReceiptError, ScoreError
+from lora_parity.verdict import checks, stats
+from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT
 
@@ -254,7 +255,7 @@ def test_glm53_architecture_checkpoint_routes_as_vllm_needs_and_runs_on_hf(tmp_p
     # GLM-5.3's own architecture runs on the GPU build of vLLM only; here its synthetic checkpoint is
     # made, loaded by the HF trainer and the HF reference sampler (bf16 on the CPU), and checked for
     # the routing fields vLLM reads (without them it routes with softmax, or fails to load).
-    from lora_parity import config, synthetic
+    from lora_parity.models import config, synthetic
 
     cfg = config.load("tiny-glm-dsa")
     hf_config = json.loads((synthetic.materialize(cfg) / "config.json").read_text())

@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
-from lora_parity import config, launch, plan
+from lora_parity import launch
 from lora_parity.backends.megatron import liveness, protocol
+from lora_parity.models import config
+from lora_parity.run import plan
 
 from .conftest import ROOT, cli
 

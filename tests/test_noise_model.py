@@ -1,4 +1,4 @@
-"""One noise model per run, every threshold derived from it (lora_parity.thresholds): each numbered
+"""One noise model per run, every threshold derived from it (lora_parity.verdict.thresholds): each numbered
 defect of the verdicts issue, as measured on a held-back real model, reproduced by hand-computed numbers."""
 
 import math
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import checks, explain, thresholds
-from lora_parity.receipt import Check, CheckStatus, NoiseModel, NoiseRule
+from lora_parity.evidence.receipt import Check, CheckStatus, NoiseModel, NoiseRule
+from lora_parity.verdict import checks, explain, thresholds
 
 from .test_verdicts import RELATIVE, cmp
 
@@ -129,8 +129,8 @@ def test_a_c_tail_is_numerics_when_the_rest_of_c_shows_the_sync_worked() -> None
     comparisons = {"A.trainer_vs_sampler": cmp(0.08, 0.3, 0.6), "C.trainer_vs_sampler": cmp(0.08, 0.3, 3.0),
                    "C.sampler_change": cmp(0.9, 2.0, 4.0), "C.trainer_change": cmp(0.9, 2.0, 4.0),
                    "A.sampler_repeat": cmp(0.0, 0.0, 0.0)}
-    from lora_parity import check_rules
-    from lora_parity.receipt import DeltaStats
+    from lora_parity.evidence.receipt import DeltaStats
+    from lora_parity.verdict import check_rules
 
     agree = {"C.delta": DeltaStats(sampler_from="zero", sampler_to="updated", trainer_from="trainer_zero",
                                    trainer_to="trainer_updated", cosine=0.999, scale=1.0, rel_l2=0.02,
@@ -150,10 +150,10 @@ def test_a_c_tail_is_numerics_when_the_rest_of_c_shows_the_sync_worked() -> None
 def test_thresholds_are_recorded_and_verify_refuses_a_changed_one(tmp_path: Path) -> None:
     import json
 
-    from lora_parity.errors import ReceiptError
-    from lora_parity.receipt import compute_digest
-    from lora_parity.runner import RunOptions, execute
-    from lora_parity.verify import verify
+    from lora_parity.evidence.receipt import compute_digest
+    from lora_parity.run.runner import RunOptions, execute
+    from lora_parity.util.errors import ReceiptError
+    from lora_parity.verdict.verify import verify
 
     receipt = execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "r.json")).receipt
     assert receipt.noise is not None and receipt.thresholds is not None
@@ -178,8 +178,9 @@ def test_thresholds_are_recorded_and_verify_refuses_a_changed_one(tmp_path: Path
 def test_defect_1_the_fp32_reference_carries_the_start_adapter(tmp_path: Path) -> None:
     """The fp32 reference scored the base model without the user's adapter: both sides then read the
     adapter's own effect as their distance 'from fp32'."""
-    from lora_parity import config, start_adapter
     from lora_parity.backends.hf import HFTrainer, fp32_reference
+    from lora_parity.models import config
+    from lora_parity.run import start_adapter
 
     from .conftest import llama_with_adapter
 
@@ -217,7 +218,7 @@ def test_c_max_may_reach_its_own_bulks_tail_only_while_that_bulk_is_calm() -> No
 
 @pytest.mark.unit
 def test_receipts_record_no_machine_path() -> None:
-    from lora_parity.provenance import redacted_command
+    from lora_parity.models.provenance import redacted_command
 
     command = ["run", "--model", "/data/ckpts/smollm2", "--out=/home/me/r.json", "--probes", "text",
                "--tinker-url", "http://user:pw@host:1/x"]

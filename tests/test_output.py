@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import explain, output
-from lora_parity.receipt import Check, CheckStatus
+from lora_parity.cli import output
+from lora_parity.evidence.receipt import Check, CheckStatus
+from lora_parity.verdict import explain
 
 from .conftest import ROOT, cli
 
@@ -87,7 +88,7 @@ def test_selftest_prints_each_fault_and_labels_expected_errors(tmp_path: Path) -
 
 _NOISY = textwrap.dedent("""
     import logging, os, subprocess, sys, warnings
-    from lora_parity import live
+    from lora_parity.cli import live
     s = live.Session("normal", "first line")
     with s:
         os.write(2, b"native fd2\\n")
@@ -139,7 +140,7 @@ def _in_pty(argv: list[str], timeout: float = 60) -> str:
 
 _SLOW = textwrap.dedent("""
     import time
-    from lora_parity import live
+    from lora_parity.cli import live
     s = live.Session("normal", "first line")
     with s:
         s.progress("sampler.start", "ok", 1.0)
@@ -164,7 +165,7 @@ def test_colour_on_a_terminal(tmp_path: Path) -> None:
 
 _SPY = textwrap.dedent("""
     import sys
-    from lora_parity import cli
+    from lora_parity.cli import app as cli
     sys.argv = ["lora-parity", "run", *sys.argv[1:]]
     try:
         cli.main()
@@ -194,9 +195,9 @@ def test_bad_option_values_are_refused_before_heavy_imports(args: tuple[str, str
 
 @unit
 def test_selftest_runs_per_target_coverage_only_where_a_fault_needs_it(tmp_path: Path) -> None:
-    from lora_parity.receipt import load
-    from lora_parity.runner import RunOptions
-    from lora_parity.selftest import selftest
+    from lora_parity.evidence.receipt import load
+    from lora_parity.run.runner import RunOptions
+    from lora_parity.run.selftest import selftest
 
     result = selftest(RunOptions(trainer="fake", sampler="fake"), tmp_path, faults=["skip-sync", "drop-target"])
     assert result.ok
@@ -225,7 +226,7 @@ def test_opentelemetry_is_kept_out_unless_tracing_is_configured() -> None:
 
 @pytest.mark.unit
 def test_a_failing_run_says_which_verdict_failed_and_on_what(tmp_path: Path) -> None:
-    from lora_parity.runner import RunOptions, execute
+    from lora_parity.run.runner import RunOptions, execute
 
     skipped = execute(RunOptions(trainer="fake", sampler="fake", inject="skip-sync", out=tmp_path / "s.json")).receipt
     said = output._verdicts_line(skipped)

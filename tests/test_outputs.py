@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from markdown_it import MarkdownIt
 
-from lora_parity import escape
 from lora_parity import report as rp
-from lora_parity.junit import junit_xml
-from lora_parity.receipt import Receipt, compute_digest
+from lora_parity.cli.junit import junit_xml
+from lora_parity.evidence.receipt import Receipt, compute_digest
 from lora_parity.report.plots import _budget_lines
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util import escape
+from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT
 
@@ -137,7 +137,7 @@ def test_junit_of_a_receipt_with_control_characters_parses(runs: dict[str, Path]
 
 
 def test_report_table_diff_and_summary_state_the_signature(runs: dict[str, Path], tmp_path: Path) -> None:
-    from lora_parity import signing
+    from lora_parity.evidence import signing
 
     key, pub = signing.keygen(tmp_path / "key")
     signed = tmp_path / "signed.json"

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config, probes
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import ProbeSource, load
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import ProbeSource, load
+from lora_parity.models import config
+from lora_parity.run import probes
+from lora_parity.util.errors import ConfigError
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config, realmodel
-from lora_parity.config import GgufSpec
-from lora_parity.errors import BackendUnavailableError, ConfigError
+from lora_parity.models import config, realmodel
+from lora_parity.models.config import GgufSpec
+from lora_parity.util.errors import BackendUnavailableError, ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -107,7 +107,7 @@ def test_dtype_flag_is_refused_for_a_config_and_checked() -> None:
 
 
 def test_dtype_flag_reaches_the_receipt(tmp_path: Path) -> None:
-    from lora_parity.receipt import load
+    from lora_parity.evidence.receipt import load
 
     from .conftest import cli
 

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import receipt as rc
-from lora_parity.errors import ReceiptError
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.evidence import receipt as rc
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util.errors import ReceiptError
+from lora_parity.verdict.verify import verify
 
 from .conftest import cli
 

@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 
 from lora_parity import report as rp
-from lora_parity.receipt import Receipt, compute_digest
+from lora_parity.evidence.receipt import Receipt, compute_digest
 from lora_parity.report.plots import PLOTTED, write_plots
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT
 

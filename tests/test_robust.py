@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config, interrupt, scratch
 from lora_parity.backends.megatron.layout import Shape
 from lora_parity.backends.vllm_options import engine_options
-from lora_parity.errors import ConfigError
-from lora_parity.runner import RunOptions, prepare
+from lora_parity.models import config
+from lora_parity.run.runner import RunOptions, prepare
+from lora_parity.util import interrupt, scratch
+from lora_parity.util.errors import ConfigError
 
 from .conftest import ROOT, cli
 
@@ -267,7 +268,7 @@ def test_configs_ship_in_the_wheel_and_never_come_from_the_working_directory(tmp
     (cwd / "configs" / "tiny-qwen3.yaml").write_text(hostile)
     env = {k: v for k, v in os.environ.items() if k not in ("LORA_PARITY_CONFIGS",)}
     env["PYTHONPATH"] = str(site)
-    probe = ("import lora_parity.config as c; cfg = c.load('tiny-qwen3'); "
+    probe = ("import lora_parity.models.config as c; cfg = c.load('tiny-qwen3'); "
              "print(c.__file__, c.configs_dir(), cfg.model.trust_remote_code)")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
     module, where, trusted = r.stdout.split()
@@ -284,8 +285,8 @@ def _parse(name: str, args: list[str]) -> dict[str, object]:
     """The CLI's parser of a recorded command line, as `verify --rerun` hands it to `rerun`."""
     import typer
 
-    from lora_parity.cli import app
-    from lora_parity.commands.receipts import command_parser
+    from lora_parity.cli.app import app
+    from lora_parity.cli.commands.receipts import command_parser
 
     parse: Callable[[str, list[str]], dict[str, object]] = command_parser(typer.main.get_command(app))
     return parse(name, args)
@@ -313,8 +314,8 @@ def test_rerun_reproduces_a_cpu_fp32_receipt_bit_for_bit(fake_receipt: Path) -> 
 def test_rerun_names_the_first_differing_phase_and_position(fake_receipt: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from lora_parity.backends import fake
-    from lora_parity.rerun import options_for, rerun
-    from lora_parity.verify import verify
+    from lora_parity.cli.rerun import options_for, rerun
+    from lora_parity.verdict.verify import verify
 
     receipt = verify(fake_receipt).receipt
     opts = options_for(receipt, PARSE)
@@ -333,7 +334,7 @@ def test_rerun_names_the_first_differing_phase_and_position(fake_receipt: Path,
 
 @unit
 def test_rerun_refuses_when_the_config_changed(fake_receipt: Path, tmp_path: Path) -> None:
-    from lora_parity import receipt as rc
+    from lora_parity.evidence import receipt as rc
 
     data = json.loads(fake_receipt.read_text())
     data["model"]["config_digest"] = "0" * 64

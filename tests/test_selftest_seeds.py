@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from lora_parity import selftest as st
 from lora_parity.backends.fake import FakeTrainer
-from lora_parity.faults import faults_for
-from lora_parity.receipt import Check, CheckStatus, Receipt
-from lora_parity.receipt import load as load_receipt
-from lora_parity.runner import RunOptions
+from lora_parity.evidence.receipt import Check, CheckStatus, Receipt
+from lora_parity.evidence.receipt import load as load_receipt
+from lora_parity.run import selftest as st
+from lora_parity.run.faults import faults_for
+from lora_parity.run.runner import RunOptions
 
 from .conftest import ROOT, cli
 
@@ -163,7 +163,7 @@ def test_cli_seeds_prints_rates_margins_and_a_one_line_summary(tmp_path: Path) -
 def test_cli_exits_1_when_a_fault_is_missed_in_one_seed(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys
-        import lora_parity.selftest as st
+        import lora_parity.run.selftest as st
         real = st.run_once
         def run_once(plan, loaded, fault, out, force, say):
             return real(plan, loaded, None if (plan.opts.seed, fault) == (1, "leak") else fault, out, force, say)

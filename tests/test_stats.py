@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from lora_parity import stats
-from lora_parity.errors import ScoreError
+from lora_parity.util.errors import ScoreError
+from lora_parity.verdict import stats
 
 pytestmark = pytest.mark.unit
 

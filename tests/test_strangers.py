@@ -19,12 +19,16 @@ from typing import Any
 import pytest
 import yaml
 
-from lora_parity import adapter_files as af
-from lora_parity import config, junit, outpath, scratch, start_adapter
-from lora_parity import receipt as rc
-from lora_parity.errors import ConfigError, ReceiptError
-from lora_parity.receipt import Verdict
-from lora_parity.runner import RunOptions, execute, prepare
+from lora_parity.cli import junit
+from lora_parity.evidence import outpath
+from lora_parity.evidence import receipt as rc
+from lora_parity.evidence.receipt import Verdict
+from lora_parity.models import adapter_files as af
+from lora_parity.models import config
+from lora_parity.run import start_adapter
+from lora_parity.run.runner import RunOptions, execute, prepare
+from lora_parity.util import scratch
+from lora_parity.util.errors import ConfigError, ReceiptError
 
 from .conftest import ROOT, cli
 
@@ -161,9 +165,9 @@ def test_02_rerun_takes_no_trust_flag_and_no_path_from_the_receipt(passing: Path
 def test_02_only_the_allow_list_comes_from_the_recorded_command(passing: Path) -> None:
     import typer
 
-    from lora_parity.cli import app
-    from lora_parity.commands.receipts import command_parser
-    from lora_parity.rerun import VerifierInputs, options_for
+    from lora_parity.cli.app import app
+    from lora_parity.cli.commands.receipts import command_parser
+    from lora_parity.cli.rerun import VerifierInputs, options_for
 
     parse = command_parser(typer.main.get_command(app))
     receipt = rc.load(passing)[0].model_copy(update={"command": [
@@ -186,10 +190,11 @@ def test_02_only_the_allow_list_comes_from_the_recorded_command(passing: Path) -
 
 
 def test_02_rerun_has_no_import_of_the_cli() -> None:
-    code = "import sys, lora_parity.rerun, lora_parity.commands.receipts; print('lora_parity.cli' in sys.modules)"
+    code = ("import sys, lora_parity.cli.rerun, lora_parity.cli.commands.receipts; "
+            "print('lora_parity.cli.app' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
-    assert "lora_parity.cli" not in (ROOT / "lora_parity" / "rerun.py").read_text()
+    assert "lora_parity.cli.app" not in (ROOT / "lora_parity" / "cli" / "rerun.py").read_text()
 
 
 def test_16_rerun_exit_code_follows_the_verdict(tmp_path: Path) -> None:
@@ -287,7 +292,7 @@ def test_05_a_fifo_in_place_of_an_input_file_is_refused_without_hanging(what: st
 
 
 def test_05_the_reader_bounds_every_kind_of_file(tmp_path: Path) -> None:
-    from lora_parity import safe_read
+    from lora_parity.util import safe_read
 
     big = tmp_path / "big.json"
     with open(big, "wb") as f:
@@ -331,7 +336,7 @@ main()
 
 
 def test_06_sigterm_with_a_started_server_writes_an_error_receipt_and_leaves_nothing(tmp_path: Path) -> None:
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     synthetic.materialize(config.load(None))  # on disk: the run's own preflight is short
     tmp = tmp_path / "tmp"
@@ -477,7 +482,7 @@ def test_08_a_huge_response_is_refused_not_read(monkeypatch: pytest.MonkeyPatch)
 
 def test_10_a_server_that_echoes_the_key_never_puts_it_in_the_receipt(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     def echo(h: http.server.BaseHTTPRequestHandler) -> None:
         if h.command == "GET":
@@ -528,7 +533,7 @@ def test_11_a_receipt_whose_out_appears_during_the_run_goes_beside_it(tmp_path: 
 
 
 def test_17_receipts_and_logs_follow_the_umask(tmp_path: Path) -> None:
-    from lora_parity import live
+    from lora_parity.cli import live
 
     old = os.umask(0o022)
     try:
@@ -570,7 +575,7 @@ def test_12_non_finite_or_zero_values_are_refused_in_one_line(tmp_path: Path) ->
 
 
 def test_14_init_never_lets_config_json_write_yaml_keys(tmp_path: Path) -> None:
-    from lora_parity.init_config import config_yaml
+    from lora_parity.models.init_config import config_yaml
 
     folder = tmp_path / "ckpt"
     folder.mkdir()

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.faults import FAULTS, faults_for
-from lora_parity.receipt import Verdict
-from lora_parity.runner import RunOptions, execute
-from lora_parity.selftest import selftest
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import Verdict
+from lora_parity.run.faults import FAULTS, faults_for
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.run.selftest import selftest
+from lora_parity.verdict.verify import verify
 
 OWN_FAULT = {"new-id": "reuse-adapter-id", "inplace": "no-reload-flag", "merged": "stale-path",
              "memory": "stale-tensors"}
@@ -40,7 +40,7 @@ def test_merged_modes_record_no_adapter_ids(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_fault_of_another_mode_is_refused(tmp_path: Path) -> None:
-    from lora_parity.errors import ConfigError
+    from lora_parity.util.errors import ConfigError
 
     with pytest.raises(ConfigError, match="applies to sync modes merged"):
         execute(RunOptions(trainer="fake", sampler="fake", sync="new-id", inject="stale-path", out=tmp_path / "r"))

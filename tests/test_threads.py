@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from lora_parity import backends, threads
+from lora_parity import backends
+from lora_parity.util import threads
 
 pytestmark = pytest.mark.unit
 

@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
-from lora_parity import checks, config
 from lora_parity.backends.fake import FakeSampler, FakeTrainer
-from lora_parity.faults import Faults
-from lora_parity.phases import Run, StopRun, run_sequence
-from lora_parity.receipt import CheckStatus, Verdict, load
-from lora_parity.runner import RunOptions, execute, redact_url
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, Verdict, load
+from lora_parity.models import config
+from lora_parity.run.faults import Faults
+from lora_parity.run.phases import Run, StopRun, run_sequence
+from lora_parity.run.runner import RunOptions, execute, redact_url
+from lora_parity.verdict import checks
+from lora_parity.verdict.verify import verify
 
 from . import tinker_server
 from .conftest import cli
@@ -164,7 +165,7 @@ def test_base_and_per_target_are_skipped_where_a_backend_cannot_do_them(tmp_path
 def test_tokenizer_is_deterministic_and_fills_the_vocabulary(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -191,7 +192,7 @@ def test_redact_url_drops_credentials() -> None:
 def test_sampler_alignment_is_detected_and_anything_else_refused() -> None:
     pytest.importorskip("tinker", reason="the tinker SDK (the 'tinker' extra) is not installed")
     from lora_parity.backends.tinker import align_sampler_logprobs
-    from lora_parity.errors import ScoreError
+    from lora_parity.util.errors import ScoreError
 
     assert align_sampler_logprobs([None, -1.0, -2.0], 3, "s") == ([-1.0, -2.0], "leading None")
     assert align_sampler_logprobs([-1.0, -2.0], 3, "s") == ([-1.0, -2.0], "n - 1")

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config
 from lora_parity.backends.fake import FakeTrainer
-from lora_parity.errors import ConfigError, PhaseError, ReceiptError
-from lora_parity.faults import FAULTS, _fp16, faults_for
-from lora_parity.receipt import CheckStatus, Verdict
-from lora_parity.runner import RunOptions, execute
-from lora_parity.selftest import selftest
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, Verdict
+from lora_parity.models import config
+from lora_parity.run.faults import FAULTS, _fp16, faults_for
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.run.selftest import selftest
+from lora_parity.util.errors import ConfigError, PhaseError, ReceiptError
+from lora_parity.verdict.verify import verify
 from tests.test_calibrate import _reseal
 
 pytestmark = pytest.mark.unit
@@ -86,7 +86,7 @@ def test_partial_export_keeps_the_later_layers(tmp_path: Path) -> None:
 
 
 def test_fp16_cast_saturates_and_flushes() -> None:
-    from lora_parity import adapter_files as af
+    from lora_parity.models import adapter_files as af
 
     t = _fp16(af.Tensor.from_floats("F32", [4], [1e5, -7e4, 1e-9, 0.1]))
     assert t.dtype == "F16"
@@ -95,7 +95,7 @@ def test_fp16_cast_saturates_and_flushes() -> None:
 
 
 def test_up_gets_gate_needs_both_targets() -> None:
-    from lora_parity.faults import Faults
+    from lora_parity.run.faults import Faults
 
     with pytest.raises(ConfigError, match="needs target modules"):
         Faults("up-gets-gate", ["q_proj", "gate_proj"], 10, 1e-4)

@@ -17,15 +17,17 @@ from typing import Any
 
 import pytest
 
-from lora_parity import __version__, config, plan
-from lora_parity import checks as checks_mod
+from lora_parity import __version__
 from lora_parity import report as rp
-from lora_parity.init_config import projection_targets
-from lora_parity.junit import junit_xml
-from lora_parity.receipt import CheckStatus, Receipt
+from lora_parity.cli.junit import junit_xml
+from lora_parity.evidence.receipt import CheckStatus, Receipt
+from lora_parity.models import config
+from lora_parity.models.init_config import projection_targets
 from lora_parity.report.plots import PLOTTED, figure
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.run import plan
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.verdict import checks as checks_mod
+from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT
 

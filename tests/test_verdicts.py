@@ -8,11 +8,8 @@ from typing import Any
 
 import pytest
 
-from lora_parity import check_rules, checks, config
 from lora_parity.backends.fake import FakeSampler
-from lora_parity.errors import ConfigError, ReceiptError
-from lora_parity.faults import FAULTS
-from lora_parity.receipt import (
+from lora_parity.evidence.receipt import (
     ATriangulation,
     Budgets,
     CheckStatus,
@@ -21,8 +18,12 @@ from lora_parity.receipt import (
     Verdict,
     compute_digest,
 )
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.models import config
+from lora_parity.run.faults import FAULTS
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util.errors import ConfigError, ReceiptError
+from lora_parity.verdict import check_rules, checks
+from lora_parity.verdict.verify import verify
 
 pytestmark = pytest.mark.unit
 
@@ -278,7 +279,7 @@ def test_verify_rechecks_the_verdicts(tmp_path: Path) -> None:
 
 
 def test_json_summary_carries_both_verdicts(tmp_path: Path) -> None:
-    from lora_parity import output
+    from lora_parity.cli import output
 
     receipt = execute(RunOptions(trainer="fake", sampler="fake", inject="one-token", out=tmp_path / "r.json")).receipt
     summary = output.summary(receipt, "r.json")

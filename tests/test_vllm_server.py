@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import config, synthetic
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_server import server_argv, server_env
-from lora_parity.receipt import Verdict, load
-from lora_parity.runner import RunOptions, execute
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import Verdict, load
+from lora_parity.models import config, synthetic
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT, cli
 

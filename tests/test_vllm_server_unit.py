@@ -13,18 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity import backends, config
+from lora_parity import backends
 from lora_parity.backends.base import AdapterHandle, BackendTraits, CachedScoringSampler, Scores, Sequences
 from lora_parity.backends.fake import FakeSampler
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_server import SAME_NAME_RELOAD_REFUSED, VLLMServerSampler, server_argv, server_env
-from lora_parity.errors import BackendUnavailableError, ConfigError, ScoreError
-from lora_parity.faults import FAULTS, SERVING_LAYER_FAULTS, faults_for
-from lora_parity.provenance import redacted_command
-from lora_parity.receipt import CheckStatus, Verdict
-from lora_parity.runner import RunOptions, execute
-from lora_parity.selftest import selftest
-from lora_parity.verify import verify
+from lora_parity.evidence.receipt import CheckStatus, Verdict
+from lora_parity.models import config
+from lora_parity.models.provenance import redacted_command
+from lora_parity.run.faults import FAULTS, SERVING_LAYER_FAULTS, faults_for
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.run.selftest import selftest
+from lora_parity.util.errors import BackendUnavailableError, ConfigError, ScoreError
+from lora_parity.verdict.verify import verify
 
 pytestmark = pytest.mark.unit
 
@@ -369,7 +370,7 @@ def test_a_run_launches_its_server_before_the_trainer_import_and_the_sampler_ado
         launches: list[tuple[ServerProcess, int]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import time
 
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     synthetic.materialize(config.load(None))  # already on disk: the server can be launched at preflight
     resolved_at: dict[str, float] = {}
@@ -394,7 +395,7 @@ def test_a_run_launches_its_server_before_the_trainer_import_and_the_sampler_ado
 
 def test_a_run_refused_after_the_early_launch_leaves_no_server_and_one_refused_before_launches_none(
         launches: list[tuple[ServerProcess, int]], tmp_path: Path) -> None:
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     synthetic.materialize(config.load(None))
     # --tp is refused by the trainer's traits, after its import: the server is already launched.
@@ -411,9 +412,10 @@ def test_a_run_refused_after_the_early_launch_leaves_no_server_and_one_refused_b
 
 def test_the_server_is_launched_early_only_where_the_checkpoint_is_on_disk_and_none_is_attached(
         launches: list[tuple[ServerProcess, int]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from lora_parity import early_launch, synthetic
     from lora_parity.backends.base import BackendOptions, EarlyLaunchingSampler
-    from lora_parity.runner import prepare
+    from lora_parity.models import synthetic
+    from lora_parity.run import early_launch
+    from lora_parity.run.runner import prepare
 
     cfg = config.load(None)
     built = synthetic.materialize(cfg)

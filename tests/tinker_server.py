@@ -3,7 +3,7 @@
 Installs nothing: it uses the venv that `scripts/skyrl-server.sh install` made in .venv-skyrl/
 (.ci/run runs that before the tests), and starts and stops the server through the same script.
 The server serves a copy of the embedded default's synthetic checkpoint plus a tokenizer made
-locally (`lora_parity.synthetic.add_tokenizer`).
+locally (`lora_parity.models.synthetic.add_tokenizer`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_parity import config, synthetic
+from lora_parity.models import config, synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "skyrl-server.sh"

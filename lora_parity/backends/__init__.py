@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Literal, overload
 
-from lora_parity import threads
 from lora_parity.backends.base import SamplerBackend, TrainerBackend
-from lora_parity.errors import BackendUnavailableError, ConfigError
+from lora_parity.util import threads
+from lora_parity.util.errors import BackendUnavailableError, ConfigError
 
 Kind = Literal["trainer", "sampler"]
 

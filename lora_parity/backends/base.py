@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
-from lora_parity.config import ModelConfig
-from lora_parity.receipt import BackendInfo, Perturbation
+from lora_parity.evidence.receipt import BackendInfo, Perturbation
+from lora_parity.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess
@@ -272,7 +272,7 @@ class StartAdapterTrainer(Protocol):
 @runtime_checkable
 class EarlyLaunchingSampler(Protocol):
     """A sampler that runs a server of its own, which the run may launch before it imports the
-    trainer's libraries, so that the two overlap (`lora_parity.early_launch`)."""
+    trainer's libraries, so that the two overlap (`lora_parity.run.early_launch`)."""
 
     @classmethod
     def launch_early(cls, cfg: ModelConfig, model_dir: Path, options: BackendOptions) -> ServerProcess | None:

@@ -15,13 +15,13 @@ import math
 import random
 from pathlib import Path
 
-from lora_parity import adapter_files as af
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
-from lora_parity.config import ModelConfig
-from lora_parity.errors import PhaseError
-from lora_parity.perturb import is_lora_b, noise_seed, target_kind
-from lora_parity.receipt import BackendInfo, Perturbation
-from lora_parity.update_step import OBJECTIVE, OPTIMIZER, tensor_changes
+from lora_parity.evidence.receipt import BackendInfo, Perturbation
+from lora_parity.models import adapter_files as af
+from lora_parity.models.config import ModelConfig
+from lora_parity.models.perturb import is_lora_b, noise_seed, target_kind
+from lora_parity.models.update_step import OBJECTIVE, OPTIMIZER, tensor_changes
+from lora_parity.util.errors import PhaseError
 
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 

@@ -15,13 +15,13 @@ import peft
 import torch
 import transformers
 
-from lora_parity import update_step
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.backends.moe import Routes, hf_router_topk
-from lora_parity.config import ModelConfig
-from lora_parity.errors import PhaseError
-from lora_parity.perturb import is_lora_b, noise_seed, target_kind
-from lora_parity.receipt import BackendInfo, Perturbation, TensorChange
+from lora_parity.evidence.receipt import BackendInfo, Perturbation, TensorChange
+from lora_parity.models import update_step
+from lora_parity.models.config import ModelConfig
+from lora_parity.models.perturb import is_lora_b, noise_seed, target_kind
+from lora_parity.util.errors import PhaseError
 
 
 def pick_device() -> torch.device:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from lora_parity.errors import BackendUnavailableError
+from lora_parity.util.errors import BackendUnavailableError
 
 LOG_TAIL_LINES = 20
 _RUNNING: dict[int, ServerProcess] = {}

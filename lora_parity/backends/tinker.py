@@ -14,7 +14,7 @@ Token alignment (the rule in backends/base.py), for a sequence of n tokens:
   between calls. A shift by one position with the right length cannot be seen here: check A
   catches it (the `misalign` fault).
 
-How this maps onto the core sequence (`lora_parity.phases`):
+How this maps onto the core sequence (`lora_parity.run.phases`):
 - The SDK cannot write parameters, so the update is an optimizer step: `forward_backward` on a
   fixed, seeded datum plus one Adam `optim_step` with a fixed learning rate, recorded as
   `Perturbation(kind="optimizer_step")`.
@@ -44,7 +44,6 @@ from typing import Any
 import tinker
 from tinker import types
 
-from lora_parity import update_step
 from lora_parity.backends import bounded_http
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -56,11 +55,12 @@ from lora_parity.backends.base import (
     Sequences,
     TrainerBackend,
 )
-from lora_parity.config import ModelConfig
-from lora_parity.errors import ConfigError, PhaseError, ScoreError
-from lora_parity.faults import FILE_FAULTS
-from lora_parity.provenance import redact_url, remember_secret
-from lora_parity.receipt import BackendInfo, Perturbation
+from lora_parity.evidence.receipt import BackendInfo, Perturbation
+from lora_parity.models import update_step
+from lora_parity.models.config import ModelConfig
+from lora_parity.models.provenance import redact_url, remember_secret
+from lora_parity.run.faults import FILE_FAULTS
+from lora_parity.util.errors import ConfigError, PhaseError, ScoreError
 
 UPDATE_NUM_TOKENS = 64
 """Length of the fixed datum the update trains on."""

@@ -27,9 +27,9 @@ from lora_parity.backends.base import (
     Sequences,
 )
 from lora_parity.backends.vllm_options import engine_options, llm_kwargs, private_dist_store
-from lora_parity.config import ModelConfig
-from lora_parity.errors import ConfigError, ScoreError
-from lora_parity.receipt import BackendInfo
+from lora_parity.evidence.receipt import BackendInfo
+from lora_parity.models.config import ModelConfig
+from lora_parity.util.errors import ConfigError, ScoreError
 
 
 def _cpu_environment(kv_cache_gib: float) -> None:

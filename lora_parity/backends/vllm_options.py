@@ -12,8 +12,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from lora_parity import scratch
-from lora_parity.config import ModelConfig
+from lora_parity.models.config import ModelConfig
+from lora_parity.util import scratch
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The max_lora_rank values vLLM accepts."""

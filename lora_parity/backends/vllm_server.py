@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity import scratch
 from lora_parity.backends import bounded_http
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -43,12 +42,13 @@ from lora_parity.backends.base import (
 )
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import max_lora_rank
-from lora_parity.config import DTYPES, TARGET_NAME, ModelConfig
-from lora_parity.errors import ConfigError, ScoreError
-from lora_parity.provenance import redact_secrets, remember_secret
-from lora_parity.provenance import redact_url as redact
-from lora_parity.receipt import BackendInfo
-from lora_parity.receipt_io import one_line
+from lora_parity.evidence.receipt import BackendInfo
+from lora_parity.evidence.receipt_io import one_line
+from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
+from lora_parity.models.provenance import redact_secrets, remember_secret
+from lora_parity.models.provenance import redact_url as redact
+from lora_parity.util import scratch
+from lora_parity.util.errors import ConfigError, ScoreError
 
 PREFLIGHT_TIMEOUT_S = 5.0
 """Longest wait for an attached server's `/health` before the run starts."""

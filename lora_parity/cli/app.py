@@ -1,5 +1,5 @@
 """The command line: thin wiring from typer commands to library functions. `run`, `selftest` and
-`keygen` are here; the commands that read receipts and model configs are in `lora_parity.commands`.
+`keygen` are here; the commands that read receipts and model configs are in `lora_parity.cli.commands`.
 
 Exit codes: 0 pass; 1 fail or inconclusive; 2 bad input, an errored run, or a receipt that does
 not verify.
@@ -15,10 +15,11 @@ from typing import Annotated, Any
 
 import typer
 
-from lora_parity import __version__, lean, live, output
-from lora_parity.commands import models as models_cmd
-from lora_parity.commands import receipts as receipts_cmd
-from lora_parity.commands.options import (
+from lora_parity import __version__
+from lora_parity.cli import live, output
+from lora_parity.cli.commands import models as models_cmd
+from lora_parity.cli.commands import receipts as receipts_cmd
+from lora_parity.cli.commands.options import (
     AdapterOpt,
     ApiKeyEnvOpt,
     BatchInvariantOpt,
@@ -41,7 +42,8 @@ from lora_parity.commands.options import (
     UpdateOpt,
     exit_for,
 )
-from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
+from lora_parity.util import lean
+from lora_parity.util.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, LoraParityError
 
 PROG = "lora-parity"
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' own output and every phase.")]
@@ -124,10 +126,10 @@ def run(
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
         _print_plan(ctx, model, trainer, sampler, tp)
-    from lora_parity.runner import RunOptions
+    from lora_parity.run.runner import RunOptions
 
     if junit is not None:
-        from lora_parity.junit import check_target
+        from lora_parity.cli.junit import check_target
 
         check_target(junit)
 
@@ -153,7 +155,7 @@ def run(
     output.result(result.receipt, str(path), json_, time.perf_counter() - start, str(log) if log else None,
                   quiet=quiet)
     if junit is not None:
-        from lora_parity.junit import write_junit
+        from lora_parity.cli.junit import write_junit
 
         write_junit(result.receipt, str(path), junit, signature)
     if github_summary:
@@ -166,8 +168,8 @@ def run(
 def _execute_interruptible(opts: Any, session: Any) -> Any:
     """`execute`, with SIGINT and SIGTERM ending the run the same way: a receipt (verdict error), one
     line naming it, the work dir removed, child processes ended, exit code 128 + the signal."""
-    from lora_parity import interrupt
-    from lora_parity.runner import RunInterrupted, execute
+    from lora_parity.run.runner import RunInterrupted, execute
+    from lora_parity.util import interrupt
 
     with interrupt.handle_signals():
         try:
@@ -186,8 +188,8 @@ def _execute_interruptible(opts: Any, session: Any) -> Any:
 
 def _print_plan(ctx: typer.Context, model: str | None, trainer: str, sampler: str, tp: int) -> None:
     """`run --plan`: the plan with --model as given, and --trainer / --sampler / --tp where the user gave them."""
-    from lora_parity import config
-    from lora_parity.plan import render
+    from lora_parity.models import config
+    from lora_parity.run.plan import render
 
     def given(name: str) -> bool:
         source = ctx.get_parameter_source(name)
@@ -200,7 +202,7 @@ def _print_plan(ctx: typer.Context, model: str | None, trainer: str, sampler: st
 
 
 def _signing() -> Any:
-    from lora_parity import signing
+    from lora_parity.evidence import signing
 
     return signing
 
@@ -243,16 +245,16 @@ def selftest(
 ) -> None:
     """A clean run, then every injected fault (per seed with --seeds N); exit 0 only if every clean run passes
     and every fault is caught in every seed."""
-    from lora_parity.runner import RunOptions
-    from lora_parity.selftest import selftest as run_selftest
+    from lora_parity.run.runner import RunOptions
+    from lora_parity.run.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
                       per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, update=update,
                       revision=revision,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir)
-    from lora_parity import interrupt
-    from lora_parity.runner import RunInterrupted
+    from lora_parity.run.runner import RunInterrupted
+    from lora_parity.util import interrupt
 
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)

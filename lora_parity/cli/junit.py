@@ -15,12 +15,12 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from lora_parity import check_rules
-from lora_parity.errors import ConfigError
-from lora_parity.escape import xml
-from lora_parity.receipt import Check, CheckStatus, Receipt
+from lora_parity.evidence.receipt import Check, CheckStatus, Receipt
 from lora_parity.report.document import fmt_num
 from lora_parity.report.facts import signature_note, threshold
+from lora_parity.util.errors import ConfigError
+from lora_parity.util.escape import xml
+from lora_parity.verdict import check_rules
 
 
 def _element(parent: ET.Element, tag: str, attrs: dict[str, str], text: str | None = None) -> ET.Element:
@@ -84,7 +84,7 @@ def junit_xml(receipt: Receipt, receipt_path: str, signature: str | None = None)
 def write_junit(receipt: Receipt, receipt_path: str, path: Path, signature: str | None = None) -> Path:
     """Write `junit_xml` to `path` atomically (a temporary file in its folder, then a rename); only a
     regular file is replaced."""
-    from lora_parity.receipt_io import check_replaceable
+    from lora_parity.evidence.receipt_io import check_replaceable
     from lora_parity.report.files import write_atomic
 
     check_replaceable(path, "--junit")
@@ -98,7 +98,7 @@ def write_junit(receipt: Receipt, receipt_path: str, path: Path, signature: str 
 def check_target(path: Path) -> None:
     """Refuse, before a run, a `--junit` path that cannot be written: a folder, a missing folder, one
     that is not writable or full, or anything but a regular file in its place (a device stays one)."""
-    from lora_parity.outpath import check_writable
+    from lora_parity.evidence.outpath import check_writable
 
     if path.is_dir():
         raise ConfigError(f"--junit {path}: is a folder; give a file path")

@@ -25,10 +25,10 @@ from typing import IO, Any
 from rich.live import Live
 from rich.spinner import Spinner
 
-from lora_parity import output
-from lora_parity.errors import LoraParityError
-from lora_parity.escape import rich as escape
-from lora_parity.receipt_io import umask_mode
+from lora_parity.cli import output
+from lora_parity.evidence.receipt_io import umask_mode
+from lora_parity.util.errors import LoraParityError
+from lora_parity.util.escape import rich as escape
 
 MODES = ("verbose", "normal", "quiet")
 
@@ -152,7 +152,7 @@ def mode_of(verbose: bool, quiet: bool) -> str:
 
 def describe(opts: Any, what: str = "run") -> str:
     """The first line a run prints: what runs, and that third-party output goes to a log."""
-    from lora_parity.config import DEFAULT_MODEL
+    from lora_parity.models.config import DEFAULT_MODEL
 
     fault = f", injected fault {opts.inject}" if getattr(opts, "inject", None) else ""
     return (f"lora-parity {what}: {opts.model or DEFAULT_MODEL}, {opts.trainer} trainer vs {opts.sampler} "

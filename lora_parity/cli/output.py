@@ -1,7 +1,7 @@
 """All terminal output: rich for people (progress and hints on stderr, results on stdout), JSON for machines.
 
 Paths and user text (config names, error messages, target names, anything a receipt brings) are
-printed literally: they go through `lora_parity.escape` (`rich` inside markup, `terminal` otherwise),
+printed literally: they go through `lora_parity.util.escape` (`rich` inside markup, `terminal` otherwise),
 so `[/b]` in a path is never read as rich markup and no escape sequence from a receipt reaches the screen.
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lora_parity import escape as esc
-from lora_parity import explain
-from lora_parity.checks import not_passing
-from lora_parity.errors import ConfigError
-from lora_parity.escape import rich as escape
-from lora_parity.receipt import Receipt
+from lora_parity.evidence.receipt import Receipt
+from lora_parity.util import escape as esc
+from lora_parity.util.errors import ConfigError
+from lora_parity.util.escape import rich as escape
+from lora_parity.verdict import explain
+from lora_parity.verdict.checks import not_passing
 
 err = Console(stderr=True, highlight=False, emoji=False)
 out = Console(highlight=False, emoji=False)
@@ -123,7 +123,7 @@ def closing_line(receipt: Receipt, path: str, seconds: float) -> str:
 def _fault_line(receipt: Receipt) -> str | None:
     if not receipt.injected_fault:
         return None
-    from lora_parity.faults import FAULTS
+    from lora_parity.run.faults import FAULTS
 
     name = receipt.injected_fault.partition("=")[0]
     spec = FAULTS.get(name)

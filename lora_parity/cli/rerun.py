@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, ConfigError
-from lora_parity.receipt import Receipt, Verdict
-from lora_parity.receipt_io import one_line
+from lora_parity.evidence.receipt import Receipt, Verdict
+from lora_parity.evidence.receipt_io import one_line
+from lora_parity.util.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, ConfigError
 
 CARRIED = ("probes", "per_target", "tp", "reference", "dtype", "budgets", "base_model")
 """`run` options carried over from the receipt's recorded command line (checked by `run`'s own
@@ -82,7 +82,7 @@ def _command_params(command: list[str], parse: ParseCommand) -> dict[str, Any]:
 def shipped_config(name: str) -> str:
     """The shipped config (in `config.configs_dir()`) that `name`, taken from a receipt, names;
     `ConfigError` for anything else (a path, `../`, a name no config has)."""
-    from lora_parity.config import configs_dir
+    from lora_parity.models.config import configs_dir
 
     path = configs_dir() / f"{name}.yaml"
     if not _NAME.fullmatch(name) or ".." in name or not path.is_file():
@@ -96,7 +96,7 @@ def options_for(receipt: Receipt, parse: ParseCommand, mine: VerifierInputs = Ve
     the `CARRIED` options from its recorded command line, the model from `mine.model` or a shipped
     config the receipt names, URLs only from `mine`. `ConfigError` when the run needs what only the
     verifier can give."""
-    from lora_parity.runner import RunOptions
+    from lora_parity.run.runner import RunOptions
 
     recorded = _command_params(list(receipt.command), parse)
     params = {k: v for k, v in recorded.items() if k in CARRIED and v is not None}
@@ -146,7 +146,7 @@ def first_difference(recorded: dict[str, list[list[float]]], fresh: dict[str, li
 
 
 def _revision_note(receipt: Receipt) -> str:
-    from lora_parity.provenance import git_revision
+    from lora_parity.models.provenance import git_revision
 
     current, recorded = git_revision(None), receipt.revision
     if current.source == "git" and current.commit == recorded.commit and not current.dirty:
@@ -160,7 +160,7 @@ def rerun(receipt: Receipt, parse: ParseCommand, mine: VerifierInputs = Verifier
     """Repeat the receipt's run (nothing is written beside it) and compare the raw scores; the exit
     code then follows the receipt's verdict, as `verify`'s does. `parse` is the CLI's parser of the
     recorded command line; `mine` what the verifier gave."""
-    from lora_parity.runner import execute, prepare
+    from lora_parity.run.runner import execute, prepare
 
     note = _revision_note(receipt)
     try:

@@ -9,8 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lora_parity.errors import ConfigError, ReceiptExistsError
-from lora_parity.receipt_io import check_replaceable
+from lora_parity.evidence.receipt_io import check_replaceable
+from lora_parity.util.errors import ConfigError, ReceiptExistsError
 
 MIN_FREE_BYTES = 16 * 1024 * 1024
 """Free space the output folder needs: real receipts are 100-140 KB; this leaves a wide margin."""

@@ -14,54 +14,54 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from lora_parity.errors import ReceiptError
-from lora_parity.receipt_io import MAX_RECEIPT_BYTES as MAX_RECEIPT_BYTES
-from lora_parity.receipt_io import one_line, parse_json, read_bounded, write_text_atomic
-from lora_parity.receipt_models import ATriangulation as ATriangulation
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_io import MAX_RECEIPT_BYTES as MAX_RECEIPT_BYTES
+from lora_parity.evidence.receipt_io import one_line, parse_json, read_bounded, write_text_atomic
+from lora_parity.evidence.receipt_models import ATriangulation as ATriangulation
+from lora_parity.evidence.receipt_models import (
     BucketStats as BucketStats,
 )
-from lora_parity.receipt_models import Calibration as Calibration
-from lora_parity.receipt_models import CalibrationStep as CalibrationStep
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import Calibration as Calibration
+from lora_parity.evidence.receipt_models import CalibrationStep as CalibrationStep
+from lora_parity.evidence.receipt_models import (
     Check as Check,
 )
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import (
     CheckStatus as CheckStatus,
 )
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import (
     ComparisonStats as ComparisonStats,
 )
-from lora_parity.receipt_models import CRelative as CRelative
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import CRelative as CRelative
+from lora_parity.evidence.receipt_models import (
     DeltaStats as DeltaStats,
 )
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import (
     ErrorBreakdown as ErrorBreakdown,
 )
-from lora_parity.receipt_models import ErrorDetail as ErrorDetail
-from lora_parity.receipt_models import GroupVerdict as GroupVerdict
-from lora_parity.receipt_models import JsonScalar as JsonScalar
-from lora_parity.receipt_models import NoiseModel as NoiseModel
-from lora_parity.receipt_models import NoiseRule as NoiseRule
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import ErrorDetail as ErrorDetail
+from lora_parity.evidence.receipt_models import GroupVerdict as GroupVerdict
+from lora_parity.evidence.receipt_models import JsonScalar as JsonScalar
+from lora_parity.evidence.receipt_models import NoiseModel as NoiseModel
+from lora_parity.evidence.receipt_models import NoiseRule as NoiseRule
+from lora_parity.evidence.receipt_models import (
     PhaseStatus as PhaseStatus,
 )
-from lora_parity.receipt_models import Reference as Reference
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import Reference as Reference
+from lora_parity.evidence.receipt_models import (
     RouterAgreement as RouterAgreement,
 )
-from lora_parity.receipt_models import (  # re-exported: callers import them from here
+from lora_parity.evidence.receipt_models import (  # re-exported: callers import them from here
     Strict as Strict,
 )
-from lora_parity.receipt_models import ThresholdRecord as ThresholdRecord
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import ThresholdRecord as ThresholdRecord
+from lora_parity.evidence.receipt_models import (
     Verdict as Verdict,
 )
-from lora_parity.receipt_models import Verdicts as Verdicts
-from lora_parity.receipt_models import (
+from lora_parity.evidence.receipt_models import Verdicts as Verdicts
+from lora_parity.evidence.receipt_models import (
     WorstPosition as WorstPosition,
 )
+from lora_parity.util.errors import ReceiptError
 
 SCHEMA_VERSION = 1
 
@@ -110,7 +110,7 @@ class Budgets(Strict):
     max(their budget, kε/|t|) (C.delta and T.*); where kε/|t| >= 1 they are inconclusive (noise explains
     any change). None: the fixed budgets alone."""
     noise: NoiseRule | None = None
-    """The noise model's rule (`lora_parity.thresholds`): B's stimulus, C's tail, the generation checks and
+    """The noise model's rule (`lora_parity.verdict.thresholds`): B's stimulus, C's tail, the generation checks and
     the calibration window derive from the noise measured at the start point. None: receipts made before
     it, judged by the rules they were made with."""
 
@@ -129,7 +129,7 @@ class StartAdapter(Strict):
     name: str
     """The adapter folder's name (never its path on the machine)."""
     sha256: str
-    """sha256 of adapter_config.json and adapter_model.safetensors (`lora_parity.start_adapter.digest`)."""
+    """sha256 of adapter_config.json and adapter_model.safetensors (`lora_parity.run.start_adapter.digest`)."""
     base_model: str | None = None
     """base_model_name_or_path from its adapter_config.json, as written there."""
 
@@ -267,7 +267,7 @@ class Perturbation(Strict):
     """Per-target coverage: each target kind's own std search (`perturbation.std: auto`)."""
     recipe: str | None = None
     """How to rebuild the update from this record alone (kind lora_b_noise: the generator, the per-tensor
-    seed and the noise's dtype; `lora_parity.perturb.RECIPE`). None in receipts made before it."""
+    seed and the noise's dtype; `lora_parity.models.perturb.RECIPE`). None in receipts made before it."""
     optimizer: str | None = None
     """The optimizer step's optimizer and its settings, in words (kind optimizer_step, `--update step`)."""
     objective: str | None = None
@@ -313,7 +313,7 @@ class PhaseRecord(Strict):
 
 
 SyncModeName = Literal["new-id", "inplace", "merged", "memory"]
-"""The `--sync` modes (`lora_parity.sync`)."""
+"""The `--sync` modes (`lora_parity.run.sync`)."""
 
 
 class Receipt(Strict):

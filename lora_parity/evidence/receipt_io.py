@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from lora_parity.errors import ConfigError, ReceiptError, ReceiptExistsError
-from lora_parity.safe_read import read_bytes
+from lora_parity.util.errors import ConfigError, ReceiptError, ReceiptExistsError
+from lora_parity.util.safe_read import read_bytes
 
 MAX_RECEIPT_BYTES = 64 * 1024 * 1024
 """Largest receipt file `verify` reads. Real receipts are 100-140 KB (the largest committed one,

@@ -1,5 +1,5 @@
 """The receipt's building blocks: the strict base model, status enums, and the statistics, checks and
-diagnostics records a receipt holds (`lora_parity.receipt` re-exports every name)."""
+diagnostics records a receipt holds (`lora_parity.evidence.receipt` re-exports every name)."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ class ATriangulation(Strict):
 
 class NoiseRule(Strict):
     """The one rule that turns the noise measured at the start point into every threshold
-    (`lora_parity.thresholds`, docs/verdicts.md). Absent from receipts made before it existed:
+    (`lora_parity.verdict.thresholds`, docs/verdicts.md). Absent from receipts made before it existed:
     their checks keep the rules they were made with."""
 
     stimulus_margin: float = Field(default=2.0, ge=1)
@@ -221,7 +221,7 @@ class NoiseRule(Strict):
 
 class NoiseModel(Strict):
     """The noise measured once at the start point (the user's adapter, or zero-init), from which
-    every threshold is derived (`lora_parity.thresholds`); `verify` recomputes it from the scores."""
+    every threshold is derived (`lora_parity.verdict.thresholds`); `verify` recomputes it from the scores."""
 
     start: Literal["zero-init", "start adapter"]
     """Where the sides start: B = 0, or the user's adapter (`--adapter`)."""
@@ -246,7 +246,7 @@ class NoiseModel(Strict):
 
 
 class ThresholdRecord(Strict):
-    """One check's threshold, derived before the checks ran (`lora_parity.thresholds`)."""
+    """One check's threshold, derived before the checks ran (`lora_parity.verdict.thresholds`)."""
 
     budget: float
     """The number the check's observed value is compared with."""
@@ -286,7 +286,7 @@ class CalibrationStep(Strict):
 
 
 class Calibration(Strict):
-    """The search for the B-noise std (`perturbation.std: auto`, see `lora_parity.calibrate`):
+    """The search for the B-noise std (`perturbation.std: auto`, see `lora_parity.verdict.calibrate`):
     `lora-parity verify` rechecks the rule from these numbers and the scores."""
 
     a_mean: float

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_parity.errors import BackendUnavailableError, ConfigError, ReceiptError
-from lora_parity.receipt_io import read_bounded, write_text_atomic
+from lora_parity.evidence.receipt_io import read_bounded, write_text_atomic
+from lora_parity.util.errors import BackendUnavailableError, ConfigError, ReceiptError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey

@@ -6,12 +6,12 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
-from lora_parity.errors import LoraParityError
-from lora_parity.receipt import ErrorDetail
+from lora_parity.evidence.receipt import ErrorDetail
+from lora_parity.util.errors import LoraParityError
 
 MAX_FRAMES = 5
 """Innermost frames kept."""
-_PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # lora_parity/evidence/tracebacks.py
 
 
 def relative_path(filename: str) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import safe_read
-from lora_parity.errors import ConfigError
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

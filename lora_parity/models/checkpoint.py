@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import safe_read
-from lora_parity.config import ModelConfig
-from lora_parity.errors import ConfigError
+from lora_parity.models.config import ModelConfig
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 
 def hub_cache_dirs() -> list[Path]:
@@ -55,7 +55,7 @@ def local_folder(cfg: ModelConfig) -> Path | None:
     """The config's checkpoint folder: its path, its hub id's snapshot in the local HF cache, or a
     registry package's GGUF converted (built and cached on first use)."""
     if cfg.model.gguf is not None:
-        from lora_parity import synthetic
+        from lora_parity.models import synthetic
 
         return synthetic.materialize(cfg)
     if cfg.model.path is not None:
@@ -170,7 +170,7 @@ def preflight_hf_config(cfg: ModelConfig) -> dict[str, Any] | None:
     model not in the cache)."""
     spec = cfg.model.synthetic
     if spec is not None:
-        from lora_parity.synthetic import hf_config_fields
+        from lora_parity.models.synthetic import hf_config_fields
 
         return hf_config_fields(spec)
     folder = Path(cfg.model.path) if cfg.model.path else hub_checkpoint(cfg.model.hf_id) if cfg.model.hf_id else None

@@ -15,11 +15,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lora_parity import safe_read
-from lora_parity.errors import ConfigError
-from lora_parity.lora_targets import projection_targets, tensor_names
-from lora_parity.receipt import Budgets, Probes, sha256_json
-from lora_parity.receipt_io import nonfinite_field, one_line
+from lora_parity.evidence.receipt import Budgets, Probes, sha256_json
+from lora_parity.evidence.receipt_io import nonfinite_field, one_line
+from lora_parity.models.lora_targets import projection_targets, tensor_names
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 DEFAULT_MODEL = "tiny-qwen3"
 TARGET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}(\.[A-Za-z0-9_]{1,128}){0,15}")
@@ -34,7 +34,7 @@ class _Cfg(BaseModel):
 
 
 class SyntheticSpec(_Cfg):
-    """A checkpoint generated deterministically from a seed (see `lora_parity.synthetic`)."""
+    """A checkpoint generated deterministically from a seed (see `lora_parity.models.synthetic`)."""
 
     architecture: Literal[
         "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM"
@@ -128,7 +128,7 @@ class MLASpec(_Cfg):
 
 
 class GgufSpec(_Cfg):
-    """A trained model an installed registry package ships as a GGUF file (see `lora_parity.realmodel`):
+    """A trained model an installed registry package ships as a GGUF file (see `lora_parity.models.realmodel`):
     dequantized by transformers, cast to the config's dtype, and cached as an HF checkpoint."""
 
     package: str
@@ -179,13 +179,13 @@ class PerturbationSpec(_Cfg):
     a seeded warm adapter (B = N(0, warm_std²) per tensor, published as version 0), then takes one
     AdamW step on A and B together (dropout 0) that raises the mean logprob of the probe tokens (a
     policy-gradient step with unit advantages), its learning rate searched in the noise window
-    (`lora_parity.calibrate`). From B = 0 a step cannot move A (dL/dA is proportional to B), so the
+    (`lora_parity.verdict.calibrate`). From B = 0 a step cannot move A (dL/dA is proportional to B), so the
     warm start is what lets a stale A show (docs/verdicts.md)."""
 
     std: Annotated[float, Field(gt=0)] | Literal["auto"]
     """Std of the noise added to every LoRA B tensor (trainers that expose their tensors); 'auto':
     searched on the trainer alone until its change is at least stimulus_factor times A's mean
-    disagreement and at least budgets.min_stimulus (`lora_parity.calibrate`)."""
+    disagreement and at least budgets.min_stimulus (`lora_parity.verdict.calibrate`)."""
     stimulus_factor: float = Field(default=5.0, gt=0)
     """k of std 'auto': the trainer's change must be at least k times A's mean disagreement (and B.stimulus's
     threshold). 5: enough for every direction check (noise bends a 5x change by at most about 25°), while
@@ -202,7 +202,7 @@ class PerturbationSpec(_Cfg):
 
 
 class ProbeSpec(_Cfg):
-    """Deterministic probe sequences (see `lora_parity.probes`): their lengths and a seed per set."""
+    """Deterministic probe sequences (see `lora_parity.run.probes`): their lengths and a seed per set."""
 
     lengths: list[int] = Field(min_length=1)
     seeds: dict[str, int]
@@ -278,7 +278,7 @@ class SamplerLaunch(_Cfg):
 
 
 class LaunchSpec(_Cfg):
-    """Resources and parallel layout of a multi-GPU, multi-node run (rendered by `lora_parity.plan`)."""
+    """Resources and parallel layout of a multi-GPU, multi-node run (rendered by `lora_parity.run.plan`)."""
 
     gpus_per_node: int = Field(gt=0)
     """GPUs on each node."""
@@ -345,7 +345,7 @@ def configs_dir() -> Path:
     env = os.environ.get("LORA_PARITY_CONFIGS")
     if env:
         return Path(env)
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # lora_parity/, from lora_parity/models/config.py
     if (package / "configs").is_dir():
         return package / "configs"
     return package.parent / "configs"
@@ -477,8 +477,8 @@ def _resolve(name_or_path: str | None, dtype: str | None) -> ModelConfig:
 
 
 def make_probes(spec: ProbeSpec, set_name: str, vocab_size: int) -> Probes:
-    """The random probe set `set_name` (kept for callers; the sources live in `lora_parity.probes`)."""
-    from lora_parity.probes import random_probes
+    """The random probe set `set_name` (kept for callers; the sources live in `lora_parity.run.probes`)."""
+    from lora_parity.run.probes import random_probes
 
     return random_probes(spec, set_name, vocab_size)
 

@@ -16,10 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from lora_parity import config, safe_read
-from lora_parity.errors import ConfigError
-from lora_parity.lora_targets import projection_targets, tensor_names
-from lora_parity.receipt_io import one_line
+from lora_parity.evidence.receipt_io import one_line
+from lora_parity.models import config
+from lora_parity.models.lora_targets import projection_targets, tensor_names
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 __all__ = ["config_yaml", "projection_targets", "tensor_names"]
 
@@ -92,7 +93,7 @@ def config_yaml(folder: Path) -> str:
         f"# lora-parity config for the checkpoint folder {one_line(name, 200)}",
         f"# ({arch}, model_type {model_type}), written by `lora-parity init`: the settings",
         "# `lora-parity run --model FOLDER` uses. Check it, then: lora-parity run --model THIS_FILE. Field",
-        "# reference: README, and the pydantic models in lora_parity/config.py (every field has a docstring).",
+        "# reference: README, and the pydantic models in lora_parity/models/config.py (every field has a docstring).",
         f"name: {_v(name)}",
         f"description: {_v(f'local checkpoint {name} ({arch}), {cfg.model.dtype}, LoRA r{cfg.adapter.rank}')}",
     ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lora_parity import safe_read
+from lora_parity.util import safe_read
 
 # Canonical order of the projection names seen in Qwen/Llama (q..down) and GLM/DeepSeek MLA models.
 _ORDER = ["q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from lora_parity.config import ModelConfig
-from lora_parity.receipt import Environment, Revision
+from lora_parity.evidence.receipt import Environment, Revision
+from lora_parity.models.config import ModelConfig
 
 REDACTED = "[redacted]"
 _SECRETS: set[str] = set()

@@ -19,9 +19,9 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from lora_parity.config import GgufSpec
-from lora_parity.errors import BackendUnavailableError, ConfigError
-from lora_parity.receipt import sha256_json
+from lora_parity.evidence.receipt import sha256_json
+from lora_parity.models.config import GgufSpec
+from lora_parity.util.errors import BackendUnavailableError, ConfigError
 
 GENERATOR = 1
 """Bumped when the conversion changes, so cached folders are rebuilt."""

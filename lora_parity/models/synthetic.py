@@ -15,9 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lora_parity.config import ModelConfig, SyntheticSpec
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import sha256_json
+from lora_parity.evidence.receipt import sha256_json
+from lora_parity.models.config import ModelConfig, SyntheticSpec
+from lora_parity.util.errors import ConfigError
 
 
 def cache_root() -> Path:
@@ -115,7 +115,7 @@ def materialize(cfg: ModelConfig) -> Path:
             raise ConfigError(f"model path {path} not found or has no config.json")
         return path
     if spec.hf_id is not None:
-        from lora_parity.checkpoint import hub_checkpoint
+        from lora_parity.models.checkpoint import hub_checkpoint
 
         snapshot = hub_checkpoint(spec.hf_id)
         if snapshot is not None:  # already in the local Hugging Face cache: used as it is
@@ -125,7 +125,7 @@ def materialize(cfg: ModelConfig) -> Path:
             "download it yourself and pass the folder with --model PATH"
         )
     if spec.gguf is not None:
-        from lora_parity import realmodel
+        from lora_parity.models import realmodel
 
         return realmodel.materialize(cfg.name, spec.gguf, spec.dtype, cache_root())
     assert spec.synthetic is not None
@@ -159,7 +159,7 @@ def cached(cfg: ModelConfig) -> Path | None:
     if spec.path is not None:
         folder: Path | None = Path(spec.path)
     elif spec.hf_id is not None:
-        from lora_parity.checkpoint import hub_checkpoint
+        from lora_parity.models.checkpoint import hub_checkpoint
 
         folder = hub_checkpoint(spec.hf_id)
     elif spec.synthetic is not None:

@@ -2,7 +2,7 @@
 (A as initialized, B seeded noise: from B = 0 one step cannot move A, since dL/dA is proportional to
 B), which is published as version 0; the update is then one AdamW step on A and B together that
 raises the mean logprob of the probe tokens, its learning rate searched in the noise window
-(`lora_parity.calibrate`).
+(`lora_parity.verdict.calibrate`).
 
 Backend-neutral parts live here: the warm start (through a trainer's `load_start_adapter`), the words
 the receipt records, and the per-group change summary.
@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lora_parity import adapter_files as af
-from lora_parity.perturb import is_lora_b, noise_seed, target_kind
-from lora_parity.receipt import TensorChange
+from lora_parity.evidence.receipt import TensorChange
+from lora_parity.models import adapter_files as af
+from lora_parity.models.perturb import is_lora_b, noise_seed, target_kind
 
 OPTIMIZER = ("AdamW (torch.optim.AdamW semantics: betas 0.9/0.999, eps 1e-8, weight decay 0), fresh state, "
              "one step, every lora_A and lora_B trainable (or one target kind's), dropout 0, no clipping")

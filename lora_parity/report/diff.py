@@ -7,10 +7,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from lora_parity import checks as checks_mod
-from lora_parity.receipt import Receipt
+from lora_parity.evidence.receipt import Receipt
 from lora_parity.report.document import Block, Bullets, Heading, Para, Table, code, fmt_num, fmt_signed, render_markdown
 from lora_parity.report.facts import NOT_REACHED, signature_note
+from lora_parity.verdict import checks as checks_mod
 
 _DIFF_STATS = ("mean_abs", "p99", "max_abs")
 _DELTA_STATS = ("cosine", "scale", "rel_l2")

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lora_parity import escape
-from lora_parity.errors import ConfigError
+from lora_parity.util import escape
+from lora_parity.util.errors import ConfigError
 
 
 def check_format(fmt: str, allowed: Sequence[str]) -> str:
@@ -138,7 +138,7 @@ def _md_block(b: Block) -> str:
 
 
 def render_markdown(blocks: Sequence[Block]) -> str:
-    """GitHub-flavoured markdown; every string passes through `lora_parity.escape`."""
+    """GitHub-flavoured markdown; every string passes through `lora_parity.util.escape`."""
     return "\n\n".join(_md_block(b) for b in blocks) + "\n"
 
 

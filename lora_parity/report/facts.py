@@ -1,7 +1,7 @@
 """What the report, the table and the plots read off a verified receipt: the headline comparisons,
 per-position differences, worst positions, group statuses and one-line outcomes.
 
-Token alignment is stated once in `lora_parity.stats`: the token scored at position t of sequence s
+Token alignment is stated once in `lora_parity.verdict.stats`: the token scored at position t of sequence s
 is `probes.sequences[s][t + 1]`.
 """
 
@@ -11,10 +11,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lora_parity import checks as checks_mod
-from lora_parity import stats
-from lora_parity.receipt import Check, CheckStatus, Receipt, Verdict, WorstPosition
+from lora_parity.evidence.receipt import Check, CheckStatus, Receipt, Verdict, WorstPosition
 from lora_parity.report.document import clip, fmt_budget
+from lora_parity.verdict import checks as checks_mod
+from lora_parity.verdict import stats
 
 NUM_WORST = 3
 """Worst positions listed per comparison."""

@@ -12,9 +12,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import Receipt
+from lora_parity.evidence.receipt import Receipt
 from lora_parity.report.pr import render_report
+from lora_parity.util.errors import ConfigError
 
 REPORT_FILES = {"md": "report.md", "text": "report.txt", "json": "report.json", "html": "report.html"}
 """Format → the report's file name in the `--out` folder."""

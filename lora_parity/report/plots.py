@@ -12,8 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lora_parity.errors import BackendUnavailableError
-from lora_parity.receipt import Receipt
+from lora_parity.evidence.receipt import Receipt
 from lora_parity.report.facts import (
     HEADLINE_CHECKS,
     OP_SIGNS,
@@ -23,6 +22,7 @@ from lora_parity.report.facts import (
     start_point,
     worst_diffs,
 )
+from lora_parity.util.errors import BackendUnavailableError
 
 PLOTTED: dict[str, str] = {
     "A.trainer_vs_sampler": "A zero-init: trainer vs sampler",

@@ -5,7 +5,7 @@ timings. As markdown (a PR comment or a job summary), plain text, or JSON-ready 
 
 Thresholds are read off each recorded check (its `op` and `budget`, the ones that decided it), never
 off the config's fixed budgets: a budget derived from measurements shows as derived. Every string goes
-through `lora_parity.escape` in the renderers. Pure rendering: a verified `Receipt` in, text or plain
+through `lora_parity.util.escape` in the renderers. Pure rendering: a verified `Receipt` in, text or plain
 data out; no I/O.
 """
 
@@ -16,10 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from lora_parity import breakdown as breakdown_mod
-from lora_parity import checks as checks_mod
-from lora_parity import explain
-from lora_parity.receipt import Check, CheckStatus, Receipt, Verdict
+from lora_parity.evidence.receipt import Check, CheckStatus, Receipt, Verdict
 from lora_parity.report.document import (
     Block,
     Bullets,
@@ -52,6 +49,9 @@ from lora_parity.report.facts import (
     threshold,
     worst_diffs,
 )
+from lora_parity.verdict import breakdown as breakdown_mod
+from lora_parity.verdict import checks as checks_mod
+from lora_parity.verdict import explain
 
 REPORT_FORMATS = ("md", "text", "json", "html")
 _KEY_TIMINGS = {

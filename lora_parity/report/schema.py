@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lora_parity.receipt import Receipt
+from lora_parity.evidence.receipt import Receipt
 
 
 def schema_json() -> str:

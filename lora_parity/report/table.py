@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lora_parity.receipt import BackendInfo, ComparisonStats, Receipt
+from lora_parity.evidence.receipt import BackendInfo, ComparisonStats, Receipt
 from lora_parity.report.document import Para, Table, render_markdown
 from lora_parity.report.facts import (
     HEADLINE,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lora_parity import synthetic
 from lora_parity.backends.base import BackendOptions, EarlyLaunchingSampler, SamplerBackend
-from lora_parity.config import ModelConfig
+from lora_parity.models import synthetic
+from lora_parity.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess

@@ -1,7 +1,7 @@
 """Fault injection: one fault at the seam where it happens in practice.
 
 Adapter-file faults rewrite the exported PEFT folder before the sampler loads it; sync faults wrap
-the run's sync mode (`lora_parity.sync`) in a `SyncWrapper` defined here, beside their spec, that
+the run's sync mode (`lora_parity.run.sync`) in a `SyncWrapper` defined here, beside their spec, that
 changes what the sync does; scoring-path faults change what the sampler returns (the only
 faults that touch scores, because there the fault *is* in the scores). Each fault names the
 check that must catch it; `lora-parity selftest` runs them all and asserts exactly that.
@@ -22,12 +22,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lora_parity import adapter_files as af
 from lora_parity.backends.base import AdapterHandle, BackendTraits, Scores
-from lora_parity.errors import ConfigError, PhaseError, ScoreError
-from lora_parity.perturb import is_lora_b, target_kind
-from lora_parity.receipt import Perturbation
-from lora_parity.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
+from lora_parity.evidence.receipt import Perturbation
+from lora_parity.models import adapter_files as af
+from lora_parity.models.perturb import is_lora_b, target_kind
+from lora_parity.run.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
+from lora_parity.util.errors import ConfigError, PhaseError, ScoreError
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import hashlib
 from pathlib import Path
 
 from lora_parity.backends.base import AdapterHandle, GeneratingSampler, Scores, Sequences
-from lora_parity.errors import ConfigError, PhaseError
-from lora_parity.receipt import Probes, sha256_json
+from lora_parity.evidence.receipt import Probes, sha256_json
+from lora_parity.util.errors import ConfigError, PhaseError
 
 UPDATED_SEED_OFFSET = 1_000_003
 """The generation after sync is seeded with the run seed plus this (the first sampling uses the run seed)."""

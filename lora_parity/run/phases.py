@@ -18,15 +18,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from lora_parity import calibrate, generation, stats, tracebacks, update_step
 from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, SteppingTrainer, Trainer
-from lora_parity.config import ModelConfig
-from lora_parity.errors import ScoreError
-from lora_parity.faults import Faults
-from lora_parity.perturb import RECIPE
-from lora_parity.receipt import AdapterVersion, Calibration, ErrorDetail, Perturbation, PhaseRecord, PhaseStatus
-from lora_parity.sync import SyncMode
-from lora_parity.sync import mode as sync_mode_named
+from lora_parity.evidence import tracebacks
+from lora_parity.evidence.receipt import (
+    AdapterVersion,
+    Calibration,
+    ErrorDetail,
+    Perturbation,
+    PhaseRecord,
+    PhaseStatus,
+)
+from lora_parity.models import update_step
+from lora_parity.models.config import ModelConfig
+from lora_parity.models.perturb import RECIPE
+from lora_parity.run import generation
+from lora_parity.run.faults import Faults
+from lora_parity.run.sync import SyncMode
+from lora_parity.run.sync import mode as sync_mode_named
+from lora_parity.util.errors import ScoreError
+from lora_parity.verdict import calibrate, stats
 
 T = TypeVar("T")
 
@@ -189,7 +199,7 @@ class Run:
                                            error_type=detail.type, frames=detail.frames))
             self.progress(name, "error", seconds)
             raise StopRun(self.error) from e
-        except KeyboardInterrupt:  # SIGINT or SIGTERM (lora_parity.interrupt): the runner records why
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (lora_parity.util.interrupt): the runner records why
             self.phases.append(PhaseRecord(name=name, status=PhaseStatus.ERROR, seconds=time.perf_counter() - start,
                                            message="interrupted"))
             raise

@@ -21,10 +21,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from lora_parity.backends import vllm_options
-from lora_parity.checkpoint import hub_checkpoint, hub_problem
-from lora_parity.config import LaunchSpec, ModelConfig
-from lora_parity.errors import ConfigError
-from lora_parity.provenance import source
+from lora_parity.models.checkpoint import hub_checkpoint, hub_problem
+from lora_parity.models.config import LaunchSpec, ModelConfig
+from lora_parity.models.provenance import source
+from lora_parity.util.errors import ConfigError
 
 __all__ = ["engine_options", "hub_checkpoint", "num_nodes", "preflight", "render", "sampler_command",
            "trainer_command", "weights_gib"]

@@ -6,18 +6,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lora_parity import backends, config, generation, outpath, start_adapter
-from lora_parity import probes as probe_sources
+from lora_parity import backends
 from lora_parity.backends.base import PreflightOptions, SamplerBackend, SteppingTrainer, TrainerBackend
-from lora_parity.checkpoint import preflight_hf_config, require_safetensors, vocab_size
-from lora_parity.errors import ConfigError
-from lora_parity.faults import Faults, check_crash_phase, require_applies
-from lora_parity.phases import phase_names
-from lora_parity.receipt import Probes, Reference
-from lora_parity.sync import SyncMode
+from lora_parity.evidence import outpath
+from lora_parity.evidence.receipt import Probes, Reference
+from lora_parity.models import config
+from lora_parity.models.checkpoint import preflight_hf_config, require_safetensors, vocab_size
+from lora_parity.run import generation, start_adapter
+from lora_parity.run import probes as probe_sources
+from lora_parity.run.faults import Faults, check_crash_phase, require_applies
+from lora_parity.run.phases import phase_names
+from lora_parity.run.sync import SyncMode
+from lora_parity.util.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lora_parity.runner import RunOptions
+    from lora_parity.run.runner import RunOptions
 
 
 REFERENCES = ("fp32", "none")

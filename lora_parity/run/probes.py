@@ -6,7 +6,7 @@
 - `text`, `text:SET`: a public-domain English text shipped with the package, tokenized with the
   checkpoint's tokenizer and cut into the configured lengths at a seeded offset per set;
 - `sampled`, `sampled:SET`: the text windows, each cut to a prompt (its first half) that the
-  sampler completes to the same length at the start of the run (`lora_parity.generation`);
+  sampler completes to the same length at the start of the run (`lora_parity.run.generation`);
 - `PATH.jsonl`: one JSON object per line, `{"tokens": [ids]}` or `{"text": "..."}` (text needs the
   checkpoint's tokenizer). Every line is checked here, at preflight, before any model loads.
 
@@ -23,12 +23,12 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_parity import safe_read
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import Probes, ProbeSource, sha256_json
+from lora_parity.evidence.receipt import Probes, ProbeSource, sha256_json
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lora_parity.config import ModelConfig, ProbeSpec
+    from lora_parity.models.config import ModelConfig, ProbeSpec
 
 TEXT_FILE = "probe_text.txt"
 """The shipped text (lora_parity/data/); its header names the source."""
@@ -219,7 +219,7 @@ def checkpoint_tokenizer(cfg: ModelConfig, kind: str = "text") -> tuple[Tokenize
     if cfg.model.synthetic is not None:
         raise ConfigError(f"{cfg.name} is a synthetic checkpoint without a tokenizer; {kind} probes need a "
                           "real model (e.g. --model smollm2-135m) or token ids (--probes random or FILE.jsonl)")
-    from lora_parity import synthetic
+    from lora_parity.models import synthetic
 
     folder = synthetic.materialize(cfg)
     if not (folder / "tokenizer.json").is_file():

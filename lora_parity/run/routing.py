@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lora_parity import stats
 from lora_parity.backends.base import Routes, RoutingIntrospection, Sampler, Trainer
-from lora_parity.receipt import RouterAgreement
+from lora_parity.evidence.receipt import RouterAgreement
+from lora_parity.verdict import stats
 
 ROUTER_STATE = "zero-init trainer (B = 0) vs the sampler's base model"
 

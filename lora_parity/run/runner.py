@@ -16,24 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_parity import (
-    __version__,
-    backends,
-    breakdown,
-    checks,
-    config,
-    early_launch,
-    generation,
-    interrupt,
-    outpath,
-    preflight,
-    realmodel,
-    scratch,
-    start_adapter,
-    synthetic,
-    tracebacks,
-)
-from lora_parity import probes as probe_sources
+from lora_parity import __version__, backends
 from lora_parity.backends.base import (
     BackendOptions,
     PreflightOptions,
@@ -42,14 +25,8 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.checkpoint import Checkpoint, weights_digest
-from lora_parity.errors import ConfigError, LoraParityError
-from lora_parity.faults import Faults
-from lora_parity.phases import WARM_FOLDER, Run, StopRun, run_sequence
-from lora_parity.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
-from lora_parity.preflight import reference_decision as reference_decision
-from lora_parity.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
-from lora_parity.receipt import (
+from lora_parity.evidence import outpath, tracebacks
+from lora_parity.evidence.receipt import (
     SCHEMA_VERSION,
     BackendInfo,
     ErrorDetail,
@@ -63,9 +40,21 @@ from lora_parity.receipt import (
     sha256_json,
     write_atomic,
 )
-from lora_parity.routing import router_agreement
-from lora_parity.sync import SyncMode
-from lora_parity.sync import mode as sync_mode_named
+from lora_parity.models import config, realmodel, synthetic
+from lora_parity.models.checkpoint import Checkpoint, weights_digest
+from lora_parity.models.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
+from lora_parity.run import early_launch, generation, preflight, start_adapter
+from lora_parity.run import probes as probe_sources
+from lora_parity.run.faults import Faults
+from lora_parity.run.phases import WARM_FOLDER, Run, StopRun, run_sequence
+from lora_parity.run.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
+from lora_parity.run.preflight import reference_decision as reference_decision
+from lora_parity.run.routing import router_agreement
+from lora_parity.run.sync import SyncMode
+from lora_parity.run.sync import mode as sync_mode_named
+from lora_parity.util import interrupt, scratch
+from lora_parity.util.errors import ConfigError, LoraParityError
+from lora_parity.verdict import breakdown, checks
 
 if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess
@@ -108,7 +97,7 @@ class RunOptions:
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     adapter: Path | None = None
-    """A PEFT adapter folder both sides start from instead of zero-init (`lora_parity.start_adapter`)."""
+    """A PEFT adapter folder both sides start from instead of zero-init (`lora_parity.run.start_adapter`)."""
     budgets: str | None = None
     """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
     trust_remote_code: bool = False
@@ -192,7 +181,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     cfg = preflight.with_update(cfg, opts.update)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.
-    from lora_parity import plan as launch_plan
+    from lora_parity.run import plan as launch_plan
 
     launch_plan.preflight(cfg, opts.trainer, opts.sampler)
     preflight.check_options(opts, cfg)

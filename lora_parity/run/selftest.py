@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lora_parity import probes as probe_sources
-from lora_parity.checkpoint import vocab_size
-from lora_parity.faults import FAULTS, Faults, faults_for
-from lora_parity.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
-from lora_parity.runner import Backends, Plan, RunOptions, prepare, run_once, warms
+from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
+from lora_parity.models.checkpoint import vocab_size
+from lora_parity.run import probes as probe_sources
+from lora_parity.run.faults import FAULTS, Faults, faults_for
+from lora_parity.run.runner import Backends, Plan, RunOptions, prepare, run_once, warms
 
 PROBE_SEED_STRIDE = 100_000
 """Seed i draws each probe set with the set's seed plus this times i (far from every set's own seed)."""

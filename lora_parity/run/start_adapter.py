@@ -15,13 +15,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lora_parity import adapter_files as af
-from lora_parity import safe_read
 from lora_parity.backends.base import StartAdapterTrainer
-from lora_parity.config import TARGET_NAME, AdapterSpec, ModelConfig
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import StartAdapter
-from lora_parity.receipt_io import one_line
+from lora_parity.evidence.receipt import StartAdapter
+from lora_parity.evidence.receipt_io import one_line
+from lora_parity.models import adapter_files as af
+from lora_parity.models.config import TARGET_NAME, AdapterSpec, ModelConfig
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 _UNSUPPORTED = {"use_dora": "DoRA", "use_rslora": "rsLoRA", "lora_bias": "LoRA-bias",
                 "layers_to_transform": "layers_to_transform (some layers only)"}
@@ -162,7 +162,7 @@ def check_for_model(folder: Path, cfg: ModelConfig, config: dict[str, Any], rank
     """Before anything loads: the adapter's tensors fit the model's config.json (its layers and
     projection sizes; safetensors header only), else one line naming the adapter's base model (a
     forgotten `--model` is found in a second, not after the model has loaded)."""
-    from lora_parity.checkpoint import preflight_hf_config
+    from lora_parity.models.checkpoint import preflight_hf_config
 
     hf = preflight_hf_config(cfg)
     if not hf:
@@ -181,7 +181,7 @@ def check_for_trainer(folder: Path | None, trainer: str, cfg: ModelConfig) -> No
     if folder is None or trainer != "megatron":
         return
     from lora_parity.backends.megatron.blocks import check_adapter
-    from lora_parity.checkpoint import preflight_hf_config
+    from lora_parity.models.checkpoint import preflight_hf_config
 
     check_adapter(folder, cfg.adapter.targets, cfg.adapter.rank, preflight_hf_config(cfg))
 

@@ -2,8 +2,8 @@
 
 Each mode says what it requires of the two backends (checked at preflight, before anything is
 loaded), how it publishes a version, what it does at the sync step, and how it retires what it
-left on the sampler. Faults that break a sync (`lora_parity.faults`) wrap a mode in a
-`SyncWrapper`; the sequence (`lora_parity.phases`) only calls the mode it was given.
+left on the sampler. Faults that break a sync (`lora_parity.run.faults`) wrap a mode in a
+`SyncWrapper`; the sequence (`lora_parity.run.phases`) only calls the mode it was given.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from lora_parity.backends.base import (
     Sampler,
     Trainer,
 )
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import AdapterVersion, SyncModeName
+from lora_parity.evidence.receipt import AdapterVersion, SyncModeName
+from lora_parity.util.errors import ConfigError
 
 SYNC_MODES: tuple[str, ...] = get_args(SyncModeName)
 

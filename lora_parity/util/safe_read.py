@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import IO, Any
 
-from lora_parity.errors import ConfigError, LoraParityError
+from lora_parity.util.errors import ConfigError, LoraParityError
 
 MAX_CONFIG_BYTES = 4 * 2**20
 """A YAML config, a checkpoint's config.json or an adapter_config.json (real ones are a few KB)."""

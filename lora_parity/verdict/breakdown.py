@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lora_parity.errors import ReceiptError
-from lora_parity.receipt import BucketStats, ErrorBreakdown
+from lora_parity.evidence.receipt import BucketStats, ErrorBreakdown
+from lora_parity.util.errors import ReceiptError
 
 PAIRS: dict[str, tuple[str, str]] = {
     "A.trainer_vs_sampler": ("zero", "trainer_zero"),

@@ -2,7 +2,7 @@
 before anything reaches the sampler, until the trainer's own change is well above the trainer-sampler
 noise that A measured, and not far above it.
 
-The window (budgets with a noise rule, `lora_parity.thresholds`): the change (mean |trainer after −
+The window (budgets with a noise rule, `lora_parity.verdict.thresholds`): the change (mean |trainer after −
 trainer_start|) must land in [lower, ceiling × lower], lower = max(k · A, B.stimulus's threshold), A =
 mean |zero − trainer_zero| (k: `perturbation.stimulus_factor`, ceiling: `NoiseRule.calibration_ceiling`).
 From START_STD the std doubles until the change reaches the window (halves while it is above it), then
@@ -19,11 +19,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from lora_parity.receipt import Budgets, Calibration, CalibrationStep, Perturbation
+from lora_parity.evidence.receipt import Budgets, Calibration, CalibrationStep, Perturbation
 
 if TYPE_CHECKING:
     from lora_parity.backends.base import Trainer
-    from lora_parity.config import ModelConfig
+    from lora_parity.models.config import ModelConfig
 
 START_STD = 2e-3
 """First std of the ladder."""
@@ -150,7 +150,7 @@ def _search_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[s
 
 def stimulus_threshold(scores: dict[str, list[list[float]]], budgets: Budgets) -> float:
     """B.stimulus's threshold from the start point's scores (`thresholds.stimulus`): the window's floor."""
-    from lora_parity import checks, thresholds
+    from lora_parity.verdict import checks, thresholds
 
     comparisons = checks.compute_comparisons(scores, budgets)
     noise = thresholds.noise_model(scores, comparisons)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lora_parity.receipt import Budgets, Check, CheckStatus, ComparisonStats, GroupVerdict, Verdict, Verdicts
+from lora_parity.evidence.receipt import Budgets, Check, CheckStatus, ComparisonStats, GroupVerdict, Verdict, Verdicts
 
 STATS = (("mean", "mean_abs"), ("p99", "p99"), ("max", "max_abs"))
 """(check suffix, ComparisonStats field) of the three parity statistics."""

@@ -24,9 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lora_parity import check_rules, stats
-from lora_parity import thresholds as _thresholds
-from lora_parity.receipt import (
+from lora_parity.evidence.receipt import (
     Budgets,
     Check,
     CheckStatus,
@@ -38,6 +36,8 @@ from lora_parity.receipt import (
     Verdicts,
     WorstPosition,
 )
+from lora_parity.verdict import check_rules, stats
+from lora_parity.verdict import thresholds as _thresholds
 
 # name -> (a, b): statistics of scores[b] - scores[a].
 COMPARISONS: dict[str, tuple[str, str]] = {
@@ -199,7 +199,7 @@ def compute_checks(
     thresholds: Mapping[str, check_rules.Threshold] | None = None, noise: NoiseModel | None = None,
 ) -> list[Check]:
     """Every check, in order A, B, C, per-target, each judged by its threshold in `thresholds`
-    (`lora_parity.thresholds.derive`, computed before from the start point's `noise`; derived here
+    (`lora_parity.verdict.thresholds.derive`, computed before from the start point's `noise`; derived here
     from the comparisons alone when not given)."""
     c = _Checker()
     get = comparisons.get

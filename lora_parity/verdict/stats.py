@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lora_parity.errors import ScoreError
+from lora_parity.util.errors import ScoreError
 
 ScoreArray = Sequence[Sequence[float]]
 

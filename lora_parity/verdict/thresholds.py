@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from lora_parity import check_rules, stats
-from lora_parity.check_rules import STATS, Threshold
-from lora_parity.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
+from lora_parity.evidence.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
+from lora_parity.verdict import check_rules, stats
+from lora_parity.verdict.check_rules import STATS, Threshold
 
 ScoreArray = Sequence[Sequence[float]]
 TARGET_PREFIX = "target."

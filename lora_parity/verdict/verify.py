@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_parity import breakdown, checks, stats
-from lora_parity.errors import ReceiptError, ScoreError
-from lora_parity.receipt import PhaseStatus, Receipt, Verdict, sha256_json, validate
-from lora_parity.receipt_io import parse_json, read_bounded
+from lora_parity.evidence.receipt import PhaseStatus, Receipt, Verdict, sha256_json, validate
+from lora_parity.evidence.receipt_io import parse_json, read_bounded
+from lora_parity.util.errors import ReceiptError, ScoreError
+from lora_parity.verdict import breakdown, checks, stats
 
 PROVES = ("intact means internally consistent and not accidentally corrupted, "
           "not who made the receipt (sign it for that: run --sign, verify --public-key)")
@@ -37,7 +37,7 @@ def _load(path: Path, public_key: Path | None) -> tuple[Receipt, str]:
     """The receipt in a bare receipt file or a signed envelope, and the signature status."""
     raw = read_bounded(path)
     text, data = parse_json(raw, str(path))
-    from lora_parity import signing
+    from lora_parity.evidence import signing
 
     if not signing.is_envelope(data):
         if public_key is not None:
@@ -186,7 +186,7 @@ def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
 
 def _verify_calibration(path: Path, receipt: Receipt) -> None:
     """A calibrated std (`perturbation.std: auto`) must follow its rule (`calibrate.check_perturbation`)."""
-    from lora_parity import calibrate
+    from lora_parity.verdict import calibrate
 
     if receipt.perturbation is None:
         return

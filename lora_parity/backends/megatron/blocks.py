@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_parity import adapter_files as af
-from lora_parity import safe_read
 from lora_parity.backends.megatron.layout import (
     FUSED_PARTS,
     LORA_MODULES,
@@ -33,7 +31,9 @@ from lora_parity.backends.megatron.layout import (
     shard_fused,
     tp_slice,
 )
-from lora_parity.errors import ConfigError
+from lora_parity.models import adapter_files as af
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lora_parity import safe_read
-from lora_parity.errors import ConfigError
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lora_parity import errors
+from lora_parity.util import errors
 
 PIPE_ENV = "LORA_PARITY_MEGATRON_PIPE"
 SPAWNED_ENV = "LORA_PARITY_MEGATRON_SPAWNED"

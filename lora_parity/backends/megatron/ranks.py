@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from lora_parity.backends.megatron import cpu, protocol
-from lora_parity.errors import PhaseError
+from lora_parity.util.errors import PhaseError
 
 
 class RankProcesses:

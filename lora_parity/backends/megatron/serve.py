@@ -16,10 +16,10 @@ from typing import Any, BinaryIO
 
 import torch
 
-from lora_parity import errors
 from lora_parity.backends.megatron import cpu, liveness, protocol
 from lora_parity.backends.megatron.shards import Shard
-from lora_parity.config import ModelConfig
+from lora_parity.models.config import ModelConfig
+from lora_parity.util import errors
 
 
 def _broadcast(data: bytes, rank: int, group: Any) -> bytes:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from lora_parity import adapter_files as af
 from lora_parity.backends.base import Scores, Sequences
 from lora_parity.backends.megatron import blocks, cpu
 from lora_parity.backends.megatron.layout import (
@@ -35,10 +34,11 @@ from lora_parity.backends.megatron.layout import (
     unshard_fused,
 )
 from lora_parity.backends.megatron.lora import LoRALinear
-from lora_parity.config import ModelConfig
-from lora_parity.errors import ConfigError, PhaseError
-from lora_parity.perturb import noise_seed
-from lora_parity.receipt import Perturbation
+from lora_parity.evidence.receipt import Perturbation
+from lora_parity.models import adapter_files as af
+from lora_parity.models.config import ModelConfig
+from lora_parity.models.perturb import noise_seed
+from lora_parity.util.errors import ConfigError, PhaseError
 
 _PEFT_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends.base import BackendOptions, BackendTraits, Scores, Sequences, TrainerBackend
-from lora_parity.config import ModelConfig
-from lora_parity.errors import ConfigError
-from lora_parity.receipt import BackendInfo, Perturbation
+from lora_parity.evidence.receipt import BackendInfo, Perturbation
+from lora_parity.models.config import ModelConfig
+from lora_parity.util.errors import ConfigError
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     raise ModuleNotFoundError("No module named 'megatron.core'", name="megatron-core")

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
-from lora_parity import output
-from lora_parity.errors import ConfigError
+from lora_parity.cli import output
+from lora_parity.util.errors import ConfigError
 
 
 def needs(cfg: Any) -> dict[str, Any]:
@@ -18,7 +18,7 @@ def needs(cfg: Any) -> dict[str, Any]:
     checkpoint in the Hugging Face cache where it names a hub id."""
     m, launch = cfg.model, cfg.launch
     gpu = launch is not None or m.dtype != "float32" or (m.synthetic is not None and m.synthetic.generate_on == "cuda")
-    from lora_parity.plan import num_nodes
+    from lora_parity.run.plan import num_nodes
 
     device = f"{num_nodes(launch)} nodes x {launch.gpus_per_node} GPUs" if launch else ("GPU" if gpu else "CPU")
     extras = ["gpu" if gpu else "cpu"]
@@ -35,7 +35,7 @@ def models(json_: Annotated[bool, typer.Option("--json", help="Print the configs
            ) -> None:
     """The model configs, one line each: name (* the default), source, dtype, adapter, what it needs
     (CPU or GPU, the pip extra: `pip install 'lora-parity[EXTRA]'`), description."""
-    from lora_parity import config
+    from lora_parity.models import config
 
     rows = []
     for p in config.available():
@@ -58,7 +58,7 @@ def init(
     force: Annotated[bool, typer.Option(help="Overwrite an existing --out file.")] = False,
 ) -> None:
     """Write a commented config YAML for a checkpoint folder to start from; run it with --model FILE."""
-    from lora_parity.init_config import config_yaml
+    from lora_parity.models.init_config import config_yaml
     from lora_parity.report.files import write_atomic
 
     text = config_yaml(folder)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS
+from lora_parity.util.errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")]
 RevisionOpt = Annotated[str | None, typer.Option(help="Commit under test (default: git rev-parse HEAD).")]

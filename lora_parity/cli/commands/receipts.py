@@ -12,9 +12,9 @@ from typing import Annotated, Any
 
 import typer
 
-from lora_parity import output
-from lora_parity.commands.options import GithubSummaryOpt, JsonOpt, PublicKeyOpt, exit_for
-from lora_parity.errors import EXIT_BAD_INPUT, EXIT_FAIL, ConfigError, LoraParityError, ReceiptError
+from lora_parity.cli import output
+from lora_parity.cli.commands.options import GithubSummaryOpt, JsonOpt, PublicKeyOpt, exit_for
+from lora_parity.util.errors import EXIT_BAD_INPUT, EXIT_FAIL, ConfigError, LoraParityError, ReceiptError
 
 # A receipt (or a signed envelope) has at least one of these at its top level.
 _RECEIPT_KEYS = frozenset({"schema_version", "digest", "verdict", "scores", "checks", "payloadType", "payload"})
@@ -23,7 +23,7 @@ _RECEIPT_KEYS = frozenset({"schema_version", "digest", "verdict", "scores", "che
 def _not_a_receipt(path: Path) -> str | None:
     """Why `path` is plainly not a receipt (valid JSON without any receipt field), or None. Anything
     unreadable or malformed is left for `verify` to refuse with its own message."""
-    from lora_parity.receipt_io import parse_json, read_bounded
+    from lora_parity.evidence.receipt_io import parse_json, read_bounded
 
     try:
         _, data = parse_json(read_bounded(path), str(path))
@@ -72,7 +72,7 @@ VERIFY_HELP = (
 
 
 def _verify_one(path: Path, public_key: Path | None, json_: bool) -> tuple[int, dict[str, Any]]:
-    from lora_parity.verify import verify as verify_receipt
+    from lora_parity.verdict.verify import verify as verify_receipt
 
     verified = verify_receipt(path, public_key)
     verdict = verified.verdict.value
@@ -99,10 +99,10 @@ def verify(
                                                     "file.")] = None,
 ) -> None:
     """Re-check receipts (see VERIFY_HELP)."""
-    from lora_parity.verify import PROVES
+    from lora_parity.verdict.verify import PROVES
 
     if rerun:
-        from lora_parity.rerun import VerifierInputs
+        from lora_parity.cli.rerun import VerifierInputs
 
         _verify_rerun(paths, public_key, command_parser(ctx.find_root().command),
                       VerifierInputs(model, tinker_url, probes))
@@ -145,8 +145,8 @@ def command_parser(group: Any) -> Any:
 
 def _verify_rerun(paths: list[Path], public_key: Path | None, parse: Any, mine: Any) -> None:
     """verify --rerun: the receipt must verify; then its run is repeated. One line; exit 0, 1 or 2."""
-    from lora_parity.rerun import rerun
-    from lora_parity.verify import verify as verify_receipt
+    from lora_parity.cli.rerun import rerun
+    from lora_parity.verdict.verify import verify as verify_receipt
 
     if len(paths) != 1:
         raise ConfigError("--rerun takes one receipt")
@@ -183,7 +183,7 @@ def report(
 ) -> None:
     """See REPORT_HELP."""
     from lora_parity import report as rp
-    from lora_parity.verify import verify as verify_receipt
+    from lora_parity.verdict.verify import verify as verify_receipt
 
     rp.check_format(format_, rp.REPORT_FORMATS)
     if out is not None and plots is not None:
@@ -231,7 +231,7 @@ def table(
     """The evidence table: mean |diff| of A, B and C and the result, one row per verified receipt; below
     it, which receipts are signed."""
     from lora_parity import report as rp
-    from lora_parity.verify import verify as verify_receipt
+    from lora_parity.verdict.verify import verify as verify_receipt
 
     rp.check_format(format_, rp.TABLE_FORMATS)
     kept = receipt_paths(paths)
@@ -260,7 +260,7 @@ def diff(
 ) -> None:
     """How two verified receipts differ: statistics side by side, checks that changed, settings, signatures."""
     from lora_parity import report as rp
-    from lora_parity.verify import verify as verify_receipt
+    from lora_parity.verdict.verify import verify as verify_receipt
 
     va, vb = verify_receipt(a, public_key), verify_receipt(b, public_key)
     d = rp.diff_receipts(va.receipt, vb.receipt, (va.signature, vb.signature))
