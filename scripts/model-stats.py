@@ -15,6 +15,7 @@ import torch
 
 from lora_parity.backends.hf import load_base, pick_device
 from lora_parity.models import config, synthetic
+from lora_parity.run.probes import random_probes
 
 
 @torch.inference_mode()
@@ -25,7 +26,7 @@ def main() -> None:
         device = pick_device()
         model = load_base(cfg, folder, device)
         vocab = model.config.vocab_size
-        probes = config.make_probes(cfg.probes, "default", vocab)
+        probes = random_probes(cfg.probes, "default", vocab)
         entropies, logprobs = [], []
         for seq in probes.sequences:
             ids = torch.tensor([seq], device=device)

@@ -14,7 +14,7 @@ import yaml
 from lora_parity.evidence import receipt as rc
 from lora_parity.evidence import tracebacks
 from lora_parity.models import config
-from lora_parity.run import faults
+from lora_parity.run import calibrate_trainer, faults
 from lora_parity.run.runner import REFERENCE_MARGIN, RunOptions, execute, prepare, reference_decision
 from lora_parity.util.errors import ConfigError, ReceiptError
 from lora_parity.verdict import calibrate
@@ -292,7 +292,7 @@ def test_no_calibration_for_an_optimizer_step_trainer() -> None:
             raise AssertionError("an optimizer-step trainer is not searched")
 
     scores = {"zero": [[-1.0, -2.0]], "trainer_zero": [[-1.0, -2.0]]}
-    assert calibrate.on_trainer(OptimizerTrainer(), [[1, 2, 3]], scores, 0, cfg) is None  # type: ignore[arg-type]
+    assert calibrate_trainer.on_trainer(OptimizerTrainer(), [[1, 2, 3]], scores, 0, cfg) is None  # type: ignore[arg-type]
     assert calls == ["zero_b", "perturb", "zero_b"]  # one update, then back to zero-init
 
 
@@ -340,7 +340,7 @@ def test_kept_search_leaves_the_trainer_at_the_chosen_std_and_returns_its_scores
     cfg = config.load("tiny-qwen3")  # min_stimulus 0.05, factor 10: the target is 0.05 with A = 0
     trainer = _LadderTrainer()
     scores = {"zero": [[-1.0]], "trainer_zero": [[-1.0]]}
-    found = calibrate.on_trainer_kept(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02)  # type: ignore[arg-type]
+    found = calibrate_trainer.on_trainer_kept(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02)  # type: ignore[arg-type]
     assert found is not None
     cal, kept = found
     # The window is [0.05, 0.075]: 0.08 overshoots it, so the search bisects between 0.04 and 0.08.
@@ -349,7 +349,7 @@ def test_kept_search_leaves_the_trainer_at_the_chosen_std_and_returns_its_scores
     assert kept == [[-1.0 - mid]] and trainer.std == mid  # the last forward's scores, and the trainer still there
     assert trainer.calls[-3:] == ["zero_b", "perturb q_proj", "score"]
     # on_trainer searches the same ladder and leaves B zero
-    assert calibrate.on_trainer(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02) == cal  # type: ignore[arg-type]
+    assert calibrate_trainer.on_trainer(trainer, [[1, 2]], scores, 0, cfg, "q_proj", 0.02) == cal  # type: ignore[arg-type]
     assert trainer.std == 0.0 and trainer.calls[-1] == "zero_b"
 
 
@@ -362,7 +362,7 @@ def test_kept_search_leaves_b_zero_when_a_forward_fails() -> None:
 
     trainer.score = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="forward failed"):
-        calibrate.on_trainer_kept(trainer, [[1, 2]], {"zero": [[-1.0]], "trainer_zero": [[-1.0]]}, 0, cfg,  # type: ignore[arg-type]
+        calibrate_trainer.on_trainer_kept(trainer, [[1, 2]], {"zero": [[-1.0]], "trainer_zero": [[-1.0]]}, 0, cfg,  # type: ignore[arg-type]
                                   "q_proj", 0.02)
     assert trainer.std == 0.0
 

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from lora_parity.models import config
+from lora_parity.run.probes import random_probes
 from lora_parity.util.errors import ConfigError
 
 from .conftest import ROOT
@@ -19,9 +20,9 @@ def test_default_config_is_the_tiny_qwen3() -> None:
 
 def test_probes_are_deterministic_and_sized_like_the_seed() -> None:
     cfg = config.load(None)
-    p1 = config.make_probes(cfg.probes, "default", 512)
-    p2 = config.make_probes(cfg.probes, "default", 512)
-    held = config.make_probes(cfg.probes, "held-out", 512)
+    p1 = random_probes(cfg.probes, "default", 512)
+    p2 = random_probes(cfg.probes, "default", 512)
+    held = random_probes(cfg.probes, "held-out", 512)
     assert p1 == p2 and p1.digest != held.digest
     assert [len(s) for s in p1.sequences] == [65, 129] and p1.num_scored_positions == 192
     assert all(0 <= t < 512 for s in p1.sequences for t in s)

@@ -94,12 +94,12 @@ def test_hf_batched_forward_equals_one_sequence_per_forward() -> None:
 
     from lora_parity.backends.hf import load_base, score_sequences
     from lora_parity.models.config import load as load_config
-    from lora_parity.models.config import make_probes
     from lora_parity.models.synthetic import materialize
+    from lora_parity.run.probes import random_probes
 
     cfg = load_config("tiny-qwen3")
     assert cfg.model.synthetic is not None
-    sequences = make_probes(cfg.probes, "default-x2", cfg.model.synthetic.vocab_size).sequences
+    sequences = random_probes(cfg.probes, "default-x2", cfg.model.synthetic.vocab_size).sequences
     assert len({len(s) for s in sequences}) > 1  # the padding is exercised
     model = load_base(cfg, materialize(cfg), torch.device("cpu"))
     one = score_sequences(model, sequences, torch.device("cpu"))

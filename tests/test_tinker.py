@@ -24,6 +24,7 @@ from lora_parity.evidence.receipt import CheckStatus, Verdict, load
 from lora_parity.models import config
 from lora_parity.run.faults import Faults
 from lora_parity.run.phases import Run, StopRun, run_sequence
+from lora_parity.run.probes import random_probes
 from lora_parity.run.runner import RunOptions, execute, redact_url
 from lora_parity.verdict import checks
 from lora_parity.verdict.verify import verify
@@ -77,7 +78,7 @@ class ServiceFakeSampler(FakeSampler):
 def fake_run(tmp_path: Path, sampler: Any = None, trainer: Any = None) -> tuple[Run, checks.Evaluation]:
     cfg = config.load("tiny-qwen3")
     assert cfg.model.synthetic is not None
-    probes = config.make_probes(cfg.probes, "default", cfg.model.synthetic.vocab_size)
+    probes = random_probes(cfg.probes, "default", cfg.model.synthetic.vocab_size)
     trainer = trainer or FakeTrainer(cfg, None, 0, {})
     run = Run(cfg=cfg, trainer=trainer, sampler=sampler or FakeSampler(cfg, None, {}), sequences=probes.sequences,
               seed=0, workdir=tmp_path, faults=Faults(None, list(cfg.adapter.targets),

@@ -1,4 +1,6 @@
-"""Backends, registered by name as "module:Class" and imported only when asked for.
+"""backends: the trainers and samplers (hf, vllm, vllm-server, megatron, tinker, fake) behind `base`'s
+protocols, registered by name as "module:Class" and imported only when asked for (torch, vLLM live here).
+May import util/, evidence/ and models/ only; never run/, verdict/, report/ or cli/.
 
 A new backend registers with `register("trainer" | "sampler", name, "module:Class")` (or the class
 itself); its class derives from `base.TrainerBackend` or `base.SamplerBackend`.

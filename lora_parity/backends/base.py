@@ -114,6 +114,9 @@ class PreflightOptions:
     trainer: str
     sampler: str
     inject: str | None = None
+    inject_rewrites_files: bool = False
+    """The injected fault rewrites exported PEFT files (`FaultSpec.rewrites_files`): a trainer that exports
+    none refuses it."""
     url: str | None = None
     base_model: str | None = None
     tp: int = 1

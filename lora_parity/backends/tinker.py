@@ -59,7 +59,6 @@ from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models import update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_url, remember_secret
-from lora_parity.run.faults import FILE_FAULTS
 from lora_parity.util.errors import ConfigError, PhaseError, ScoreError
 
 UPDATE_NUM_TOKENS = 64
@@ -86,7 +85,7 @@ def preflight(opts: PreflightOptions) -> None:
         raise ConfigError(f"--tinker-url {redact_url(opts.url)!r} is not an http(s) URL")
     if not (os.environ.get("TINKER_API_KEY") or os.environ.get("TINKER_CREDENTIAL_CMD")):
         raise ConfigError("set TINKER_API_KEY (a local server without auth accepts any key that starts with 'tml-')")
-    if opts.inject and opts.inject.partition("=")[0] in FILE_FAULTS:
+    if opts.inject and opts.inject_rewrites_files:
         raise ConfigError(f"fault {opts.inject!r} rewrites exported PEFT files; the tinker trainer publishes "
                           "through the service and exports none")
     remember_secret(os.environ.get("TINKER_API_KEY"))  # never into a receipt, whatever a server echoes

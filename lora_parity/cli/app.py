@@ -126,7 +126,7 @@ def run(
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
     if plan:
         _print_plan(ctx, model, trainer, sampler, tp)
-    from lora_parity.run.runner import RunOptions
+    from lora_parity.run.options import RunOptions
 
     if junit is not None:
         from lora_parity.cli.junit import check_target
@@ -245,7 +245,7 @@ def selftest(
 ) -> None:
     """A clean run, then every injected fault (per seed with --seeds N); exit 0 only if every clean run passes
     and every fault is caught in every seed."""
-    from lora_parity.run.runner import RunOptions
+    from lora_parity.run.options import RunOptions
     from lora_parity.run.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,

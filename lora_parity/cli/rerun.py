@@ -96,7 +96,7 @@ def options_for(receipt: Receipt, parse: ParseCommand, mine: VerifierInputs = Ve
     the `CARRIED` options from its recorded command line, the model from `mine.model` or a shipped
     config the receipt names, URLs only from `mine`. `ConfigError` when the run needs what only the
     verifier can give."""
-    from lora_parity.run.runner import RunOptions
+    from lora_parity.run.options import RunOptions
 
     recorded = _command_params(list(receipt.command), parse)
     params = {k: v for k, v in recorded.items() if k in CARRIED and v is not None}

@@ -7,48 +7,14 @@ lora-parity never downloads. Pure: no torch, no network.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lora_parity.models.config import ModelConfig
+from lora_parity.models.hub import hub_cache_dirs, hub_checkpoint
 from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError
-
-
-def hub_cache_dirs() -> list[Path]:
-    """Where the Hugging Face hub cache may be: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub."""
-    dirs = []
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return dirs
-
-
-def hub_checkpoint(hf_id: str) -> Path | None:
-    """The local snapshot folder of hub model `hf_id` (config.json + safetensors), or None.
-
-    Reads the hub cache layout (`models--ORG--NAME/refs/main` -> `snapshots/REV`) without importing
-    huggingface_hub and without any network access; lora-parity never downloads weights.
-    """
-    repo = "models--" + hf_id.replace("/", "--")
-    for root in hub_cache_dirs():
-        base = root / repo
-        snapshots = base / "snapshots"
-        if not snapshots.is_dir():
-            continue
-        ref = base / "refs" / "main"
-        candidates = []
-        if ref.is_file():
-            candidates.append(snapshots / safe_read.read_text(ref, 4096).strip())
-        candidates += sorted(p for p in snapshots.iterdir() if p.is_dir())
-        for snap in candidates:
-            if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
-                return snap
-    return None
 
 
 def local_folder(cfg: ModelConfig) -> Path | None:

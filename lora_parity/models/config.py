@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lora_parity.evidence.receipt import Budgets, Probes, sha256_json
+from lora_parity.evidence.receipt import Budgets, sha256_json
 from lora_parity.evidence.receipt_io import nonfinite_field, one_line
 from lora_parity.models.lora_targets import projection_targets, tensor_names
 from lora_parity.util import safe_read
@@ -474,13 +474,6 @@ def _resolve(name_or_path: str | None, dtype: str | None) -> ModelConfig:
     if "/" in ref or ref.startswith("."):
         raise ConfigError(f"model path {ref} not found (a local HF checkpoint folder or a config name: {names})")
     raise ConfigError(f"unknown model {ref!r}; configs: {names}; or pass a local checkpoint folder")
-
-
-def make_probes(spec: ProbeSpec, set_name: str, vocab_size: int) -> Probes:
-    """The random probe set `set_name` (kept for callers; the sources live in `lora_parity.run.probes`)."""
-    from lora_parity.run.probes import random_probes
-
-    return random_probes(spec, set_name, vocab_size)
 
 
 def config_summary(cfg: ModelConfig) -> dict[str, Any]:

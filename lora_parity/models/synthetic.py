@@ -17,6 +17,7 @@ from pathlib import Path
 
 from lora_parity.evidence.receipt import sha256_json
 from lora_parity.models.config import ModelConfig, SyntheticSpec
+from lora_parity.models.hub import hub_checkpoint
 from lora_parity.util.errors import ConfigError
 
 
@@ -115,8 +116,6 @@ def materialize(cfg: ModelConfig) -> Path:
             raise ConfigError(f"model path {path} not found or has no config.json")
         return path
     if spec.hf_id is not None:
-        from lora_parity.models.checkpoint import hub_checkpoint
-
         snapshot = hub_checkpoint(spec.hf_id)
         if snapshot is not None:  # already in the local Hugging Face cache: used as it is
             return snapshot
@@ -159,8 +158,6 @@ def cached(cfg: ModelConfig) -> Path | None:
     if spec.path is not None:
         folder: Path | None = Path(spec.path)
     elif spec.hf_id is not None:
-        from lora_parity.models.checkpoint import hub_checkpoint
-
         folder = hub_checkpoint(spec.hf_id)
     elif spec.synthetic is not None:
         folder = _synthetic_folder(cfg)

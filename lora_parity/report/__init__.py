@@ -1,4 +1,6 @@
-"""Receipts people read: the PR report, the evidence table, the JSON Schema and the receipt diff.
+"""report: receipts people read: the PR report, the evidence table, the JSON Schema and the receipt diff.
+Rendering a verified receipt into text, plain data or a folder with plots (`files`); no backend, no run.
+May import util/, evidence/ and verdict/ only.
 
 Pure rendering: a verified `Receipt` in, text or plain data out; no I/O. The CLI loads (and
 verifies) receipts, writes plots (`lora_parity.report.plots`, imported on demand: it needs

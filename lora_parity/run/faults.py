@@ -232,6 +232,11 @@ FILE_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.rewrites_files
 """Faults that rewrite the exported PEFT files (a trainer that exports none cannot take them)."""
 
 
+def rewrites_files(inject: str | None) -> bool:
+    """`--inject NAME[=...]` names a fault that rewrites exported PEFT files (one of `FILE_FAULTS`)."""
+    return inject is not None and inject.partition("=")[0] in FILE_FAULTS
+
+
 UPDATE_FILE_FAULTS = ("stale-a", "partial-export", "fp16-export", "up-gets-gate")
 """File faults of an exported update (`Faults._rewrite_update`)."""
 SERVING_LAYER_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.serving_layer)

@@ -31,7 +31,7 @@ from lora_parity.evidence.receipt import (
 from lora_parity.models import update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.perturb import RECIPE
-from lora_parity.run import generation
+from lora_parity.run import calibrate_trainer, generation
 from lora_parity.run.faults import Faults
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
@@ -282,8 +282,8 @@ class Run:
     def calibrate(self) -> None:
         """std auto: the smallest std of the ladder whose trainer change stands out of A's noise; with
         `--update step`, the learning rate in the same window."""
-        self.calibration = calibrate.on_trainer(self.trainer, self.sequences, self.scores, self.seed, self.cfg,
-                                                steps=self.steps)
+        self.calibration = calibrate_trainer.on_trainer(self.trainer, self.sequences, self.scores, self.seed,
+                                                        self.cfg, steps=self.steps)
 
     def sample(self) -> None:
         """Replace each probe sequence by its prompt + a completion sampled with the zero-init adapter
@@ -367,8 +367,8 @@ class Run:
         left (None: no search, B zero)."""
         first = self.cfg.perturbation.start_learning_rate if self.steps else calibrate.START_STD
         start = self.calibration.std if self.calibration is not None else first
-        found = calibrate.on_trainer_kept(self.trainer, self.sequences, self.scores, self.seed, self.cfg, kind, start,
-                                          steps=self.steps)
+        found = calibrate_trainer.on_trainer_kept(self.trainer, self.sequences, self.scores, self.seed, self.cfg,
+                                                  kind, start, steps=self.steps)
         if found is None:
             return None
         self.target_calibrations[kind] = found[0]

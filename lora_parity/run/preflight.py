@@ -4,7 +4,6 @@ anything loads (`runner.prepare` calls them), and the fp32 reference decision.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from lora_parity import backends
 from lora_parity.backends.base import PreflightOptions, SamplerBackend, SteppingTrainer, TrainerBackend
@@ -15,13 +14,10 @@ from lora_parity.models.checkpoint import preflight_hf_config, require_safetenso
 from lora_parity.run import generation, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, check_crash_phase, require_applies
+from lora_parity.run.options import RunOptions
 from lora_parity.run.phases import phase_names
 from lora_parity.run.sync import SyncMode
 from lora_parity.util.errors import ConfigError
-
-if TYPE_CHECKING:
-    from lora_parity.run.runner import RunOptions
-
 
 REFERENCES = ("fp32", "none")
 REFERENCE_MARGIN = 1.5

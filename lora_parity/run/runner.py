@@ -45,7 +45,8 @@ from lora_parity.models.checkpoint import Checkpoint, weights_digest
 from lora_parity.models.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
 from lora_parity.run import early_launch, generation, preflight, start_adapter
 from lora_parity.run import probes as probe_sources
-from lora_parity.run.faults import Faults
+from lora_parity.run.faults import Faults, rewrites_files
+from lora_parity.run.options import RunOptions
 from lora_parity.run.phases import WARM_FOLDER, Run, StopRun, run_sequence
 from lora_parity.run.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
 from lora_parity.run.preflight import reference_decision as reference_decision
@@ -61,53 +62,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Backends", "Plan", "RunOptions", "RunResult", "execute", "git_revision", "prepare", "redact_url",
            "run_once"]
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Options of `lora-parity run`."""
-
-    model: str | None = None
-    trainer: str = "hf"
-    sampler: str = "vllm"
-    probes: str = "default"
-    out: Path | None = None
-    revision: str | None = None
-    seed: int = 0
-    force: bool = False
-    inject: str | None = None
-    sync: str = "new-id"
-    update: str | None = None
-    """`--update noise|step`: replaces the config's `perturbation.update`; None: the config's."""
-    per_target: bool = True
-    per_target_only: tuple[str, ...] | None = None
-    """Per-target coverage of these target kinds only (the selftest's drop-target under --no-per-target)."""
-    command: tuple[str, ...] = ()
-    tinker_url: str | None = None
-    """URL of the Tinker service (the tinker backends only)."""
-    base_model: str | None = None
-    """Base model name on the Tinker service (default: the one model it serves)."""
-    tp: int = 1
-    """Tensor-parallel size of the trainer (the megatron trainer only)."""
-    reference: str | None = None
-    """'fp32': score the base model in fp32 with HF, the reference both sides approximate; 'none': don't;
-    None: score it for a bf16/fp16 model whose fp32 copy fits in memory (see `reference_decision`)."""
-    batch_invariant: bool = True
-    """vLLM on CUDA: batch-invariant (deterministic) kernels, where the build has them."""
-    dtype: str | None = None
-    """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
-    adapter: Path | None = None
-    """A PEFT adapter folder both sides start from instead of zero-init (`lora_parity.run.start_adapter`)."""
-    budgets: str | None = None
-    """Budget profile replacing the config's budgets (`config.BUDGET_PROFILES`); None: the config's own."""
-    trust_remote_code: bool = False
-    """`--trust-remote-code`: a config's `model.trust_remote_code: true` is refused without it."""
-    sampler_url: str | None = None
-    """A sampler served over HTTP (vllm-server): attach to this server instead of starting one."""
-    api_key_env: str | None = None
-    """Environment variable holding that server's API key (never recorded)."""
-    shared_dir: Path | None = None
-    """Folder the attached server can read; adapters are copied there."""
 
 
 def default_out(cfg_name: str, probes: str, trainer: str, sampler: str, when: dt.datetime) -> Path:
@@ -188,7 +142,8 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     start = time.perf_counter()
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start
-    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject, url=opts.tinker_url,
+    pre = PreflightOptions(trainer=opts.trainer, sampler=opts.sampler, inject=opts.inject,
+                           inject_rewrites_files=rewrites_files(opts.inject), url=opts.tinker_url,
                            base_model=opts.base_model, tp=opts.tp, sync=opts.sync, sampler_url=opts.sampler_url,
                            api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
     # The sampler's own checks first: a server that cannot be reached stops the run in seconds,

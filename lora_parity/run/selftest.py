@@ -28,7 +28,8 @@ from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receip
 from lora_parity.models.checkpoint import vocab_size
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import FAULTS, Faults, faults_for
-from lora_parity.run.runner import Backends, Plan, RunOptions, prepare, run_once, warms
+from lora_parity.run.options import RunOptions
+from lora_parity.run.runner import Backends, Plan, prepare, run_once, warms
 
 PROBE_SEED_STRIDE = 100_000
 """Seed i draws each probe set with the set's seed plus this times i (far from every set's own seed)."""

@@ -11,19 +11,15 @@ the first std inside is used, else the smallest change at or above lower, else t
 Before the noise rule (older receipts): the first std of the ladder START_STD · GROWTH^i meeting
 max(k · A, min_stimulus). Deterministic for a given seed: the noise is seeded per tensor.
 `check` rechecks the rule from a receipt's recorded numbers and scores (`lora-parity verify`).
+The rule only, pure: the search on a trainer (`on_trainer`) is `lora_parity.run.calibrate_trainer`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from lora_parity.evidence.receipt import Budgets, Calibration, CalibrationStep, Perturbation
-
-if TYPE_CHECKING:
-    from lora_parity.backends.base import Trainer
-    from lora_parity.models.config import ModelConfig
 
 START_STD = 2e-3
 """First std of the ladder."""
@@ -106,48 +102,6 @@ def _chosen(steps: list[CalibrationStep], goal: float, upper: float) -> Calibrat
     return max(steps, key=lambda s: s.trainer_change)
 
 
-class _NoStd(Exception):
-    """The trainer's update is not B noise: there is no std to calibrate."""
-
-
-def _search_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
-                    cfg: ModelConfig, only: str | None, start: float,
-                    steps: bool = False) -> tuple[Calibration, list[list[float]]] | None:
-    """`search` on the trainer; the calibration and the trainer's scores at its last step (the chosen
-    std), with the trainer left there. None for a trainer whose update is not B noise. With `steps`
-    (`--update step`) the search varies the optimizer step's learning rate instead, in the same window."""
-    from lora_parity.backends.base import SteppingTrainer
-
-    before = scores["trainer_zero"]
-    last: list[list[list[float]]] = []
-
-    def measure(value: float) -> float:
-        trainer.zero_b()
-        if steps:
-            assert isinstance(trainer, SteppingTrainer)
-            trainer.step(sequences, value, seed, only=only)
-        elif trainer.perturb(value, seed, only=only).kind != "lora_b_noise":
-            raise _NoStd
-        last[:] = [trainer.score(sequences)]
-        return mean_change(before, last[0])
-
-    a_mean = mean_change(scores["zero"], before)
-    rule = cfg.budgets.noise
-    try:
-        if rule is None:
-            found = search(measure, a_mean, cfg.perturbation.stimulus_factor, cfg.budgets.min_stimulus, start)
-        else:
-            found = search_window(measure, a_mean, cfg.perturbation.stimulus_factor,
-                                  stimulus_threshold(scores, cfg.budgets), rule.calibration_ceiling, start)
-        if found.std != found.steps[-1].std:  # the trainer is left at the chosen value, not the last tried
-            measure(found.std)
-    except _NoStd:
-        return None
-    if steps:
-        found = found.model_copy(update={"searched": "learning_rate"})
-    return found, last[0]
-
-
 def stimulus_threshold(scores: dict[str, list[list[float]]], budgets: Budgets) -> float:
     """B.stimulus's threshold from the start point's scores (`thresholds.stimulus`): the window's floor."""
     from lora_parity.verdict import checks, thresholds
@@ -155,39 +109,6 @@ def stimulus_threshold(scores: dict[str, list[list[float]]], budgets: Budgets) -
     comparisons = checks.compute_comparisons(scores, budgets)
     noise = thresholds.noise_model(scores, comparisons)
     return thresholds.stimulus(budgets, comparisons.get("A.trainer_vs_sampler"), noise).budget
-
-
-def on_trainer(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
-               cfg: ModelConfig, only: str | None = None, start: float | None = None,
-               steps: bool = False) -> Calibration | None:
-    """`search` from `start` with the trainer alone (zero B, perturb(std, seed, only), score), from the
-    recorded scores zero and trainer_zero; leaves B zero. Per-target coverage starts from the whole
-    update's std: one target alone moves the model less than all of them together. None for a trainer
-    whose update is not B noise (an optimizer step: std does not apply). With `steps` the learning
-    rate of `--update step` is searched (from `perturbation.start_learning_rate`), in the window."""
-    if start is None:
-        start = cfg.perturbation.start_learning_rate if steps else START_STD
-    try:
-        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start, steps)
-        return found[0] if found is not None else None
-    finally:
-        trainer.zero_b()
-
-
-def on_trainer_kept(trainer: Trainer, sequences: list[list[int]], scores: dict[str, list[list[float]]], seed: int,
-                    cfg: ModelConfig, only: str, start: float,
-                    steps: bool = False) -> tuple[Calibration, list[list[float]]] | None:
-    """As `on_trainer` for one target kind `only`, but the trainer is left at the chosen std (B zero,
-    then perturb(std, seed, only)) and its scores there are returned with the calibration: the search's
-    last forward already is the per-target trainer score, so it is not run twice. B is left zero when
-    the search raises or finds no std."""
-    found = None
-    try:
-        found = _search_trainer(trainer, sequences, scores, seed, cfg, only, start, steps)
-        return found
-    finally:
-        if found is None:
-            trainer.zero_b()
 
 
 def _ladder_problem(cal: Calibration) -> str | None:
