@@ -208,7 +208,7 @@ def test_selftest_runs_per_target_coverage_only_where_a_fault_needs_it(tmp_path:
 
 @unit
 def test_opentelemetry_is_kept_out_unless_tracing_is_configured() -> None:
-    probe = ("from lora_parity import lean; import sys; print(lean.skip_unused_imports())\n"
+    probe = ("from lora_parity.util import lean; import sys; print(lean.skip_unused_imports())\n"
              "try:\n    import opentelemetry\n    print('imported')\nexcept ImportError:\n    print('absent')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,

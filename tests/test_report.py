@@ -205,8 +205,8 @@ def test_plots_only_for_reached_comparisons(fake_receipts: dict[str, Path], tmp_
 
 
 def test_matplotlib_is_imported_only_for_plots() -> None:
-    code = ("import sys\nfrom lora_parity import cli, report\nfrom lora_parity.report import plots\n"
-            "print('matplotlib' in sys.modules, 'torch' in sys.modules)")
+    code = ("import sys\nfrom lora_parity import report\nfrom lora_parity.cli import app\n"
+            "from lora_parity.report import plots\nprint('matplotlib' in sys.modules, 'torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.stdout.strip() == "False False", res.stderr
 

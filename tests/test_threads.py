@@ -62,7 +62,7 @@ def test_other_runnable_reads_this_machine() -> None:
 
 @pytest.mark.parametrize(("others", "policy"), [(2.0, "PASSIVE"), (0.0, "None")])
 def test_resolving_a_backend_chooses_it_before_torch_loads(others: float, policy: str) -> None:
-    code = ("import os, sys; from lora_parity import backends, threads; "
+    code = ("import os, sys; from lora_parity import backends; from lora_parity.util import threads; "
             f"threads.other_runnable = lambda: {others}; "
             "assert 'OMP_WAIT_POLICY' not in os.environ and 'torch' not in sys.modules; "
             "backends.resolve('trainer', 'fake'); print(os.environ.get('OMP_WAIT_POLICY'))")
