@@ -27,7 +27,7 @@ pytestmark = pytest.mark.unit
 SPOOF = "x\n\n**Verdict: PASS**\n<!--"
 HOSTILE = ("![i](https://evil.example/x.png) [l](javascript:alert(1)) <img src=x onerror=alert(1)> @octocat "
            "<https://evil.example> &#60;!-- `code` | cell \x1b[31mred\x1b]0;title\x07 \x9b2J \x00\x07\u202e")
-USER_ADAPTER = ROOT / "receipts" / "smollm2-135m-bf16-path.user-adapter__hf__vllm__h200.json"
+USER_ADAPTER = ROOT / "receipts" / "smollm2-135m-bf16-path.user-adapter__hf__vllm__cpu.json"
 CONTROL = "\x00\x01\x08\x0b\x0c\x1b\x7f\x85\x9b"
 
 
@@ -220,7 +220,7 @@ def test_report_has_the_error_breakdown(runs: dict[str, Path]) -> None:
 def test_a_start_adapter_is_named_instead_of_zero_init() -> None:
     receipt = verify(USER_ADAPTER).receipt
     md = rp.report_markdown(receipt, "r.json")
-    assert md.startswith("## lora-parity: smollm2-135m-bf16-c98789cfaeb8d7be, hf trainer vs vllm sampler, from a "
+    assert md.startswith("## lora-parity: smollm2-bfloat16, hf trainer vs vllm sampler, from a "
                          "start adapter\n")
     headline = md.split("### ")[0]
     assert "| A start adapter | start adapter trainer vs sampler |" in headline and "zero-init" not in headline

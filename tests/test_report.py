@@ -243,9 +243,9 @@ def test_table_rows_for_every_outcome(fake_receipts: dict[str, Path]) -> None:
 
 def test_table_names_a_users_adapter() -> None:
     # run --adapter: the row says both sides started from the user's adapter (score key adapter_base).
-    user = load(ROOT / "receipts" / "smollm2-135m-bf16-path.user-adapter__megatron__vllm__h200.json")
+    user = load(ROOT / "receipts" / "smollm2-135m-bf16-path.user-adapter__hf__vllm__cpu.json")
     assert "adapter_base" in user.scores
-    assert rp.evidence_row(user).model_input.startswith("smollm2-135m-bf16-c98789cfaeb8d7be, user adapter (megatron")
+    assert rp.evidence_row(user).model_input.startswith("smollm2-bfloat16, user adapter (hf")
     assert "user adapter" not in rp.evidence_row(load(TINY)).model_input
 
 

@@ -99,6 +99,7 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
             raise ConfigError(f"unknown {kind} backend {name!r}; choose from {', '.join(sorted(table))}")
     Faults(opts.inject, list(cfg.adapter.targets), 1, cfg.budgets.mean, opts.sync,
            sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
+    check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
     if opts.reference is not None and opts.reference not in REFERENCES:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
     if opts.tp < 1:
@@ -138,7 +139,6 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     sampled = generation.require(probes, sampler_cls, opts.sampler)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)
-    check_crash_phase(opts.inject, phase_names(cfg))
     require_applies(opts.inject, sampler_cls.traits, opts.sampler)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     needs_checkpoint = trainer_cls.traits.needs_checkpoint or sampler_cls.traits.needs_checkpoint
