@@ -52,6 +52,8 @@ def errored_like(data: dict[str, Any], phases: list[dict[str, Any]], scores: dic
             "deltas": {k: v.model_dump(mode="json") for k, v in ev.deltas.items()},
             "checks": [c.model_dump(mode="json") for c in ev.checks], "verdict": ev.verdict.value,
             "verdicts": ev.verdicts.model_dump(mode="json"),
+            "noise": ev.noise.model_dump(mode="json") if ev.noise else None,
+            "thresholds": {k: v.model_dump(mode="json") for k, v in (ev.thresholds or {}).items()},
             "worst_positions": {k: [w.model_dump(mode="json") for w in v] for k, v in worst.items()},
             "breakdown": {k: v.model_dump(mode="json") for k, v in error_breakdown.items()}}
 

@@ -175,7 +175,7 @@ def test_per_target_restores_the_starting_b_not_zero() -> None:
     trainer = FakeTrainer(folder_cfg, None, 0, {})
     start = {n: [0.1 * (i + 1)] * len(v) for i, (n, v) in enumerate(trainer.params.items()) if ".lora_B." in n}
     trainer.params.update(start)
-    trainer.start_b = {n: list(v) for n, v in start.items()}
+    trainer.start = {**trainer.start, **{n: list(v) for n, v in start.items()}}
     trainer.perturb(0.01, 0)
     with pytest.raises(PhaseError, match="non-zero before the update"):
         trainer.perturb(0.01, 0)

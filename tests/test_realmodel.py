@@ -81,7 +81,9 @@ def _checkpoint(tmp_path: Path, dtype: str) -> Path:
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"vocab_size": 512, "torch_dtype": dtype}))
-    (folder / "model.safetensors").write_bytes(b"")
+    # A safetensors file with a header and no tensors: what `run --model FOLDER` reads before loading.
+    header = b'{"__metadata__":{}}'
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     return folder
 
 

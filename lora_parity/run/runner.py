@@ -131,7 +131,8 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
-    cfg = start_adapter.apply(cfg, opts.adapter)
+    # The fake backends run a toy layout of their own, not the model's config.json shapes.
+    cfg = start_adapter.apply(cfg, opts.adapter, model_shapes=opts.trainer != "fake")
     cfg = preflight.with_update(cfg, opts.update)
     sync = sync_mode_named(opts.sync)
     # Before any backend import: a run this machine cannot hold stops here, in well under a second.

@@ -93,10 +93,10 @@ def record(folder: Path | None) -> StartAdapter | None:
                         base_model=base if isinstance(base, str) else None)
 
 
-def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:
+def apply(cfg: ModelConfig, folder: Path | None, model_shapes: bool = True) -> ModelConfig:
     """`cfg` with the adapter's rank, alpha and targets (`cfg` itself without an adapter), checked
     as a config's are (a positive integer rank, a finite positive alpha, module names that can go on
-    a command line), and against the model's shapes (`check_for_model`)."""
+    a command line), and with `model_shapes` against the model's shapes (`check_for_model`)."""
     if folder is None:
         return cfg
     config = read_config(folder)
@@ -113,7 +113,8 @@ def apply(cfg: ModelConfig, folder: Path | None) -> ModelConfig:
             if first.get("loc") else ""
         raise ConfigError(f"--adapter {folder}: {af.CONFIG_FILE}: {field or 'adapter'}: "
                           f"{one_line(str(first.get('msg')))}") from None
-    check_for_model(folder, cfg, config, adapter.rank)
+    if model_shapes:
+        check_for_model(folder, cfg, config, adapter.rank)
     return cfg.model_copy(update={"adapter": adapter})
 
 
