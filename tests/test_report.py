@@ -5,8 +5,8 @@ Goldens live in tests/golden/; after a deliberate change, regenerate them with
 """
 
 import json
-import re
 import os
+import re
 import struct
 import subprocess
 import sys
