@@ -108,7 +108,10 @@ def test_real_setup_error_receipt_verifies_as_error(case: str, tmp_path: Path) -
         model = tmp_path / "vocab-only"
         model.mkdir()
         (model / "config.json").write_text('{"vocab_size": 64}')
-        (model / "model.safetensors").write_bytes(b"\0" * 100)
+        # A readable header with no tensors passes preflight (an unreadable one is refused there); the
+        # load then fails in setup.
+        header = b'{"__metadata__":{}}'
+        (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     out = tmp_path / "r.json"
     res = cli("run", "--model", str(model), "--trainer", "hf", "--sampler", "hf", "--out", str(out))
     assert res.returncode == 2, res.stderr
