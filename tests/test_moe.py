@@ -292,8 +292,12 @@ def test_glm_dsa_c_tail_is_at_router_near_ties() -> None:
     worst = sorted(range(len(c.margins)), key=lambda i: -c.receipt_diff[i])[:5]
     assert [round(c.receipt_diff[i], 3) for i in worst[:3]] == [0.438, 0.22, 0.193]
     assert max(routing.margin_ranks(c.margins, worst)) <= 10  # of 192 positions
-    assert all(script.split_route(c, i)[0] != "same" for i in worst)
-    assert script.split_route(c, worst[0])[0] == "trainer flipped"  # the H200 trainer, not vLLM, at (1, 65)
+    # A top-k margin under 1e-5 is a tie the CPU's kernels may break either way (position (1, 65) sits at
+    # 2e-6 here): the rebuild cannot say which route the H200 trainer took there, so it proves nothing.
+    tie = 1e-5
+    decided = [script.split_route(c, i)[0] for i in worst if c.margins[i] >= tie]
+    assert len(decided) >= 4 and all(route != "same" for route in decided)
+    assert c.margins[worst[0]] < tie or script.split_route(c, worst[0])[0] == "trainer flipped"
     a = script.measure_state(rebuilt, *by_label["A zero-init"])
     a_worst = sorted(range(len(a.margins)), key=lambda i: -a.receipt_diff[i])[:5]
     assert all(script.split_route(a, i)[0] == "same" for i in a_worst)
