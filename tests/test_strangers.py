@@ -596,11 +596,11 @@ def test_18_an_adapter_for_another_model_is_refused_at_preflight_naming_its_base
     with pytest.raises(ConfigError, match=r"made for 'meta-llama/Llama-3.2-1B', not tiny-qwen3 \(its q_proj "
                                           r"lora_A is \[8, 2048\], the model needs \[8, 128\]\); pass its base model "
                                           "with --model"):
-        prepare(RunOptions(trainer="fake", sampler="fake", adapter=ad))
+        prepare(RunOptions(trainer="hf", sampler="hf", adapter=ad))  # refused before either backend loads
     assert time.perf_counter() - start < 5
     deep = tiny_adapter(tmp_path / "deep-ad", ["q_proj"], layers=4)
     with pytest.raises(ConfigError, match="tensors for layer 2, the model 2 layers"):
-        prepare(RunOptions(trainer="fake", sampler="fake", adapter=deep))
+        prepare(RunOptions(trainer="hf", sampler="hf", adapter=deep))
     fits = tiny_adapter(tmp_path / "fits", ["q_proj", "v_proj"])
     assert start_adapter.apply(config.load(None), fits).adapter.targets == ["q_proj", "v_proj"]
 
