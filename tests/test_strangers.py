@@ -627,7 +627,10 @@ def test_15_torch_compile_cache_is_the_runs_scratch_and_removed(tmp_path: Path,
     during = {s for s in seen if s}
     assert len(during) == 1 and Path(next(iter(during))).parent == tmp_path
     assert Path(next(iter(during))).name.startswith("lora-parity-inductor-")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and scratch.INDUCTOR_CACHE_ENV not in os.environ
+    # torch's inductor, imported by an earlier test of this process, may set the variable to its own
+    # default again; the run's scratch setting must be gone.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert "lora-parity-inductor-" not in os.environ.get(scratch.INDUCTOR_CACHE_ENV, "")
     # A folder that was there before the run is not the run's to remove; the user's own choice stays.
     default.mkdir()
     monkeypatch.setenv(scratch.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
