@@ -9,6 +9,7 @@ line. See docs/probes-and-adapters.md.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,13 @@ def _refuse_variants(folder: Path, config: dict[str, Any]) -> None:
 
 
 def digest(folder: Path) -> str:
-    """sha256 over the adapter's two files, each as its name, its size and its bytes (read in chunks)."""
+    """sha256 over the adapter's two files, each as its name, its size and its bytes (read in chunks,
+    regular files only: `safe_read.open_regular`)."""
     h = hashlib.sha256()
     for name in (af.CONFIG_FILE, af.WEIGHTS_FILE):
         path = Path(folder) / name
-        h.update(f"{name}\0{path.stat().st_size}\0".encode())
-        with path.open("rb") as f:
+        with safe_read.open_regular(path) as f:
+            h.update(f"{name}\0{os.fstat(f.fileno()).st_size}\0".encode())
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
