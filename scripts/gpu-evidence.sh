@@ -33,6 +33,24 @@ export LORA_PARITY_CACHE=/tmp/lora-parity-cache HF_HUB_OFFLINE=1
 models=(qwen3-0.6b-synth qwen3-8b-synth)
 device=h200
 
+# user_adapter CHECKPOINT OUT RANK ALPHA: a user's PEFT adapter (all seven projections, B ~ N(0, 0.02), seed 7)
+user_adapter() {
+  python3 - "$@" <<'PY'
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+torch.manual_seed(7)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16)  # older transformers on the GPU image
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+peft_model = get_peft_model(model, LoraConfig(r=int(sys.argv[3]), lora_alpha=int(sys.argv[4]), target_modules=targets))
+with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.02)
+peft_model.save_pretrained(sys.argv[2])
+PY
+}
+
 case "$step" in
   stash)
     mkdir -p /tmp/w && cp ".gpu-wheels/c${2:?chunk}"/* /tmp/w/ && ls /tmp/w | wc -l ;;
@@ -102,20 +120,7 @@ case "$step" in
     # checkpoint passed by path, with the hf and the megatron trainer
     rev=${2:?revision}; mkdir -p /tmp/gpu-logs
     ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
-    python3 - "$ck" /tmp/user-adapter <<'PY'
-import sys, torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-torch.manual_seed(7)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16)  # older transformers on the GPU image
-targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
-with torch.no_grad():
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:
-            p.normal_(0, 0.02)
-peft_model.save_pretrained(sys.argv[2])
-PY
+    user_adapter "$ck" /tmp/user-adapter 8 16
     for t in hf megatron; do
       receipt="$out/smollm2-135m-bf16-path.user-adapter__${t}__vllm__${device}.json"
       timeout 400 python3 -m lora_parity run --model "$ck" --adapter /tmp/user-adapter --trainer "$t" --revision "$rev" \
@@ -126,22 +131,7 @@ PY
     rev=${2:?revision}; n=${3:?seeds}; shift 3
     mkdir -p /tmp/st
     ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
-    if [ ! -f /tmp/user-adapter/adapter_config.json ]; then
-      python3 - "$ck" /tmp/user-adapter <<'PY'
-import sys, torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-torch.manual_seed(7)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.bfloat16)
-targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
-with torch.no_grad():
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:
-            p.normal_(0, 0.02)
-peft_model.save_pretrained(sys.argv[2])
-PY
-    fi
+    [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
     names=""
     for spec in "$@"; do
       name=${spec%%:*}; rest=${spec#*:}; t=${rest%%:*}; args=${rest#*:}; [ "$args" = "$rest" ] && args=""
