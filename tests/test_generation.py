@@ -230,3 +230,22 @@ def test_adapter_changed_fault_is_caught_with_a_user_adapter(tmp_path: Path) -> 
     receipt = execute(RunOptions(**FAKE, adapter=adapter, inject="adapter-changed", out=tmp_path / "r.json")).receipt
     assert receipt.verdict == Verdict.ERROR and "changed on disk" in (receipt.error or "")
     assert generation.folder_digest(adapter) == before  # the user's own files are never rewritten
+
+
+def test_selftest_with_a_user_adapter_starts_every_run_of_every_seed_from_it(tmp_path: Path) -> None:
+    from lora_parity.evidence.receipt import load as load_receipt
+
+    from .conftest import cli
+
+    adapter = _user_adapter(tmp_path / "adapter", ["q_proj", "v_proj", "down_proj"])
+    res = cli("selftest", "--trainer", "fake", "--sampler", "fake", "--seeds", "2", "--adapter", str(adapter),
+              "--out-dir", str(tmp_path / "st"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    receipts = sorted((tmp_path / "st").glob("seed-*/*.json"))
+    assert len({p.parent.name for p in receipts}) == 2 and len(receipts) > 4
+    for path in receipts:
+        receipt, _ = load_receipt(path)
+        assert receipt.start_adapter is not None, path
+        assert receipt.error is not None or "adapter_base" in receipt.scores, path
+        if receipt.injected_fault is None:
+            assert _status(receipt)["A.adapter_moved"] == CheckStatus.PASS, path

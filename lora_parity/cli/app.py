@@ -239,6 +239,7 @@ def selftest(
     sampler_url: SamplerUrlOpt = None,
     api_key_env: ApiKeyEnvOpt = None,
     shared_dir: SharedDirOpt = None,
+    adapter: AdapterOpt = None,
     json_: JsonOpt = False,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
@@ -252,7 +253,7 @@ def selftest(
                       per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, update=update,
                       revision=revision,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
-                      shared_dir=shared_dir)
+                      shared_dir=shared_dir, adapter=adapter)
     from lora_parity.run.runner import RunInterrupted
     from lora_parity.util import interrupt
 

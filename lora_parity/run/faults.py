@@ -56,7 +56,8 @@ class FaultSpec:
     needs_sampled: bool = False
     """Breaks the generation path after sync, which runs with `--probes sampled` only."""
     caught_by_step: tuple[str, ...] | None = None
-    """What must catch it with `--update step`, where that differs (None: `caught_by`)."""
+    """What must catch it when the run starts from non-zero B (the warm start of `--update step`, or the
+    user's `--adapter`), where that differs (None: `caught_by`)."""
     only_rounds: bool = False
     """Changes the adapter's values by rounding alone (a trainer with `traits.rounding_unresolved` skips it)."""
     needs_step: str | None = None
@@ -287,9 +288,12 @@ class Faults:
     """The injected fault of a run (or none): hooks the sequence calls at each seam."""
 
     def __init__(self, spec: str | None, targets: list[str], num_positions: int, mean_budget: float,
-                 sync_mode: str = "new-id", sampled: bool = False, update: str = "noise") -> None:
+                 sync_mode: str = "new-id", sampled: bool = False, update: str = "noise",
+                 start_adapter: bool = False) -> None:
         self.name: str | None = None
-        self.update = update
+        self.nonzero_start = update == "step" or start_adapter
+        """The run starts from non-zero B (the warm start of `--update step`, or the user's `--adapter`):
+        the sampler holds that start at version 0, so the export faults start with the update."""
         self.previous: dict[str, af.Tensor] | None = None
         """The last exported version's tensors, as the trainer wrote them (stale-a, partial-export keep them)."""
         self.crash_phase: str | None = None
@@ -320,7 +324,7 @@ class Faults:
         """What must catch this fault."""
         assert self.name is not None
         spec = FAULTS[self.name]
-        caught_by = spec.caught_by_step if self.update == "step" and spec.caught_by_step is not None else spec.caught_by
+        caught_by = spec.caught_by_step if self.nonzero_start and spec.caught_by_step is not None else spec.caught_by
         return replace(spec, caught_by=tuple(c.format(target=self.dropped_target) for c in caught_by))
 
     def is_(self, name: str) -> bool:
@@ -347,7 +351,7 @@ class Faults:
 
     def after_export(self, version: int, folder: Path) -> None:
         """Adapter-file faults: rewrite the exported PEFT folder before the sampler sees it."""
-        if self.name not in FILE_FAULTS or (self.update == "step" and version == 0 and not self.is_("nonzero-init")):
+        if self.name not in FILE_FAULTS or (self.nonzero_start and version == 0 and not self.is_("nonzero-init")):
             # With a warm start, version 0 is the start adapter the sampler already holds: the faults of an
             # update's export start with the update (at zero-init they left B = 0 unchanged there too).
             if self.name in FILE_FAULTS:

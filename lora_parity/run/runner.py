@@ -292,7 +292,8 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     cfg, probes = plan.cfg, plan.probes
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
-                    sampled=plan.sampled, update="step" if warms(plan) else "noise")
+                    sampled=plan.sampled, update="step" if warms(plan) else "noise",
+                    start_adapter=plan.opts.adapter is not None)
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
     start = time.perf_counter()
     run: Run | None = None

@@ -203,7 +203,7 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
     sampled = receipt.probes.source is not None and receipt.probes.source.kind == "sampled"
     update = "step" if receipt.perturbation is not None and receipt.perturbation.warm_std is not None else "noise"
     spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled,
-                  update=update).expected()
+                  update=update, start_adapter=receipt.start_adapter is not None).expected()
     status = {c.id: c.status for c in receipt.checks}
     caught_by = _without_absent_targets(spec.caught_by, status)
     expected = f"{spec.verdict}: {', '.join(caught_by) or 'error recorded'}"
