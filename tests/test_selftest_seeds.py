@@ -77,6 +77,11 @@ def test_three_seeds_vary_probes_and_update_and_tally_from_the_receipts(tmp_path
     assert single.seeds == [0] and (tmp_path / "one" / "clean.json").is_file()
     assert read_receipt(tmp_path / "one" / "clean.json").scores == receipts[0].scores
 
+    # --first-seed 2: exactly seed 2 of the longer selftest, in its own seed folder.
+    tail = st.selftest(RunOptions(**FAKE), tmp_path / "tail", faults=[], first_seed=2)
+    assert tail.seeds == [2] and not (tmp_path / "tail" / "clean.json").exists()
+    assert read_receipt(tmp_path / "tail" / "seed-02" / "clean.json").scores == receipts[2].scores
+
     tallies = {t.fault: t for t in result.tallies()}
     assert all(t.caught == t.runs == 3 for t in tallies.values())
     # skip-sync's margin is C.parity.mean's observed / budget in its receipt; the closest is the seeds' min.

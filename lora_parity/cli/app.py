@@ -230,6 +230,9 @@ def selftest(
         min=1, max=1000, help="Run the clean run and every fault once per seed (run seed --seed + i, the probes "
                               "drawn again, on one load of the engines); print the false-alarm rate and per fault "
                               "caught k of N with the closest margin; receipts in OUT_DIR/seed-NN/.")] = 1,
+    first_seed: Annotated[int, typer.Option(
+        min=0, max=1_000_000, help="Start at seed index K (seeds K .. K+N-1 of a longer selftest), to split one "
+                                   "over several processes or machines; receipts in OUT_DIR/seed-NN/.")] = 0,
     per_target: PerTargetOpt = True,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
@@ -260,12 +263,13 @@ def selftest(
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
     session = live.Session(live.mode_of(verbose, quiet or json_),
-                           live.describe(opts, f"selftest over {seeds} seeds" if seeds > 1 else "selftest"))
+                           live.describe(opts, f"selftest over {seeds} seeds" if seeds > 1 or first_seed else "selftest"))
     with interrupt.handle_signals():
         try:
             with session:
                 result = run_selftest(opts, out_dir, repeat=repeat, progress=session.progress,
-                                      watch=output.selftest_watcher(session, seeds), seeds=seeds)
+                                      watch=output.selftest_watcher(session, seeds), seeds=seeds,
+                                      first_seed=first_seed)
         except RunInterrupted as e:
             output.error(f"selftest {e}; receipt of the interrupted run: {e.result.path}")
             raise typer.Exit(interrupt.exit_code()) from None

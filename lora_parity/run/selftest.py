@@ -260,11 +260,14 @@ def plan_for_seed(plan: Plan, index: int) -> Plan:
 
 def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
              progress: Callable[[str, str, float], None] | None = None,
-             faults: list[str] | None = None, watch: Watch | None = None, seeds: int = 1) -> SelftestResult:
+             faults: list[str] | None = None, watch: Watch | None = None, seeds: int = 1,
+             first_seed: int = 0) -> SelftestResult:
     """Run the clean run (`repeat` times) and every fault that applies to the sync mode and the
     sampler (with vllm-server, the serving-layer faults too; or only `faults`), once per seed
     (`plan_for_seed`), on one load of the backends; write each receipt into `out_dir` (with several
-    seeds, into `out_dir/seed-NN/`, NN the run seed); `watch` hears of each run as it starts and ends."""
+    seeds, into `out_dir/seed-NN/`, NN the run seed); `watch` hears of each run as it starts and ends.
+    `first_seed` K runs seed indices K .. K + seeds - 1: exactly those of a longer selftest, so that one
+    over many seeds can be split across processes or machines and its receipts pooled."""
     say = progress or (lambda phase, status, seconds: None)
     tell: Watch = watch or (lambda fault, row: None)
     plan = prepare(opts)
@@ -278,11 +281,11 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
                                                                targets, update, plan.trainer_cls.traits)
     try:
         loaded.open()
-        for index in range(max(1, seeds)):
+        for index in range(first_seed, first_seed + max(1, seeds)):
             seed_plan = plan_for_seed(plan, index)
             seed = seed_plan.opts.seed
             result.seeds.append(seed)
-            seed_folder = folder / f"seed-{seed:02d}" if seeds > 1 else folder
+            seed_folder = folder / f"seed-{seed:02d}" if seeds > 1 or first_seed > 0 else folder
             seed_folder.mkdir(parents=True, exist_ok=True)
             _one_seed(seed_plan, loaded, seed_folder, result, fault_names, targets, tell, say)
     finally:
