@@ -20,6 +20,10 @@
 #                  target's still covered), one invocation per spec; ARG @adapter is a user's PEFT adapter
 #                  (r16, alpha 32, B ~ N(0, 0.02), all seven projections). Summaries and receipts come back
 #                  as one tarball, $OUT/seeds-NAME....tgz
+#   pseeds REV NAME:TRAINER:FIRST:COUNT[:ARG,..] ...
+#                  the same selftests, one process per spec, all at once on the one GPU (seed indices
+#                  FIRST.. of --first-seed); they run on across calls: follow with `collect [WAIT]`,
+#                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
 # torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. The megatron-core wheel (pure Python,
@@ -145,6 +149,64 @@ case "$step" in
       names="$names $name"
     done
     tar czf "$out/seeds$(echo "$names" | tr ' ' '-').tgz" -C /tmp/st $names $(for x in $names; do echo "$x.json $x.err"; done)
+    ls -la "$out" ;;
+  pseeds)
+    # pseeds REV NAME:TRAINER:FIRST:COUNT[:ARG,ARG..] ...: one selftest process per spec, all at once
+    # (seed indices FIRST .. FIRST+COUNT-1, per-target coverage off, the sampler's GPU memory split
+    # between them). They are started with setsid, so they run on across calls while the machine is
+    # held: follow with `collect`. The first starts alone (the fresh machine's JIT warm-up), the rest once
+    # it wrote its first receipt. A process whose engines fail to start (no receipt) is started again.
+    rev=${2:?revision}; shift 2
+    mkdir -p /tmp/st
+    ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+    [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
+    python3 -m lora_parity init "$ck" --out /tmp/st/model.yaml --force >/dev/null
+    share=$(python3 -c "print(round(${SHARE:-0.7} / $#, 3))")
+    sed -i "s/gpu_memory_utilization: .*/gpu_memory_utilization: $share/" /tmp/st/model.yaml
+    deadline=$(( $(date +%s) + ${WINDOW:-1500} ))
+    first=1
+    for spec in "$@"; do
+      IFS=: read -r name t from count args <<< "$spec"
+      args=${args//@adapter/--adapter,/tmp/user-adapter}
+      cat > "/tmp/st/$name.sh" <<SH
+cd "$PWD"; export OMP_NUM_THREADS=2
+for try in 1 2 3; do
+  left=\$(( $deadline - \$(date +%s) )); [ \$left -gt 60 ] || break
+  timeout \$left python3 -m lora_parity selftest --model /tmp/st/model.yaml --trainer $t --no-per-target \\
+    --seeds $count --first-seed $from ${args//,/ } --revision $rev --out-dir /tmp/st/$name --json \\
+    > /tmp/st/$name.json 2>> /tmp/st/$name.err
+  echo "exit \$? at \$(date +%s)" >> /tmp/st/$name.err
+  ls /tmp/st/$name/seed-*/clean.json >/dev/null 2>&1 && break
+done
+SH
+      setsid nohup bash "/tmp/st/$name.sh" > /dev/null 2>&1 < /dev/null &
+      if [ $first = 1 ]; then
+        first=0
+        for _ in $(seq 60); do ls /tmp/st/"$name"/seed-*/clean.json >/dev/null 2>&1 && break; sleep 5; done
+        echo "first receipt of $name after ${SECONDS}s"
+      else
+        sleep "${STAGGER:-8}"
+      fi
+    done
+    echo "started $# at $(date +%s), deadline $deadline (share $share)" ;;
+  collect)
+    # collect [WAIT]: wait up to WAIT s for the pseeds processes, packing what they wrote every minute
+    # ($OUT/seeds.tar.xz: summaries, logs and every receipt); prints each one's progress
+    end=$(( $(date +%s) + ${2:-0} ))
+    pack() {
+      (cd /tmp/st && XZ_OPT="-T8 -6" tar -cJf "$out/seeds.tar.xz.tmp" --exclude='*.sh' --exclude=model.yaml . \
+        && mv "$out/seeds.tar.xz.tmp" "$out/seeds.tar.xz")
+    }
+    while :; do
+      pack
+      busy=$(pgrep -fc "lora_parity selftest" || true)
+      [ "$busy" -gt 0 ] && [ "$(date +%s)" -lt "$end" ] || break
+      sleep 60
+    done
+    for f in /tmp/st/*.err; do
+      n=${f%.err}; echo "== $(basename "$n"): $(ls "$n"/seed-*/*.json 2>/dev/null | wc -l) receipts, $(ls -d "$n"/seed-* 2>/dev/null | wc -l) seeds; $(grep -E '^(selftest|exit)' "$f" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+    done
+    echo "busy: $(pgrep -fc 'lora_parity selftest' || true); $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
     ls -la "$out" ;;
   bench)
     {
