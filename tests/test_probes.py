@@ -165,3 +165,29 @@ def test_text_probes_on_the_synthetic_default_exit_2_with_one_line(tmp_path: Pat
     res = cli("run", "--trainer", "fake", "--sampler", "fake", "--probes", "text", cwd=tmp_path)
     assert res.returncode == 2 and "synthetic checkpoint without a tokenizer" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_random_probes_start_with_the_checkpoints_bos_and_keep_the_rest(tmp_path: Path) -> None:
+    from lora_parity.models import synthetic
+    from lora_parity.models.checkpoint import bos_token
+
+    spec = config.load(None).probes
+    plain = probes.random_probes(spec, "default", 512)
+    with_bos = probes.random_probes(spec, "default", 512, bos=7)
+    assert [s[0] for s in with_bos.sequences] == [7] * len(plain.sequences)
+    assert [s[1:] for s in with_bos.sequences] == [s[1:] for s in plain.sequences]
+    assert with_bos.digest != plain.digest
+
+    # A checkpoint by path: its config's bos_token_id, when inside the vocabulary; synthetic: none.
+    assert bos_token(config.load(None)) is None
+    src = synthetic.materialize(config.load("tiny-qwen3"))
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(src / "model.safetensors")
+    hf = json.loads((src / "config.json").read_text())
+    for bos, want in ((3, 3), (None, None), (hf["vocab_size"], None), (True, None)):
+        (folder / "config.json").write_text(json.dumps({**hf, "bos_token_id": bos}))
+        cfg = config.load(str(folder))
+        assert bos_token(cfg) == want, bos
+        made = probes.make(cfg, "default", lambda: hf["vocab_size"], lambda: bos_token(cfg))
+        assert all(s[0] == want for s in made.sequences) if want is not None else made.sequences[0][0] != 3

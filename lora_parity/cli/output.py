@@ -129,7 +129,8 @@ def _fault_line(receipt: Receipt) -> str | None:
     spec = FAULTS.get(name)
     if spec is None:
         return f"injected fault: {receipt.injected_fault}"
-    caught = f", caught by {' and '.join(spec.caught_by)}" if spec.caught_by else ""
+    caught = (f", caught by {' and '.join(c.replace('|', ' or ') for c in spec.caught_by)}"
+              if spec.caught_by else "")
     return f"injected fault: {receipt.injected_fault} ({spec.description}); expected: {spec.verdict}{caught}"
 
 

@@ -130,6 +130,22 @@ def vocab_size(cfg: ModelConfig) -> int:
     return Checkpoint.open(folder).vocab_size
 
 
+def bos_token(cfg: ModelConfig) -> int | None:
+    """The id random probes start with: config.json's `bos_token_id` of a real checkpoint, where it names
+    one inside the vocabulary; None for a synthetic model (random weights: no token is special) and a
+    checkpoint without one. A sequence of random ids without it puts a rare token where every real input
+    has BOS, and a model whose first position gathers attention (SmolLM2) then scores the next tokens with
+    bf16 errors of several nats that no real input shows (docs/verdicts.md, "Random probes")."""
+    if cfg.model.synthetic:
+        return None
+    folder = local_folder(cfg)
+    if folder is None:
+        return None
+    checkpoint = Checkpoint.open(folder)
+    bos = checkpoint.config.get("bos_token_id")
+    return bos if isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < checkpoint.vocab_size else None
+
+
 def preflight_hf_config(cfg: ModelConfig) -> dict[str, Any] | None:
     """The checkpoint's config.json before anything is loaded or generated: a synthetic spec's own
     fields, a local folder's file, or None where it is not known yet (a GGUF built on first use, a hub

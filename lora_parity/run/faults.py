@@ -57,7 +57,9 @@ class FaultSpec:
     """Breaks the generation path after sync, which runs with `--probes sampled` only."""
     caught_by_step: tuple[str, ...] | None = None
     """What must catch it when the run starts from non-zero B (the warm start of `--update step`, or the
-    user's `--adapter`), where that differs (None: `caught_by`)."""
+    user's `--adapter`), where that differs (None: `caught_by`). Each entry of `caught_by` and this must
+    fail; an entry `X|Y` fails when either does (with an fp32 reference, a sampler that starts elsewhere
+    widens A's triangulated threshold by its own distance, and the reference check names it instead)."""
     only_rounds: bool = False
     """Changes the adapter's values by rounding alone (a trainer with `traits.rounding_unresolved` skips it)."""
     needs_step: str | None = None
@@ -189,7 +191,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail", sync=Leak),
     FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B (with a warm start: other B than the "
               "trainer's)", ("A.zero_adapter_noop",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
-              caught_by_step=("A.parity.mean",)),
+              caught_by_step=("A.parity.mean|A.fp32.sampler.mean",)),
     # A.parity.max: under the bf16 profile a shifted sampler is also far from the fp32 reference, so
     # A's triangulated mean budget widens with it (A.fp32.sampler.* fail instead); the max ceiling
     # is absolute in every profile (seen on the H200 selftest of SmolLM2-135M bf16).
@@ -200,14 +202,22 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("stale-a", "the published adapter carries the new B with the previous version's A",
               ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
               needs_step="the noise update never moves A, so the previous version's A is the new one"),
+    # The sampler moves the way of the refreshed half only: by its distance or its direction. Either can stay
+    # within its threshold alone: on SmolLM2-135M bf16 (H200) C.parity.mean did in 7 of 45 runs (the cosine
+    # in none), on the fake's warm start the cosine did.
     FaultSpec("partial-export", "half the layers (the later ones) keep the previous version's tensors",
-              ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
+              ("C.parity.mean|C.delta.cosine",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("fp16-export", "every exported tensor is cast to fp16 (beyond 65504: inf; below 6e-8: zero; "
               "rounded to fp16's 11-bit mantissa in between)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
               rewrites_files=True, only_rounds=True),
+    # One target's share of the change, as drop-target: from zero-init only per-target coverage of up_proj
+    # names it (the sampler's up_proj then holds gate_proj's zero B and does not move); on SmolLM2-135M bf16
+    # (H200) no check fired in 3 of 36 runs without it. From a non-zero start the sampler's up_proj loses
+    # its whole start adapter, which C sees.
     FaultSpec("up-gets-gate", "the synced adapter's up_proj tensors are gate_proj's (unsloth-zoo #941: the "
-              "hot-load appends gate_proj twice, shapes match, nothing errors)", ("C.parity.mean",), "fail",
-              modes=ADAPTER_MODES, rewrites_files=True, needs_targets=("gate_proj", "up_proj")),
+              "hot-load appends gate_proj twice, shapes match, nothing errors)", ("T.up_proj.moved",), "fail",
+              modes=ADAPTER_MODES, rewrites_files=True, needs_targets=("gate_proj", "up_proj"),
+              caught_by_step=("C.parity.mean",)),
     FaultSpec("same-name-no-inplace", "sync reloads under the same name without load_inplace and does not read "
               "the server's reply", ("C.parity.mean",), "fail", modes=ADAPTER_MODES, sync=SameNameNoInplace,
               serving_layer=True),
@@ -261,17 +271,26 @@ def require_applies(spec: str | None, sampler: BackendTraits, sampler_name: str)
         raise ConfigError(f"fault {spec!r} does not apply to sampler {sampler_name!r}: {why}")
 
 
+ROUNDING_DTYPES = ("float32",)
+"""Model dtypes whose numerics resolve an adapter rounded to fp16 (`only_rounds`). In bf16 or fp16 the
+model rounds each layer's output to 8 or 11 bits, so an adapter rounded to 11 bits moves the scores by
+less than the two sides already differ: on SmolLM2-135M bf16 (H200, hf and megatron trainers), fp16-export's
+C.parity.mean stayed at 0.30-0.80 of its threshold in all 45 runs; it is no fault the verdict can see there."""
+
+
 def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False,
                targets: list[str] | None = None, update: str = "noise",
-               trainer: BackendTraits | None = None) -> list[str]:
+               trainer: BackendTraits | None = None, dtype: str | None = None) -> list[str]:
     """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
     one that is not served over HTTP); with `sampled`, also the generation path's; with `targets`, only
     those whose target kinds the adapter has; with `update` noise, not those only a step can reveal; with
-    `trainer` traits, not the rounding faults it cannot resolve."""
+    `trainer` traits, not the rounding faults it cannot resolve; with a `dtype` other than float32, not
+    the rounding faults either (`ROUNDING_DTYPES`)."""
     traits = sampler or BackendTraits()
+    rounds = (trainer is None or not trainer.rounding_unresolved) and (dtype is None or dtype in ROUNDING_DTYPES)
     names = [f for f in SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
              if (update == "step" or FAULTS[f.partition("=")[0]].needs_step is None)
-             and not (trainer is not None and trainer.rounding_unresolved and FAULTS[f.partition("=")[0]].only_rounds)]
+             and (rounds or not FAULTS[f.partition("=")[0]].only_rounds)]
     return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
             or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None
             and (targets is None or set(FAULTS[f.partition("=")[0]].needs_targets) <= set(targets))]

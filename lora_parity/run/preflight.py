@@ -10,7 +10,7 @@ from lora_parity.backends.base import PreflightOptions, SamplerBackend, Stepping
 from lora_parity.evidence import outpath
 from lora_parity.evidence.receipt import Probes, Reference
 from lora_parity.models import config
-from lora_parity.models.checkpoint import preflight_hf_config, require_safetensors, vocab_size
+from lora_parity.models.checkpoint import bos_token, preflight_hf_config, require_safetensors, vocab_size
 from lora_parity.run import generation, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, check_crash_phase, require_applies
@@ -135,7 +135,7 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     if cfg.perturbation.update == "step" and not issubclass(trainer_cls, SteppingTrainer):
         raise ConfigError(f"--update step: trainer {opts.trainer!r} cannot take an optimizer step on LoRA A and B "
                           "yet; use --update noise")
-    probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg))
+    probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg), lambda: bos_token(cfg))
     sampled = generation.require(probes, sampler_cls, opts.sampler)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)

@@ -2,7 +2,8 @@
 
 `--probes` takes one of:
 - `random`, `random:SET`, or a bare set name (`default`, `held-out`, `SET-xN`): token ids drawn
-  uniformly from the vocabulary, seeded per set (the embedded default's source);
+  uniformly from the vocabulary, seeded per set (the embedded default's source); on a real checkpoint
+  whose config names a BOS token, each sequence starts with it (`checkpoint.bos_token`);
 - `text`, `text:SET`: a public-domain English text shipped with the package, tokenized with the
   checkpoint's tokenizer and cut into the configured lengths at a seeded offset per set;
 - `sampled`, `sampled:SET`: the text windows, each cut to a prompt (its first half) that the
@@ -85,8 +86,10 @@ def _probes(set_name: str, seed: int, sequences: list[list[int]], source: ProbeS
                   num_scored_positions=sum(len(s) - 1 for s in sequences), source=source)
 
 
-def random_probes(spec: ProbeSpec, set_name: str, vocab_size: int, record_source: bool = False) -> Probes:
-    """Deterministic probe sequences of `set_name`: ids uniform in [0, vocab_size), seeded.
+def random_probes(spec: ProbeSpec, set_name: str, vocab_size: int, record_source: bool = False,
+                  bos: int | None = None) -> Probes:
+    """Deterministic probe sequences of `set_name`: ids uniform in [0, vocab_size), seeded; with `bos`,
+    each sequence's first id is that token instead (the rest unchanged), as a real input starts.
 
     `NAME-xN` (e.g. `default-x10`) is set NAME with N times as many sequences, for benchmarks; its
     first sequences are NAME's own. `record_source`: name the source in the receipt (left out by
@@ -94,6 +97,8 @@ def random_probes(spec: ProbeSpec, set_name: str, vocab_size: int, record_source
     _, seed, times = _set_seed(spec, set_name)
     rng = random.Random(seed)
     sequences = [[rng.randrange(vocab_size) for _ in range(n)] for _ in range(times) for n in spec.lengths]
+    if bos is not None:
+        sequences = [[bos, *seq[1:]] for seq in sequences]
     return _probes(set_name, seed, sequences, ProbeSource(kind="random") if record_source else None)
 
 
@@ -189,13 +194,15 @@ def file_probes(path: Path, vocab_size: int, max_len: int, max_sequences: int,
     return _probes(path.stem, 0, sequences, source)
 
 
-def make(cfg: ModelConfig, ref: str, vocab_size: Callable[[], int]) -> Probes:
+def make(cfg: ModelConfig, ref: str, vocab_size: Callable[[], int],
+         bos: Callable[[], int | None] = lambda: None) -> Probes:
     """The probes of a run: `--probes REF` for config `cfg` (see the module docstring).
-    `vocab_size()` gives the checkpoint's vocabulary size."""
+    `vocab_size()` gives the checkpoint's vocabulary size, `bos()` the id random probes start with (None:
+    none)."""
     kind, where = parse_ref(ref)
     if kind == "random":
         _check_lengths(cfg)
-        return random_probes(cfg.probes, where, vocab_size(), record_source=ref.startswith("random"))
+        return random_probes(cfg.probes, where, vocab_size(), record_source=ref.startswith("random"), bos=bos())
     if kind in ("text", "sampled"):
         _check_lengths(cfg)
         tokenize, name = checkpoint_tokenizer(cfg, kind)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
-from lora_parity.models.checkpoint import vocab_size
+from lora_parity.models.checkpoint import bos_token, vocab_size
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import FAULTS, Faults, faults_for
 from lora_parity.run.options import RunOptions
@@ -158,10 +158,14 @@ def margin(checks: list[Check], must_trip: tuple[str, ...], must_pass: tuple[str
     by_id = {c.id: c for c in checks}
     found: list[tuple[float, str]] = []
     for ids, invert in ((must_trip, False), (must_pass, True)):
-        for cid in ids:
-            ratio = trip_ratio(by_id[cid]) if cid in by_id else None
-            if ratio is not None:
-                found.append(((math.inf if ratio == 0 else 1.0 / ratio) if invert else ratio, cid))
+        for entry in ids:
+            # `X|Y` (a fault's entry that either check fulfils): the one nearer to tripping decides it.
+            ratios = [(r, cid) for cid in entry.split("|")
+                      if cid in by_id and (r := trip_ratio(by_id[cid])) is not None]
+            if not ratios:
+                continue
+            ratio, cid = max(ratios)
+            found.append(((math.inf if ratio == 0 else 1.0 / ratio) if invert else ratio, cid))
     if not found:
         return None, None
     value, cid = min(found)
@@ -206,9 +210,10 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
                   update=update, start_adapter=receipt.start_adapter is not None).expected()
     status = {c.id: c.status for c in receipt.checks}
     caught_by = _without_absent_targets(spec.caught_by, status)
-    expected = f"{spec.verdict}: {', '.join(caught_by) or 'error recorded'}"
+    expected = f"{spec.verdict}: {', '.join(c.replace('|', ' or ') for c in caught_by) or 'error recorded'}"
     caught = receipt.verdict.value == spec.verdict
-    caught &= all(status.get(c) in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE) for c in caught_by)
+    caught &= all(any(status.get(c) in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE) for c in entry.split("|"))
+                  for entry in caught_by)
     caught &= all(status.get(c) == CheckStatus.PASS for c in spec.must_pass)
     if spec.name == "nan":
         caught &= "non-finite" in (receipt.error or "")
@@ -228,14 +233,16 @@ def plan_for(plan: Plan, fault: str) -> Plan:
     catch or must let pass (drop-target); for the others it adds minutes to the selftest and no
     evidence about the fault (the clean runs keep it, so every T.* check is still shown to pass).
     With `--no-per-target`, a fault that only a per-target check can name still gets coverage of the
-    target it breaks (drop-target: the dropped one), and of no other."""
+    target it breaks (drop-target: the dropped one; up-gets-gate: up_proj), and of no other."""
     spec = FAULTS[fault.partition("=")[0]]
-    needs_targets = any(c.startswith("T.") for c in spec.caught_by + spec.must_pass)
+    named = [c.split(".")[1] for c in spec.caught_by + spec.must_pass if c.startswith("T.")]
+    needs_targets = bool(named)
     if not plan.opts.per_target:
         if not needs_targets:
             return plan
         dropped = plan.cfg.adapter.targets[0]
-        return replace(plan, opts=replace(plan.opts, per_target=True, per_target_only=(dropped,)))
+        covered = tuple(dict.fromkeys(dropped if name == "{target}" else name for name in named))
+        return replace(plan, opts=replace(plan.opts, per_target=True, per_target_only=covered))
     if needs_targets:
         return plan
     return replace(plan, opts=replace(plan.opts, per_target=False))
@@ -254,7 +261,7 @@ def plan_for_seed(plan: Plan, index: int) -> Plan:
     spec = plan.cfg.probes
     seeds = {name: seed + PROBE_SEED_STRIDE * index for name, seed in spec.seeds.items()}
     moved = plan.cfg.model_copy(update={"probes": spec.model_copy(update={"seeds": seeds})})
-    probes = probe_sources.make(moved, opts.probes, lambda: vocab_size(plan.cfg))
+    probes = probe_sources.make(moved, opts.probes, lambda: vocab_size(plan.cfg), lambda: bos_token(plan.cfg))
     return replace(plan, opts=opts, probes=probes)
 
 
@@ -278,7 +285,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     targets = list(plan.cfg.adapter.targets)
     update = "step" if warms(plan) else "noise"
     fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled,
-                                                               targets, update, plan.trainer_cls.traits)
+                                                               targets, update, plan.trainer_cls.traits,
+                                                               plan.cfg.model.dtype)
     try:
         loaded.open()
         for index in range(first_seed, first_seed + max(1, seeds)):
