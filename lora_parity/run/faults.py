@@ -203,21 +203,18 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               ("C.parity.mean",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
               needs_step="the noise update never moves A, so the previous version's A is the new one"),
     # The sampler moves the way of the refreshed half only: by its distance or its direction. Either can stay
-    # within its threshold alone: on SmolLM2-135M bf16 (H200) C.parity.mean did in 7 of 45 runs (the cosine
+    # within its threshold alone: on SmolLM2-135M bf16 (H200) C.parity.mean did in 5 of 45 runs (the cosine
     # in none), on the fake's warm start the cosine did.
     FaultSpec("partial-export", "half the layers (the later ones) keep the previous version's tensors",
               ("C.parity.mean|C.delta.cosine",), "fail", modes=ADAPTER_MODES, rewrites_files=True),
     FaultSpec("fp16-export", "every exported tensor is cast to fp16 (beyond 65504: inf; below 6e-8: zero; "
               "rounded to fp16's 11-bit mantissa in between)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
               rewrites_files=True, only_rounds=True),
-    # One target's share of the change, as drop-target: from zero-init only per-target coverage of up_proj
-    # names it (the sampler's up_proj then holds gate_proj's zero B and does not move); on SmolLM2-135M bf16
-    # (H200) no check fired in 3 of 36 runs without it. From a non-zero start the sampler's up_proj loses
-    # its whole start adapter, which C sees.
+    # As partial-export: the sampler's up_proj moves another way, by distance or direction; on SmolLM2-135M
+    # bf16 (H200) C.parity.mean stayed within its threshold in 2 of 43 runs, never with the cosine too.
     FaultSpec("up-gets-gate", "the synced adapter's up_proj tensors are gate_proj's (unsloth-zoo #941: the "
-              "hot-load appends gate_proj twice, shapes match, nothing errors)", ("T.up_proj.moved",), "fail",
-              modes=ADAPTER_MODES, rewrites_files=True, needs_targets=("gate_proj", "up_proj"),
-              caught_by_step=("C.parity.mean",)),
+              "hot-load appends gate_proj twice, shapes match, nothing errors)", ("C.parity.mean|C.delta.cosine",),
+              "fail", modes=ADAPTER_MODES, rewrites_files=True, needs_targets=("gate_proj", "up_proj")),
     FaultSpec("same-name-no-inplace", "sync reloads under the same name without load_inplace and does not read "
               "the server's reply", ("C.parity.mean",), "fail", modes=ADAPTER_MODES, sync=SameNameNoInplace,
               serving_layer=True),

@@ -233,7 +233,7 @@ def plan_for(plan: Plan, fault: str) -> Plan:
     catch or must let pass (drop-target); for the others it adds minutes to the selftest and no
     evidence about the fault (the clean runs keep it, so every T.* check is still shown to pass).
     With `--no-per-target`, a fault that only a per-target check can name still gets coverage of the
-    target it breaks (drop-target: the dropped one; up-gets-gate: up_proj), and of no other."""
+    target it breaks (drop-target: the dropped one), and of no other."""
     spec = FAULTS[fault.partition("=")[0]]
     named = [c.split(".")[1] for c in spec.caught_by + spec.must_pass if c.startswith("T.")]
     needs_targets = bool(named)
