@@ -155,7 +155,8 @@ case "$step" in
     # (seed indices FIRST .. FIRST+COUNT-1, per-target coverage off, the sampler's GPU memory split
     # between them). They are started with setsid, so they run on across calls while the machine is
     # held: follow with `collect`. The first starts alone (the fresh machine's JIT warm-up), the rest once
-    # it wrote its first receipt. A process whose engines fail to start (no receipt) is started again.
+    # it wrote its first receipt, STAGGER s apart. A process whose engines failed to start (each receipt
+    # records the setup error) is started again, twice at most.
     rev=${2:?revision}; shift 2
     mkdir -p /tmp/st
     ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
@@ -176,7 +177,9 @@ for try in 1 2 3; do
     --seeds $count --first-seed $from ${args//,/ } --revision $rev --out-dir /tmp/st/$name --json \\
     > /tmp/st/$name.json 2>> /tmp/st/$name.err
   echo "exit \$? at \$(date +%s)" >> /tmp/st/$name.err
-  ls /tmp/st/$name/seed-*/clean.json >/dev/null 2>&1 && break
+  # again only if the engines never started (every receipt then records a setup error)
+  grep -L '"error": "setup:' /tmp/st/$name/seed-*/clean.json 2>/dev/null | grep -q . && break
+  rm -rf /tmp/st/$name; sleep 20
 done
 SH
       setsid nohup bash "/tmp/st/$name.sh" > /dev/null 2>&1 < /dev/null &
@@ -185,7 +188,7 @@ SH
         for _ in $(seq 60); do ls /tmp/st/"$name"/seed-*/clean.json >/dev/null 2>&1 && break; sleep 5; done
         echo "first receipt of $name after ${SECONDS}s"
       else
-        sleep "${STAGGER:-8}"
+        sleep "${STAGGER:-30}"  # vLLM's memory profiling fails when another process's use moves meanwhile
       fi
     done
     echo "started $# at $(date +%s), deadline $deadline (share $share)" ;;
