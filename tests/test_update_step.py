@@ -9,9 +9,10 @@ import pytest
 from lora_parity.backends.fake import FakeTrainer
 from lora_parity.evidence.receipt import CheckStatus, Verdict
 from lora_parity.models import config
-from lora_parity.run.faults import FAULTS, _fp16, faults_for
+from lora_parity.run.faults import FAULTS, faults_for
 from lora_parity.run.runner import RunOptions, execute
 from lora_parity.run.selftest import selftest
+from lora_parity.run.update_faults import _fp16
 from lora_parity.util.errors import ConfigError, PhaseError, ReceiptError
 from lora_parity.verdict.verify import verify
 from tests.test_calibrate import _reseal

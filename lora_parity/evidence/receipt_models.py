@@ -1,12 +1,12 @@
-"""The receipt's building blocks: the strict base model, status enums, and the statistics, checks and
-diagnostics records a receipt holds (`lora_parity.evidence.receipt` re-exports every name)."""
+"""The receipt's building blocks: the strict base model, status enums, and the statistics, budgets, checks
+and diagnostics records a receipt holds (`lora_parity.evidence.receipt` re-exports every name)."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 JsonScalar = str | int | float | bool | None
 
@@ -217,6 +217,63 @@ class NoiseRule(Strict):
     change widens the whole error distribution; one or two tokens beyond it still fail). False in receipts
     made before it (the start point's tail alone): on the H200, Megatron's C max at one position-1 token
     was 0.81 against 0.73 on a correct sync."""
+
+
+class Budgets(Strict):
+    """Thresholds the checks apply; copied from the model config into every receipt."""
+
+    mean: float = Field(gt=0)
+    """Largest allowed mean |logprob diff| between trainer and sampler (checks A and C)."""
+    p99: float = Field(gt=0)
+    """Largest allowed 99th percentile of |diff| (checks A and C)."""
+    max: float = Field(gt=0)
+    """Largest allowed single-position |diff|, so one bad token cannot hide in the mean."""
+    min_stimulus: float = Field(gt=0)
+    """Smallest mean |diff| the update must cause between the updated trainer and the stale
+    sampler (check B); below it the run is inconclusive, never a pass."""
+    repeat_max: float = Field(ge=0)
+    """Largest allowed |diff| between two scorings of the same state by the same side."""
+    noise_floor: float = Field(ge=0)
+    """Smallest noise tolerance, used when a side's repeat noise is exactly zero."""
+    noise_factor: float = Field(ge=1)
+    """Noise tolerance = max(noise_factor × observed sampler repeat max, noise_floor)."""
+    min_delta_cosine: float = Field(ge=-1, le=1)
+    """Smallest cosine between the sampler's and the trainer's change from zero-init to updated."""
+    max_delta_scale_error: float = Field(ge=0)
+    """Largest allowed |‖Δsampler‖/‖Δtrainer‖ - 1|."""
+    max_delta_rel_l2: float = Field(ge=0)
+    """Largest allowed ‖Δsampler - Δtrainer‖/‖Δtrainer‖."""
+    min_target_snr: float | None = Field(default=None, gt=0)
+    """Per-target direction and scale (T.*.cosine, T.*.scale) are decided only where the trainer's
+    change under that target alone is at least this many times ‖trainer - sampler‖ at zero-init (the
+    two sides' own disagreement, L2 over all positions); below it they are inconclusive: the change
+    is lost in the noise. Absent (receipts made before this budget existed): always decided."""
+    profile: str | None = None
+    """Which budget profile these are ('seed', 'fp32', 'bf16': configs/budgets/; older receipts:
+    'tiny-qwen3 (float32)', 'qwen3-0.6b-synth (bfloat16)'), set for a checkpoint passed by path (its
+    dtype picks one) and by `run --budgets`; None: the config's own."""
+    c_relative: CRelative | None = None
+    """C's parity budgets relative to A's observed disagreement; None: C uses mean, p99, max (absolute)."""
+    a_triangulation: ATriangulation | None = None
+    """A judged against the fp32 reference where it was scored; None, or no reference scored: A uses
+    mean, p99, max (absolute)."""
+    target_noise_k: float | None = Field(default=None, gt=0)
+    """Safety factor k of the noise-derived delta thresholds: with ε = ‖trainer_zero - zero‖ and |t| =
+    ‖Δtrainer‖, cosine >= min(min_delta_cosine, cos(asin(min(1, kε/|t|)))), scale and rel_l2 errors <=
+    max(their budget, kε/|t|) (C.delta and T.*); where kε/|t| >= 1 they are inconclusive (noise explains
+    any change). None: the fixed budgets alone."""
+    noise: NoiseRule | None = None
+    """The noise model's rule (`lora_parity.verdict.thresholds`): B's stimulus, C's tail, the generation checks and
+    the calibration window derive from the noise measured at the start point. None: receipts made before
+    it, judged by the rules they were made with."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Budgets:
+        if not self.mean <= self.p99 <= self.max:
+            raise ValueError("budgets must satisfy mean <= p99 <= max")
+        if self.min_stimulus < self.mean:
+            raise ValueError("min_stimulus must be at least the mean budget, or a stale sampler could pass")
+        return self
 
 
 class NoiseModel(Strict):

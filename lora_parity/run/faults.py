@@ -1,10 +1,11 @@
 """Fault injection: one fault at the seam where it happens in practice.
 
-Adapter-file faults rewrite the exported PEFT folder before the sampler loads it; sync faults wrap
-the run's sync mode (`lora_parity.run.sync`) in a `SyncWrapper` defined here, beside their spec, that
-changes what the sync does; scoring-path faults change what the sampler returns (the only
-faults that touch scores, because there the fault *is* in the scores). Each fault names the
-check that must catch it; `lora-parity selftest` runs them all and asserts exactly that.
+Adapter-file faults rewrite the exported PEFT folder before the sampler loads it (an exported update's
+tensors: `lora_parity.run.update_faults`); sync faults wrap the run's sync mode (`lora_parity.run.sync`)
+in a `SyncWrapper` defined here, beside their spec, that changes what the sync does; scoring-path faults
+change what the sampler returns (the only faults that touch scores, because there the fault *is* in the
+scores). Each fault names the check that must catch it; `lora-parity selftest` runs them all and asserts
+exactly that.
 
 A fault may not apply to a sampler, as its traits say (`not_applicable`): the serving-layer faults
 need a sampler served over HTTP, and a sampler that refuses a same-name reload with an error never
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,6 +27,9 @@ from lora_parity.evidence.receipt import Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.perturb import is_lora_b, target_kind
 from lora_parity.run.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
+from lora_parity.run.update_faults import FP16_MAX as FP16_MAX
+from lora_parity.run.update_faults import UPDATE_FILE_FAULTS as UPDATE_FILE_FAULTS
+from lora_parity.run.update_faults import rewrite_update
 from lora_parity.util.errors import ConfigError, PhaseError, ScoreError
 
 
@@ -245,8 +248,6 @@ def rewrites_files(inject: str | None) -> bool:
     return inject is not None and inject.partition("=")[0] in FILE_FAULTS
 
 
-UPDATE_FILE_FAULTS = ("stale-a", "partial-export", "fp16-export", "up-gets-gate")
-"""File faults of an exported update (`Faults._rewrite_update`)."""
 SERVING_LAYER_FAULTS = tuple(name for name, spec in FAULTS.items() if spec.serving_layer)
 """Faults of the HTTP serving layer (a sampler with `traits.served_over_http` only)."""
 
@@ -376,7 +377,7 @@ class Faults:
         config, tensors = af.read_adapter(folder)
         previous, self.previous = self.previous, tensors
         if self.name in UPDATE_FILE_FAULTS:
-            tensors = self._rewrite_update(version, tensors, previous)
+            tensors = rewrite_update(self.name, version, tensors, previous)
         elif self.is_("drop-target"):
             tensors = {n: t for n, t in tensors.items() if target_kind(n) != self.dropped_target}
         elif self.is_("wrong-scale"):
@@ -388,22 +389,6 @@ class Faults:
             tensors = {n: af.Tensor.from_floats(t.dtype, t.shape, [rng.gauss(0, 0.02) for _ in t.to_floats()])
                        if is_lora_b(n) else t for n, t in tensors.items()}
         af.write_adapter(folder, config, tensors)
-
-    def _rewrite_update(self, version: int, tensors: dict[str, af.Tensor],
-                        previous: dict[str, af.Tensor] | None) -> dict[str, af.Tensor]:
-        """The faults of an exported update's tensors (`UPDATE_FILE_FAULTS`); `previous`: the last version's."""
-        if previous is not None and self.is_("stale-a"):
-            return {n: previous.get(n, t) if not is_lora_b(n) else t for n, t in tensors.items()}
-        if previous is not None and self.is_("partial-export"):
-            layers = sorted(i for i in {_layer(n) for n in tensors} if i is not None)
-            kept = set(layers[len(layers) // 2:])
-            return {n: previous.get(n, t) if _layer(n) in kept else t for n, t in tensors.items()}
-        if self.is_("fp16-export"):
-            return {n: _fp16(t) for n, t in tensors.items()}
-        if version > 0 and self.is_("up-gets-gate"):
-            return {n: tensors.get(n.replace(".up_proj.", ".gate_proj."), t) if ".up_proj." in n else t
-                    for n, t in tensors.items()}
-        return tensors
 
     def before_scoring(self, folder: Path) -> None:
         """adapter-changed: the first published folder the sampler scores with is rewritten on disk
@@ -432,22 +417,3 @@ class Faults:
         if self.is_("nan"):
             return [[math.nan if (s, t) == (0, 5) else x for t, x in enumerate(seq)] for s, seq in enumerate(scores)]
         return scores
-
-
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-def _layer(name: str) -> int | None:
-    """The decoder layer index in a tensor's name, or None."""
-    found = _LAYER.search(name)
-    return int(found.group(1)) if found else None
-
-
-FP16_MAX = 65504.0
-"""The largest finite fp16; a value that rounds beyond it is inf, as torch's `.half()` makes it."""
-
-
-def _fp16(t: af.Tensor) -> af.Tensor:
-    """`t` cast to fp16 and stored as F16 (the sampler casts it to its own dtype when it loads)."""
-    values = [math.copysign(math.inf, v) if abs(v) >= FP16_MAX + 16 else v for v in t.to_floats()]
-    return af.Tensor.from_floats("F16", t.shape, values)

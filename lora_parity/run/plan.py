@@ -22,8 +22,9 @@ from pydantic import ValidationError
 
 from lora_parity.backends import vllm_options
 from lora_parity.models.checkpoint import hub_problem
-from lora_parity.models.config import LaunchSpec, ModelConfig
+from lora_parity.models.config import ModelConfig
 from lora_parity.models.hub import hub_checkpoint
+from lora_parity.models.launch import LaunchSpec
 from lora_parity.models.provenance import source
 from lora_parity.util.errors import ConfigError
 
