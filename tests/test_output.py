@@ -178,11 +178,13 @@ _SPY = textwrap.dedent("""
 @unit
 @pytest.mark.parametrize("args", [("--sampler", "foo"), ("--trainer", "foo"), ("--inject", "nope"),
                                   ("--inject", "stale-path"), ("--reference", "fp64"), ("--tp", "0"),
-                                  ("--out", "EXISTING")])
+                                  ("--out", "EXISTING"), ("--inject", "crash-at=typo"), ("--probes", "text"),
+                                  ("--probes", "NO_FILE"), ("--probes", "default-x100000000"),
+                                  ("--trainer", "tinker"), ("--sampler", "tinker")])
 def test_bad_option_values_are_refused_before_heavy_imports(args: tuple[str, str], tmp_path: Path) -> None:
     existing = tmp_path / "exists.json"
     existing.write_text("{}")
-    argv = [a.replace("EXISTING", str(existing)) for a in args]
+    argv = [a.replace("EXISTING", str(existing)).replace("NO_FILE", str(tmp_path / "none.jsonl")) for a in args]
     start = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", _SPY, *argv], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)

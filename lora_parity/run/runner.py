@@ -140,6 +140,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
 
     launch_plan.preflight(cfg, opts.trainer, opts.sampler)
     preflight.check_options(opts, cfg)
+    probes = preflight.make_probes(opts, cfg)
     start = time.perf_counter()
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start
@@ -153,7 +154,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     options = BackendOptions(sampler_url=opts.sampler_url, batch_invariant=opts.batch_invariant)
     server = early_launch.launch(cfg, sampler_cls, options) if launch_early else None
     try:
-        plan = _prepare_trainer(opts, cfg, sync, sampler_cls, pre, import_seconds)
+        plan = _prepare_trainer(opts, cfg, sync, sampler_cls, pre, import_seconds, probes)
     except BaseException:  # a refusal (or Ctrl-C) from here on leaves no server running
         early_launch.stop(server)
         raise
@@ -162,12 +163,12 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
 
 
 def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, sampler_cls: type[SamplerBackend],
-                     pre: PreflightOptions, import_seconds: float) -> Plan:
+                     pre: PreflightOptions, import_seconds: float, probes: Probes) -> Plan:
     """Preflight from the trainer's import on (`prepare`)."""
     start = time.perf_counter()
     trainer_cls = backends.resolve("trainer", opts.trainer)
     import_seconds += time.perf_counter() - start
-    probes = preflight.backend_checks(opts, cfg, trainer_cls, sampler_cls, pre, sync)
+    preflight.backend_checks(opts, cfg, trainer_cls, sampler_cls, pre, sync, probes)
     return Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
 
