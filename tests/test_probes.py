@@ -189,5 +189,5 @@ def test_random_probes_start_with_the_checkpoints_bos_and_keep_the_rest(tmp_path
         (folder / "config.json").write_text(json.dumps({**hf, "bos_token_id": bos}))
         cfg = config.load(str(folder))
         assert bos_token(cfg) == want, bos
-        made = probes.make(cfg, "default", lambda: hf["vocab_size"], lambda: bos_token(cfg))
+        made = probes.make(cfg, "default", lambda: hf["vocab_size"], lambda cfg=cfg: bos_token(cfg))
         assert all(s[0] == want for s in made.sequences) if want is not None else made.sequences[0][0] != 3

@@ -262,8 +262,8 @@ def selftest(
 
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
-    session = live.Session(live.mode_of(verbose, quiet or json_),
-                           live.describe(opts, f"selftest over {seeds} seeds" if seeds > 1 or first_seed else "selftest"))
+    what = f"selftest over {seeds} seeds" if seeds > 1 or first_seed else "selftest"
+    session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts, what))
     with interrupt.handle_signals():
         try:
             with session:
