@@ -129,6 +129,31 @@ def test_a_rank_whose_heartbeat_stops_is_lost_and_a_beating_one_is_not() -> None
     assert watchdog.silent_since(time.monotonic() - 0.5) == [2]
 
 
+@pytest.mark.unit
+def test_a_last_beat_seen_only_after_the_failure_does_not_make_a_dead_rank_alive() -> None:
+    """Rank 1 beat once and died; the failure came before rank 0's thread read that beat (a loaded
+    machine): the beat is from before the failure, so rank 1 is still named lost."""
+    class Slow(_Store):
+        def get(self, key: str) -> bytes:
+            time.sleep(0.3)  # the first read of rank 1's counter ends after the failure
+            return super().get(key)
+
+    store = Slow()
+    watchdog = liveness.Liveness(store, 0, 2, timeout=2.0, on_lost=lambda ranks, s: None)
+    watchdog.interval = 0.1
+    store.set(liveness.KEY.format(rank=1), "1")  # its last beat, before it died
+    watchdog.start()
+    assert watchdog.lost_since_error()[0] == [1]  # the collective failed while that read was under way
+    # A rank that keeps beating is not lost.
+    store = _Store()
+    watchdog = liveness.Liveness(store, 0, 2, timeout=2.0, on_lost=lambda ranks, s: None)
+    live = liveness.Liveness(store, 1, 2, timeout=2.0, on_lost=lambda ranks, s: None)
+    watchdog.interval = live.interval = 0.1
+    live.start()
+    watchdog.start()
+    assert watchdog.lost_since_error() == ([], 0.0)
+
+
 # --- Two "nodes" on this machine -------------------------------------------------------------------
 
 

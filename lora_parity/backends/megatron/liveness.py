@@ -57,6 +57,8 @@ class Liveness:
         self._last: dict[int, bytes | None] = dict.fromkeys(self.watched)
         self._seen = dict.fromkeys(self.watched, now)  # when each watched counter last moved
         self._beats = 0
+        self._polled: float | None = None
+        """When the last round that read every watched counter ended (time.monotonic())."""
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="lora-parity-heartbeat", daemon=True)
 
@@ -76,6 +78,8 @@ class Liveness:
                 with self._lock:
                     if value is not None and value != self._last[r]:
                         self._last[r], self._seen[r] = value, time.monotonic()
+            with self._lock:
+                self._polled = time.monotonic()
         except Exception:  # the store's host is unreachable: no counter moves, so its ranks time out
             pass
 
@@ -95,14 +99,22 @@ class Liveness:
 
     def lost_since_error(self) -> tuple[list[int], float]:
         """After a collective failed: the watched ranks that send no heartbeat for the next few
-        intervals (at least 2 s, at most the timeout), and those seconds; [] if every one still beats."""
+        intervals (at least 2 s, at most the timeout), and those seconds; [] if every one still beats.
+        A beat counts from the first round that read the counters after the failure on: a rank that
+        died beat last before it, and a thread slowed by a loaded machine may only see that last beat
+        after the failure (it would pass for a live one)."""
         failed = time.monotonic()
         grace = min(self.timeout, max(2.0, 3 * self.interval))
+        since: float | None = None
         while time.monotonic() < failed + grace:
-            if not self.silent_since(failed):
+            with self._lock:
+                polled = self._polled
+            if since is None:
+                since = polled if polled is not None and polled > failed else None
+            elif not self.silent_since(since):
                 return [], 0.0
             time.sleep(self.interval / 2)
-        return self.silent_since(failed), round(grace, 1)
+        return self.silent_since(since if since is not None else failed), round(grace, 1)
 
 
 def connect(host: str, port: int, timeout: float) -> Any:
