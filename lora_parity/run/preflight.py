@@ -126,6 +126,18 @@ def with_update(cfg: config.ModelConfig, update: str | None) -> config.ModelConf
     return cfg.model_copy(update={"perturbation": cfg.perturbation.model_copy(update={"update": update})})
 
 
+def before_backends(opts: RunOptions, cfg: config.ModelConfig) -> tuple[config.ModelConfig, Probes]:
+    """The first stage, before any backend is imported: `--update` applied to the config (returned), a
+    run this machine cannot hold (`plan.preflight`), every option value (`check_options`) and the probes
+    (returned). Bad input stops here in well under a second."""
+    from lora_parity.run import plan as launch_plan
+
+    cfg = with_update(cfg, opts.update)
+    launch_plan.preflight(cfg, opts.trainer, opts.sampler)
+    check_options(opts, cfg)
+    return cfg, make_probes(opts, cfg)
+
+
 def make_probes(opts: RunOptions, cfg: config.ModelConfig) -> Probes:
     """The run's probes, every line of a probe file checked, before any backend is imported (a text
     source reads the checkpoint's tokenizer files, with the `tokenizers` library alone)."""

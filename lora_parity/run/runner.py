@@ -133,14 +133,9 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
                           "pass --trust-remote-code to allow it")
     # The fake backends run a toy layout of their own, not the model's config.json shapes.
     cfg = start_adapter.apply(cfg, opts.adapter, model_shapes=opts.trainer != "fake")
-    cfg = preflight.with_update(cfg, opts.update)
     sync = sync_mode_named(opts.sync)
-    # Before any backend import: a run this machine cannot hold stops here, in well under a second.
-    from lora_parity.run import plan as launch_plan
-
-    launch_plan.preflight(cfg, opts.trainer, opts.sampler)
-    preflight.check_options(opts, cfg)
-    probes = preflight.make_probes(opts, cfg)
+    # Preflight in three stages, one per import: before any backend, after the sampler's, after the trainer's.
+    cfg, probes = preflight.before_backends(opts, cfg)
     start = time.perf_counter()
     sampler_cls = backends.resolve("sampler", opts.sampler)
     import_seconds = time.perf_counter() - start
