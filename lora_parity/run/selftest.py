@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
-from lora_parity.models.checkpoint import bos_token, vocab_size
+from lora_parity.run import preflight
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import FAULTS, Faults, faults_for
 from lora_parity.run.options import RunOptions
@@ -261,7 +261,7 @@ def plan_for_seed(plan: Plan, index: int) -> Plan:
     spec = plan.cfg.probes
     seeds = {name: seed + PROBE_SEED_STRIDE * index for name, seed in spec.seeds.items()}
     moved = plan.cfg.model_copy(update={"probes": spec.model_copy(update={"seeds": seeds})})
-    probes = probe_sources.make(moved, opts.probes, lambda: vocab_size(plan.cfg), lambda: bos_token(plan.cfg))
+    probes = preflight.make_probes(opts, moved)
     return replace(plan, opts=opts, probes=probes)
 
 
