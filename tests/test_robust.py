@@ -86,6 +86,52 @@ def test_end_children_ends_grandchildren_too() -> None:
     parent.wait(timeout=5)
 
 
+# A server in a session of its own that ignores SIGTERM and forks a worker once the interrupt has
+# begun (after end_children read the process tree), as vLLM's API server may fork its engine core.
+LATE_FORKER = """
+import os, signal, subprocess, sys, time
+os.setsid()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(float(sys.argv[1]))
+worker = subprocess.Popen(["sleep", "300"])
+open(sys.argv[2], "w").write(str(worker.pid))
+time.sleep(300)
+"""
+
+
+@unit
+def test_end_children_ends_a_servers_group_with_what_it_forked_late(tmp_path: Path) -> None:
+    pidfile = tmp_path / "worker.pid"
+    server = subprocess.Popen([sys.executable, "-c", LATE_FORKER, "0.8", str(pidfile)])
+    time.sleep(0.5)  # in its own group now; the worker is not forked yet
+    assert os.getpgid(server.pid) == server.pid and not pidfile.exists()
+    ended = interrupt.end_children(grace=1.5)
+    assert server.pid in ended and pidfile.exists()
+    worker = int(pidfile.read_text())
+    assert worker not in ended  # forked after the tree was read: ended through the group
+    assert not interrupt.group_alive(server.pid) and not _alive(worker)
+    server.wait(timeout=5)
+
+
+EXIT_FAST = """
+import os, sys, types
+sys.modules["torch"] = types.ModuleType("torch")  # what a run has imported when it exits fast
+from lora_parity.backends.server_process import ServerProcess, free_port
+from lora_parity.cli.app import _exit_fast
+server = ServerProcess(["sleep", "300"], dict(os.environ), free_port(), 10.0)
+server.launch()
+print(server.pid, flush=True)
+_exit_fast(3)
+"""
+
+
+@unit
+def test_the_fast_exit_stops_a_server_still_running() -> None:
+    done = subprocess.run([sys.executable, "-c", EXIT_FAST], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert not interrupt.group_alive(int(done.stdout.split()[0]))
+
+
 @unit
 def test_crash_at_typo_is_refused_naming_the_phases(tmp_path: Path) -> None:
     start = time.monotonic()

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from lora_parity.util import interrupt
 from lora_parity.util.errors import BackendUnavailableError
 
 LOG_TAIL_LINES = 20
@@ -45,13 +46,15 @@ def port_free(port: int) -> bool:
     return True
 
 
-def _stop_all() -> None:
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped (at exit, on SIGTERM, and before
+    an exit that skips the exit hooks: `os._exit`)."""
     for server in list(_RUNNING.values()):
         server.stop()
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    _stop_all()
+    stop_all()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -63,7 +66,7 @@ def _install_handlers() -> None:
     the run with no receipt, no line, and its work dir and lock left behind."""
     global _exit_hook_registered
     if not _exit_hook_registered:
-        atexit.register(_stop_all)
+        atexit.register(stop_all)
         _exit_hook_registered = True
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
@@ -176,31 +179,7 @@ def _group_gone(proc: subprocess.Popen[bytes], wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         proc.poll()
-        if not _group_alive(proc.pid):
+        if not interrupt.group_alive(proc.pid):
             return True
         time.sleep(0.05)
     return False
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether process group `pgid` has a member that has not exited (read from /proc where there
-    is one; elsewhere any member, zombies included, counts)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    if not os.path.isdir("/proc/self"):
-        return True
-    return any(_live_in_group(entry.name, pgid) for entry in os.scandir("/proc") if entry.name.isdigit())
-
-
-def _live_in_group(pid: str, pgid: int) -> bool:
-    """Whether /proc/`pid` is a process of group `pgid` that is neither a zombie nor dead."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            stat = f.read()
-    except OSError:  # exited meanwhile
-        return False
-    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")".
-    fields = stat.rpartition(")")[2].split()
-    return len(fields) >= 3 and fields[2] == str(pgid) and fields[0] not in ("Z", "X")

@@ -295,6 +295,9 @@ def _exit_fast(code: int) -> None:
     the CPU default) and does nothing lora-parity needs: the receipt is already fsynced. Flush and
     leave. Commands that loaded neither library exit normally."""
     if "torch" in sys.modules:
+        servers = sys.modules.get("lora_parity.backends.server_process")
+        if servers is not None:  # its exit hook would stop a server left running; os._exit skips exit hooks
+            servers.stop_all()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

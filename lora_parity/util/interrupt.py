@@ -109,21 +109,76 @@ def _alive(pid: int) -> bool:
     try:  # a zombie is gone for our purpose; reap it if it is our child
         return os.waitpid(pid, os.WNOHANG) == (0, 0)
     except ChildProcessError:
+        return _live_in_group(str(pid)) if os.path.isdir("/proc/self") else True
+
+
+def _live_in_group(pid: str, pgid: int | None = None) -> bool:
+    """Whether /proc/`pid` is a process (of group `pgid`, where given) that is neither a zombie nor dead."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            stat = f.read()
+    except OSError:  # exited meanwhile
+        return False
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")".
+    fields = stat.rpartition(")")[2].split()
+    return len(fields) >= 3 and (pgid is None or fields[2] == str(pgid)) and fields[0] not in ("Z", "X")
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that has not exited (read from /proc where there
+    is one; elsewhere any member, zombies included, counts). A zombie holds nothing: vLLM's
+    multiprocessing resource tracker, orphaned when its server exits, waits for PID 1 to reap it."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
         return True
+    if not os.path.isdir("/proc/self"):
+        return True
+    return any(_live_in_group(entry.name, pgid) for entry in os.scandir("/proc") if entry.name.isdigit())
 
 
-def end_children(grace: float = 3.0) -> list[int]:
-    """SIGTERM every descendant of this process, SIGKILL those still alive after `grace` seconds;
-    return their pids."""
-    pids = descendants()
+def _own_groups(pids: list[int]) -> set[int]:
+    """The process groups that processes among `pids` lead (a server started in a session of its own),
+    other than this process's: a member forked after `pids` was read is in one of them."""
+    mine = os.getpgrp()
+    groups = set()
     for pid in pids:
         with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
+            if os.getpgid(pid) == pid != mine:
+                groups.add(pid)
+    return groups
+
+
+def _signal_all(pids: list[int], groups: set[int], sig: int) -> None:
     for pid in pids:
-        if _alive(pid):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+    for pgid in groups:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, sig)
+
+
+def _wait_gone(pids: list[int], groups: set[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        if not any(_alive(p) for p in pids) and not any(group_alive(g) for g in groups):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def end_children(grace: float = 3.0, kill_wait: float = 10.0) -> list[int]:
+    """SIGTERM every descendant of this process and every process group one of them leads (a vLLM
+    server's: its engine core may be forked after the descendants were read), SIGKILL what is still
+    alive after `grace` seconds, and return once all of it is gone (at most `kill_wait` seconds
+    more: a process with gigabytes to unmap takes a moment to die); return the descendants' pids."""
+    pids = descendants()
+    groups = _own_groups(pids)
+    _signal_all(pids, groups, signal.SIGTERM)
+    if not _wait_gone(pids, groups, grace):
+        _signal_all([p for p in pids if _alive(p)], groups, signal.SIGKILL)
+        _wait_gone(pids, groups, kill_wait)
     return pids
