@@ -27,7 +27,7 @@ from lora_parity.models import adapter_files as af
 from lora_parity.models import config
 from lora_parity.run import start_adapter
 from lora_parity.run.runner import RunOptions, execute, prepare
-from lora_parity.util import scratch
+from lora_parity.util import cache, scratch
 from lora_parity.util.errors import ConfigError, ReceiptError
 
 from .conftest import ROOT, cli
@@ -608,12 +608,13 @@ def test_18_an_adapter_for_another_model_is_refused_at_preflight_naming_its_base
 # --- 15: torch's compile cache ------------------------------------------------------------------------
 
 
-def test_15_torch_compile_cache_is_the_runs_scratch_and_removed(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def _compile_cache_during_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[str, Path]:
+    """Run the fake backends with $TMPDIR and the project cache in `tmp_path`; torch's variable as the
+    run saw it, and torch's default folder."""
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.delenv(scratch.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv("LORA_PARITY_CACHE", str(tmp_path / "cache"))
     default = tmp_path / Path(scratch._torch_default_cache()).name
     assert default.name.startswith("torchinductor_")
     seen: list[str | None] = []
@@ -622,19 +623,54 @@ def test_15_torch_compile_cache_is_the_runs_scratch_and_removed(tmp_path: Path,
         seen.append(os.environ.get(scratch.INDUCTOR_CACHE_ENV))  # precompiled headers in the default one
         (default / "precompiled_headers").mkdir(parents=True, exist_ok=True)
 
-    execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "out" / "r.json"),
+    execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "out" / name),
             progress=compile_something)
     during = {s for s in seen if s}
-    assert len(during) == 1 and Path(next(iter(during))).parent == tmp_path
-    assert Path(next(iter(during))).name.startswith("lora-parity-inductor-")
+    assert len(during) == 1
     # torch's inductor, imported by an earlier test of this process, may set the variable to its own
-    # default again; the run's scratch setting must be gone.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert "lora-parity-inductor-" not in os.environ.get(scratch.INDUCTOR_CACHE_ENV, "")
+    # default again; the run's setting must be gone.
+    assert os.environ.get(scratch.INDUCTOR_CACHE_ENV) != next(iter(during))
+    return next(iter(during)), default
+
+
+def test_15_torch_compile_cache_is_the_projects_bounded_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(scratch.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.delenv(cache.COMPILE_CACHE_MB_ENV, raising=False)
+    during, default = _compile_cache_during_a_run(tmp_path, monkeypatch, "r.json")
+    assert during == str(tmp_path / "cache" / "torch-compile")
+    assert (Path(during).stat().st_mode & 0o777) == 0o700
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out"]  # nothing left in $TMPDIR
     # A folder that was there before the run is not the run's to remove; the user's own choice stays.
     default.mkdir()
     monkeypatch.setenv(scratch.INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    seen: list[str | None] = []
     execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "out" / "r2.json"),
             progress=lambda *a: seen.append(os.environ.get(scratch.INDUCTOR_CACHE_ENV)))
-    assert seen[-1] == str(tmp_path / "mine") and os.environ[scratch.INDUCTOR_CACHE_ENV] == str(tmp_path / "mine")
+    assert set(seen) == {str(tmp_path / "mine")} and os.environ[scratch.INDUCTOR_CACHE_ENV] == str(tmp_path / "mine")
     assert default.is_dir()
+
+
+@pytest.mark.parametrize("why", ["bound 0", "writable by others"])
+def test_15_torch_compile_cache_falls_back_to_the_runs_scratch(why: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(scratch.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.delenv(cache.COMPILE_CACHE_MB_ENV, raising=False)
+    if why == "bound 0":
+        monkeypatch.setenv(cache.COMPILE_CACHE_MB_ENV, "0")
+    else:  # compiled code another user could have put there is never loaded
+        (tmp_path / "cache" / "torch-compile").mkdir(parents=True)
+        (tmp_path / "cache" / "torch-compile").chmod(0o777)
+    during, _ = _compile_cache_during_a_run(tmp_path, monkeypatch, "r.json")
+    assert Path(during).parent == tmp_path and Path(during).name.startswith("lora-parity-inductor-")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["out"]  # the scratch is removed
+
+
+def test_15_compile_cache_prune_removes_the_oldest_entries_down_to_three_quarters(tmp_path: Path) -> None:
+    for age in range(8):  # 8 entries of 1 MiB, entry 0 written longest ago
+        entry = tmp_path / "fxgraph" / f"e{age}"
+        entry.mkdir(parents=True)
+        (entry / "graph.py").write_bytes(b"x" * (1 << 20))
+        os.utime(entry / "graph.py", (1000.0 + age, 1000.0 + age))
+    assert cache.prune(tmp_path, 8 << 20) == 0  # at the bound: nothing goes
+    assert cache.prune(tmp_path, 6 << 20) == 4 << 20  # down to 4.5 MiB: the four oldest go
+    assert sorted(p.name for p in (tmp_path / "fxgraph").iterdir()) == ["e4", "e5", "e6", "e7"]

@@ -10,7 +10,6 @@ new folder; generation writes to a temporary folder and renames it into place.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,13 +17,8 @@ from pathlib import Path
 from lora_parity.evidence.receipt import sha256_json
 from lora_parity.models.config import ModelConfig, SyntheticSpec
 from lora_parity.models.hub import hub_checkpoint
+from lora_parity.util.cache import cache_root
 from lora_parity.util.errors import ConfigError
-
-
-def cache_root() -> Path:
-    """`LORA_PARITY_CACHE`, else ~/.cache/lora-parity."""
-    env = os.environ.get("LORA_PARITY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "lora-parity"
 
 
 def spec_digest(spec: SyntheticSpec, dtype: str) -> str:

