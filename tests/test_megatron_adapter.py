@@ -323,3 +323,81 @@ def test_adapter_changed_on_disk_is_caught_with_the_megatron_trainer(tmp_path: P
     faulty = load(bad)[0]
     assert faulty.verdict == Verdict.ERROR and "changed on disk" in (faulty.error or "")
     assert generation.folder_digest(adapter) == before
+
+
+# --- `--update step`: one AdamW step through megatron-core ---------------------------------------
+
+STEP_LR = 1e-3
+STEP_TOLERANCE = 1e-4
+"""Megatron vs HF+PEFT scores after the same step, max |Δ| per token. The first AdamW step is about
+lr · sign(gradient): an element whose gradient is within float error of zero may step either way."""
+
+
+def _differ(a: dict[str, af.Tensor], b: dict[str, af.Tensor], names: list[str]) -> float:
+    """The fraction of the elements of `names` that differ by more than half a step."""
+    import torch
+
+    def values(t: af.Tensor) -> Any:
+        return torch.tensor(t.to_floats())
+
+    far = sum(int(((values(a[n]) - values(b[n])).abs() > STEP_LR / 2).sum()) for n in names)
+    return far / sum(len(a[n].to_floats()) for n in names)
+
+
+@requires_megatron
+def test_megatron_step_is_the_hf_step_and_zero_b_undoes_it(llama: tuple[Path, Path], tmp_path: Path) -> None:
+    from lora_parity.backends.hf import HFTrainer
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
+
+    ckpt, adapter = llama
+    cfg = start_adapter.apply(config.load(str(ckpt)), adapter)
+    _, given = af.read_adapter(adapter)
+    mg, hf = MegatronTrainer(cfg, ckpt, 0, {}), HFTrainer(cfg, ckpt, 0, {})
+    try:
+        for trainer in (mg, hf):
+            trainer.load_start_adapter(adapter)
+        started = mg.score(SEQUENCES)
+        done, expected = mg.step(SEQUENCES, STEP_LR, 1), hf.step(SEQUENCES, STEP_LR, 1)
+        assert done.kind == "optimizer_step" and sorted(done.tensors) == sorted(given)
+        assert done.tensor_changes.keys() == expected.tensor_changes.keys()
+        for group, change in done.tensor_changes.items():  # A and B of every target moved, as much as hf's
+            assert change.l2_change > 0 and change.l2_change == pytest.approx(
+                expected.tensor_changes[group].l2_change, rel=0.02), group
+        assert _max_abs_diff(mg.score(SEQUENCES), hf.score(SEQUENCES)) <= STEP_TOLERANCE
+        assert sum(started[0]) < sum(mg.score(SEQUENCES)[0])  # the step raised the probes' logprob
+        stepped = _exported(mg, tmp_path / "stepped")
+        hf_stepped = _exported(hf, tmp_path / "hf-stepped")
+        assert _differ(stepped, hf_stepped, sorted(given)) < 0.01
+        with pytest.raises(Exception, match="not at the start point"):
+            mg.step(SEQUENCES, STEP_LR, 1)
+        mg.zero_b()  # A and B back to the adapter's, bit for bit
+        assert _max_abs_diff(mg.score(SEQUENCES), started) == 0
+        restored = _exported(mg, tmp_path / "restored")
+        assert all(restored[n].data == given[n].data for n in given)
+        # One target kind: its own A and B move, every other tensor stays bit for bit.
+        only = mg.step(SEQUENCES, STEP_LR, 1, only="v_proj")
+        assert {n.rpartition(".lora_")[0].rpartition(".")[2] for n in only.tensors} == {"v_proj"}
+        one = _exported(mg, tmp_path / "only-v")
+        assert all((one[n].data == given[n].data) == (".v_proj." not in n) for n in given)
+    finally:
+        mg.close()
+        hf.close()
+
+
+@requires_megatron
+def test_megatron_step_at_tp2_is_the_tp1_step(tmp_path: Path) -> None:
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
+
+    ckpt, adapter = llama_with_adapter(tmp_path, ALL)
+    cfg = start_adapter.apply(config.load(str(ckpt)), adapter)
+    one, two = MegatronTrainer(cfg, ckpt, 0, {}), MegatronTrainer(cfg, ckpt, 0, {}, tp=2)
+    try:
+        for trainer in (one, two):
+            trainer.load_start_adapter(adapter)
+            trainer.step(SEQUENCES, STEP_LR, 2)
+        assert _max_abs_diff(one.score(SEQUENCES), two.score(SEQUENCES)) <= STEP_TOLERANCE
+        a, b = _exported(one, tmp_path / "one"), _exported(two, tmp_path / "two")
+        assert a.keys() == b.keys() and _differ(a, b, sorted(a)) < 0.01
+    finally:
+        two.close()
+        one.close()

@@ -26,10 +26,11 @@ class LoRALinear(torch.nn.Module):
 
     Row-parallel: x is sharded on its features like A's columns, so A(x) is a partial sum, reduced
     over the tensor-parallel group before B (held whole) is applied. Column-parallel: x is whole,
-    A is whole, B holds this rank's output rows, like the base layer's output."""
+    A is whole, B holds this rank's output rows, like the base layer's output; A(x)'s gradient is
+    summed over the group in backward (`copy`)."""
 
     def __init__(self, base: torch.nn.Module, column_parallel: bool, rank: int, alpha: float,
-                 tp_group: Any, reduce: Callable[..., torch.Tensor]) -> None:
+                 tp_group: Any, reduce: Callable[..., torch.Tensor], copy: Callable[..., torch.Tensor]) -> None:
         super().__init__()
         self.to_wrap = base
         weight: torch.Tensor = base.weight  # type: ignore[assignment]
@@ -40,6 +41,7 @@ class LoRALinear(torch.nn.Module):
         self.scaling = alpha / rank
         self._tp_group = tp_group
         self._reduce = reduce
+        self._copy = copy
 
     def set_rank(self, rank: int) -> None:
         """A new A (R x I) and B (O x R) of rank `rank` (contents uninitialised), the scaling unchanged:
@@ -52,5 +54,9 @@ class LoRALinear(torch.nn.Module):
         h = self.adapter.linear_in(x)
         if not self.column_parallel:
             h = self._reduce(h, group=self._tp_group)
+        else:
+            # Forward: h as it is. Backward (`--update step`): h's gradient summed over the ranks, since
+            # each rank's B rows give only its share; A (held whole) and x then get the whole gradient.
+            h = self._copy(h, group=self._tp_group)
         # As PEFT: result + lora_B(lora_A(x)) * scaling.
         return out + self.adapter.linear_out(h) * self.scaling, bias

@@ -20,6 +20,7 @@ import torch
 
 from lora_parity.backends.base import Scores, Sequences
 from lora_parity.backends.megatron import blocks, cpu
+from lora_parity.backends.megatron import step as step_module
 from lora_parity.backends.megatron.layout import (
     LORA_MODULES,
     MODULE_MAP,
@@ -103,6 +104,8 @@ class Shard:
         self.blocks = blocks.layer_blocks(self.targets, cfg.adapter.rank, imported=False)
         self.start_b: list[dict[str, torch.Tensor]] | None = None
         """Each layer's B of each module as the starting adapter left it (`load_start_adapter`); None: zero."""
+        self.start_a: list[dict[str, torch.Tensor]] | None = None
+        """Each layer's A of each module as the starting adapter left it; None: as initialized (`_init_a`)."""
         unknown = [t for t in self.targets if t not in MODULE_OF_KIND]
         if unknown:
             raise ConfigError(f"the megatron trainer has no LoRA target {unknown[0]!r}; "
@@ -162,7 +165,10 @@ class Shard:
 
     def _wrap_lora(self, cfg: ModelConfig) -> None:
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
 
         self.layers: list[dict[str, LoRALinear]] = []
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -173,7 +179,8 @@ class Shard:
                     continue
                 parent = getattr(layer, m.block)
                 lora = LoRALinear(getattr(parent, m.name), m.column_parallel, cfg.adapter.rank, cfg.adapter.alpha,
-                                  tp_group, reduce_from_tensor_model_parallel_region)
+                                  tp_group, reduce_from_tensor_model_parallel_region,
+                                  copy_to_tensor_model_parallel_region)
                 setattr(parent, m.name, lora)
                 wrapped[m.name] = lora
                 self._init_a(i, m, lora)
@@ -298,11 +305,18 @@ class Shard:
 
     @torch.no_grad()
     def zero_b(self) -> None:
-        """Every B back to the starting adapter's (zero at zero-init), A unchanged."""
+        """Every B back to the starting adapter's (zero at zero-init), and A to the starting adapter's
+        where there is one (a step moves A; at zero-init nothing does)."""
         for i, wrapped in enumerate(self.layers):
             for name, lora in wrapped.items():
                 b = lora.adapter.linear_out.weight
                 b.copy_(self._start_b(i, name, b))
+                if self.start_a is not None:
+                    lora.adapter.linear_in.weight.copy_(self.start_a[i][name])
+
+    def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> dict[str, Any]:
+        """`--update step`: one AdamW step on A and B (`megatron.step`)."""
+        return step_module.step(self, sequences, learning_rate, seed, only)
 
     @torch.no_grad()
     def load_start_adapter(self, folder: str) -> dict[str, Any]:
@@ -326,6 +340,8 @@ class Shard:
                     lora.adapter.linear_in.weight.copy_(a.to(device=self.device, dtype=self.dtype))
                     lora.adapter.linear_out.weight.copy_(b.to(device=self.device, dtype=self.dtype))
         self.start_b = [{n: lora.adapter.linear_out.weight.detach().clone() for n, lora in wrapped.items()}
+                        for wrapped in self.layers]
+        self.start_a = [{n: lora.adapter.linear_in.weight.detach().clone() for n, lora in wrapped.items()}
                         for wrapped in self.layers]
         return {"start_adapter": self._import_description()}
 

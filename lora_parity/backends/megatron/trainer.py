@@ -104,8 +104,15 @@ class MegatronTrainer(TrainerBackend):
         """Seeded noise on every B (or kind `only`'s rows), seeded per PEFT tensor name."""
         return Perturbation.model_validate(self._call("perturb", std=std, seed=seed, only=only))
 
+    def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> Perturbation:
+        """`--update step`: one AdamW step on every LoRA A and B (or kind `only`'s), autograd through
+        megatron-core at any TP (`megatron.step`); the start adapter must be loaded (the warm start)."""
+        return Perturbation.model_validate(self._call("step", sequences=sequences, learning_rate=learning_rate,
+                                                      seed=seed, only=only))
+
     def zero_b(self) -> None:
-        """Every B to zero."""
+        """Every LoRA tensor back to the start point: B to zero or the start adapter's, A to the start
+        adapter's (a step moves it)."""
         self._call("zero_b")
 
     def load_start_adapter(self, folder: Path) -> None:
