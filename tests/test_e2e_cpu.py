@@ -43,6 +43,21 @@ def test_clean_run_passes_a_b_c_with_real_backends(matrix) -> None:
     assert receipt.perturbation and receipt.perturbation.num_tensors == 14  # 7 targets x 2 layers
     assert {c.id for c in receipt.checks if c.id.startswith("T.")} >= {f"T.{k}.moved" for k in
                                                                        ("q_proj", "v_proj", "down_proj")}
+    exact = {c.id: c for c in receipt.checks}["X.sync.identical"]  # the fresh load, bit for bit
+    assert exact.status == CheckStatus.PASS and exact.observed == 0
+
+
+X_CATCHES = ("skip-sync", "partial-export", "wrong-scale", "drop-target", "wrong-direction", "reuse-adapter-id",
+             "up-gets-gate")
+"""The faults in what reaches the sampler: the exact sync check must fail on each."""
+
+
+def test_the_exact_sync_check_catches_every_fault_in_what_the_sampler_got(matrix) -> None:
+    rows = [r for r in matrix.rows if r.fault in X_CATCHES]
+    assert len(rows) >= 5
+    for row in rows:
+        exact = {c.id: c for c in load(Path(row.receipt))[0].checks}["X.sync.identical"]
+        assert exact.status == CheckStatus.FAIL and (exact.observed or 0) > 0, row.fault
 
 
 def test_repeated_clean_runs_are_bit_identical(matrix) -> None:

@@ -63,13 +63,14 @@ def test_one_token_fault_hides_in_the_mean(tmp_path: Path) -> None:
 
 
 def test_clean_run_would_fail_if_the_fault_checks_were_removed(tmp_path: Path) -> None:
-    # The skip-sync fault differs from a clean run only in C: without the C checks it would pass.
+    # The skip-sync fault differs from a clean run only in C and X: without those checks it would pass.
     receipt = execute(RunOptions(**FAKE, inject="skip-sync", out=tmp_path / "r.json")).receipt
     failing = {c.id for c in receipt.checks if c.status == CheckStatus.FAIL}
-    assert failing and all(c.startswith("C.") for c in failing)
+    assert "X.sync.identical" in failing and all(c.startswith(("C.", "X.")) for c in failing)
 
 
-@pytest.mark.parametrize("phase", ["base", "publish_zero", "perturb", "stale", "sync", "updated", "target.v_proj"])
+@pytest.mark.parametrize("phase", ["base", "publish_zero", "perturb", "stale", "sync", "updated", "fresh",
+                                   "target.v_proj"])
 def test_crash_in_any_phase_still_writes_a_receipt(phase: str, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     receipt = execute(RunOptions(**FAKE, inject=f"crash-at={phase}", out=out)).receipt

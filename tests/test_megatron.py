@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from lora_parity.evidence.receipt import Verdict, load
+from lora_parity.evidence.receipt import CheckStatus, Verdict, load
 from lora_parity.models import adapter_files as af
 from lora_parity.models import config, synthetic
 from lora_parity.run.faults import faults_for
@@ -352,6 +352,8 @@ def test_tp1_against_vllm_passes_a_b_c(matrix: Any) -> None:
     a, c = receipt.comparisons["A.trainer_vs_sampler"], receipt.comparisons["C.trainer_vs_sampler"]
     assert a.n == 192 and a.max_abs <= receipt.budgets.max and c.max_abs <= receipt.budgets.max
     assert receipt.comparisons["B.trainer_updated_vs_stale"].mean_abs >= receipt.budgets.min_stimulus
+    exact = {c.id: c for c in receipt.checks}["X.sync.identical"]  # its gathered tensors, loaded fresh
+    assert exact.status == CheckStatus.PASS and exact.observed == 0
 
 
 @requires_megatron

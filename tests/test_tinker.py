@@ -101,7 +101,7 @@ def test_a_reverting_service_fails_b_withheld_and_s_trainer_kept(tmp_path: Path)
     run, ev = fake_run(tmp_path, ServiceFakeSampler(cfg, trainer, revert=True), trainer)
     names = [p.name for p in run.phases]
     at = names.index("updated")
-    assert names[at + 1 : at + 3] == ["stale_after_sync", "trainer_after_stale"]
+    assert names[at + 1 : at + 4] == ["fresh", "stale_after_sync", "trainer_after_stale"]
     status = statuses(ev)
     assert status["B.withheld"] == CheckStatus.FAIL
     assert status["S.trainer_kept"] == CheckStatus.FAIL

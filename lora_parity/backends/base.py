@@ -12,7 +12,7 @@ request) unless the config batches them, because batching changes numbers on rea
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
 `CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`,
-`SteppingTrainer`), which callers
+`SteppingTrainer`, `TensorReadingTrainer`), which callers
 test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
 `create(cfg, model_dir, timings, options)`.
 """
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models.config import ModelConfig
+from lora_parity.models.fresh_adapter import RawTensor
 
 if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess
@@ -258,6 +259,16 @@ class SteppingTrainer(Protocol):
         """One AdamW step (fresh state, no weight decay) on every lora_A and lora_B (or target kind `only`'s),
         raising the mean logprob of `sequences` over their scored positions (the alignment rule above);
         dropout 0. Refuses unless every LoRA tensor is at the start point; `zero_b` puts them all back."""
+        ...
+
+
+@runtime_checkable
+class TensorReadingTrainer(Protocol):
+    """A trainer whose current LoRA tensors can be read as they are (the exact sync check, X)."""
+
+    def lora_tensors(self) -> dict[str, RawTensor]:
+        """Every LoRA A and B the model holds now, whole (gathered over ranks), in PEFT's saved names
+        and the trainer's own dtype, read from the model itself, not through `export_adapter`."""
         ...
 
 

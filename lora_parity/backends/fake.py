@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import struct
 from pathlib import Path
 
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.config import ModelConfig
+from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import is_lora_b, noise_seed, target_kind
 from lora_parity.models.update_step import OBJECTIVE, OPTIMIZER, tensor_changes
 from lora_parity.util.errors import PhaseError
@@ -187,6 +189,13 @@ class FakeTrainer(TrainerBackend):
         """Every LoRA tensor back to the start point (A too: a step moves it)."""
         for name in self.params:
             self.params[name] = list(self.start[name])
+
+    def lora_tensors(self) -> dict[str, RawTensor]:
+        """The toy model's A and B values as F64 tensors, under PEFT's saved names."""
+        r = self.cfg.adapter.rank
+        return {name.replace(".default.weight", ".weight"):
+                ("F64", [1, r] if is_lora_b(name) else [r, 1], struct.pack(f"<{len(values)}d", *values))
+                for name, values in self.params.items()}
 
     def export_adapter(self, directory: Path) -> Path:
         r = self.cfg.adapter.rank

@@ -17,9 +17,11 @@ import transformers
 
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.backends.moe import Routes, hf_router_topk
+from lora_parity.backends.raw_tensors import to_raw
 from lora_parity.evidence.receipt import BackendInfo, Perturbation, TensorChange
 from lora_parity.models import update_step
 from lora_parity.models.config import ModelConfig
+from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import is_lora_b, noise_seed, target_kind
 from lora_parity.util.errors import PhaseError
 
@@ -293,6 +295,11 @@ class HFTrainer(TrainerBackend):
         for name, p in self.model.named_parameters():
             if name in self.start_a:
                 p.copy_(self.start_a[name])
+
+    def lora_tensors(self) -> dict[str, RawTensor]:
+        """Every lora_A and lora_B parameter as the model holds it, under PEFT's saved name."""
+        return {n.replace(".default.weight", ".weight"): to_raw(p) for n, p in self.model.named_parameters()
+                if "lora_" in n}
 
     def export_adapter(self, directory: Path) -> Path:
         self.model.save_pretrained(str(directory), safe_serialization=True)

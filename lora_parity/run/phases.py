@@ -1,4 +1,4 @@
-"""The sequence: base → zero-init → perturb → stale → sync → republish, then per-target coverage
+"""The sequence: base → zero-init → perturb → stale → sync (→ fresh) → republish, then per-target coverage
 (and, where sampler and trainer share a service, the stale adapter again and the trainer once more;
 where the sampler scores through its prefix cache, stale and updated read that way too).
 With `--probes sampled` the sampler first completes the probes (`sample`), and after sync generates
@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from lora_parity.backends.base import AdapterHandle, CachedScoringSampler, Sampler, Scores, SteppingTrainer, Trainer
+from lora_parity.backends.base import (
+    AdapterHandle,
+    CachedScoringSampler,
+    Sampler,
+    Scores,
+    SteppingTrainer,
+    TensorReadingTrainer,
+    Trainer,
+)
 from lora_parity.evidence import tracebacks
 from lora_parity.evidence.receipt import (
     AdapterVersion,
@@ -28,7 +36,7 @@ from lora_parity.evidence.receipt import (
     PhaseRecord,
     PhaseStatus,
 )
-from lora_parity.models import update_step
+from lora_parity.models import fresh_adapter, update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.perturb import RECIPE
 from lora_parity.run import calibrate_trainer, generation
@@ -40,6 +48,9 @@ from lora_parity.verdict import calibrate, stats
 
 T = TypeVar("T")
 
+FRESH_ID_OFFSET = 1_000_000
+"""The fresh load's adapter id is the run's first id plus this: never an id a sync of this run or a
+later run on the same sampler uses (they count up from the run's first id by one per version)."""
 WARM_FOLDER = "warm-start"
 """Where in the run's folder the warm start adapter (`--update step`) is written."""
 
@@ -62,6 +73,8 @@ def run_sequence(run: Run) -> None:
         run.step("stale_cached", lambda: run.cached_score("stale_cached", run.handle))
     run.step("sync", run.sync)
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
+    if run.checks_fresh:  # the trainer's tensors loaded fresh must score exactly as the synced adapter
+        run.step("fresh", run.fresh)
     if run.sampler_reads_prefix_cache:  # ... and read it after sync: no block of the old adapter may serve
         run.step("updated_cached", lambda: run.cached_score("updated_cached", run.handle))
     if run.sampled:
@@ -173,6 +186,28 @@ class Run:
         if not (self.cfg.per_target and self.per_target and self.trainer_has_per_target):
             return []
         return [k for k in self.cfg.adapter.targets if self.per_target_only is None or k in self.per_target_only]
+
+    @property
+    def checks_fresh(self) -> bool:
+        """The exact sync check (X) applies: the trainer's tensors can be read as they are, and the sync
+        publishes a LoRA adapter."""
+        return isinstance(self.trainer, TensorReadingTrainer) and self.mode.sampler_lora
+
+    def fresh(self) -> None:
+        """The trainer's current tensors, written by `fresh_adapter` (not the exporter), loaded on the
+        sampler under a name and id of their own (`FRESH_ID_OFFSET` above the run's), scored, retired."""
+        trainer = self.trainer
+        assert isinstance(trainer, TensorReadingTrainer)
+        spec = self.cfg.adapter
+        folder = fresh_adapter.write(self.workdir / "fresh", trainer.lora_tensors(), spec.rank, spec.alpha,
+                                     spec.targets)
+        adapter_id = self.first_adapter_id + FRESH_ID_OFFSET
+        handle = self.sampler.publish(folder, f"lora-parity-fresh-{adapter_id}", adapter_id)
+        try:
+            self._record("fresh", self.faults.sampler_scores(
+                self._timed("fresh", lambda: self.sampler.score(self.sequences, handle))))
+        finally:
+            self.sampler.retire(handle)
 
     @property
     def trainer_has_per_target(self) -> bool:

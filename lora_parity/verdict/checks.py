@@ -11,7 +11,10 @@ that). With `--reference fp32`, also reference_fp32: the base model scored in fp
 both sides approximate at zero-init (comparisons R.*; with `budgets.a_triangulation` they judge A,
 checks A.fp32.*). A sampler that scores through its prefix cache (vllm-server) also
 records stale_cached and updated_cached: the same positions read the way rollouts read them
-(comparisons P.*, checks P.parity.*). A comparison `b vs a` looks at b - a.
+(comparisons P.*, checks P.parity.*). Where the trainer's tensors can be read (every trainer but
+tinker) and the sync publishes an adapter, also fresh: those tensors written by a writer of the
+tool's own and loaded under a new name and id (comparison X.synced_vs_fresh, check X.sync.identical).
+A comparison `b vs a` looks at b - a.
 
 Check groups (docs/verdicts.md): a check's group follows from its id, `check_rules.group_of`:
 numerics = A.parity.*, A.fp32.*, A.noise.*; sync = every other check. `Evaluation.verdicts` gives
@@ -64,6 +67,8 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "G.trainer_vs_generation": ("updated_generation", "updated_generation_trainer"),
     # A user's adapter (`--adapter`): it moves the sampler from its base model.
     "A.sampler_base_vs_adapter": ("adapter_base", "zero"),
+    # The exact sync check: the synced adapter against the trainer's tensors loaded fresh.
+    "X.synced_vs_fresh": ("fresh", "updated"),
 }
 # name -> (sampler_from, sampler_to, trainer_from, trainer_to)
 DELTAS: dict[str, tuple[str, str, str, str]] = {
@@ -246,6 +251,8 @@ def compute_checks(
               reached=cmp is not None, failing=moved_failing, note=th[f"C.moved.{side}"].note)
     _delta_checks(c, "C.delta", deltas.get("C.delta"), th, moved_failing)
 
+    _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th)
+
     # Per-target coverage: each target kind alone reaches the sampler with the right sign and scale.
     noise_l2 = noise.l2 if noise is not None else None
     for name, delta in deltas.items():
@@ -276,6 +283,20 @@ def compute_checks(
     _prefix_cache_checks(c, get("P.trainer_vs_cached"), th)
     generation_checks(c, comparisons, th)
     return c.checks
+
+
+def _exact_sync_check(c: _Checker, fresh: ComparisonStats | None, repeat: ComparisonStats | None,
+                      thresholds: Mapping[str, check_rules.Threshold]) -> None:
+    """X: the synced adapter scores bit for bit as the trainer's tensors loaded fresh (`fresh` phase),
+    where the sampler scored the synced adapter bit for bit the same twice. Needs no noise model: a
+    deterministic engine given the same tensors gives the same numbers. Absent where the fresh load was
+    not scored, or the sampler does not repeat itself exactly."""
+    if fresh is None or repeat is None or repeat.max_abs != 0:
+        return
+    t = thresholds["X.sync.identical"]
+    c.add("X.sync.identical", "synced sampler = the trainer's tensors loaded fresh, bit for bit", fresh.max_abs,
+          "<=", t.budget, "the synced adapter is not the trainer's: its tensors, written independently and "
+          "loaded under a new name and id, score differently", note=t.note)
 
 
 def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,

@@ -48,6 +48,10 @@ EXPLAIN: dict[str, str] = {
     "S.trainer_kept": "querying an old sampling client changed the trainer's weights: the client shares state "
                       "with the trainer",
     "R.": "the fp32 reference comparison (informational)",
+    "X.sync.identical": "the adapter the sync published is not the trainer's: its tensors, written by an "
+                        "independent writer and loaded under a new name and id, score differently on the same "
+                        "deterministic engine; look at the export (dtype casts, dropped or stale tensors, "
+                        "lora_alpha / r in adapter_config.json) and at what the engine cached under the old name",
 }
 
 # suffix of a check id -> what its observed number is
@@ -66,6 +70,7 @@ MEASURE: dict[str, str] = {
     "scale": "|scale-1|",
     "rel_l2": "rel L2",
     "kept": "max |diff|",
+    "identical": "max |synced-fresh|",
 }
 
 

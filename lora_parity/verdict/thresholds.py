@@ -166,6 +166,7 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
             out[f"{prefix}.parity.{short}"] = g[short]
     out.update(_directions(budgets, deltas, noise, moved))
     out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
+    out["X.sync.identical"] = Threshold(0.0, "bitwise: the sampler repeated the synced adapter's scores exactly")
     return out
 
 

@@ -12,6 +12,7 @@ noise then goes into each part's own block and the export takes each part's bloc
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from lora_parity.backends.megatron.layout import (
     unshard_fused,
 )
 from lora_parity.backends.megatron.lora import LoRALinear
+from lora_parity.backends.raw_tensors import to_raw
 from lora_parity.evidence.receipt import Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.config import ModelConfig
@@ -372,6 +374,14 @@ class Shard:
                     tensors[peft_name(i, k, "lora_A")] = part_a
                     tensors[peft_name(i, k, "lora_B")] = part_b
         return tensors
+
+    def lora_tensors(self) -> dict[str, list[Any]] | None:
+        """The whole PEFT tensors as [dtype, shape, base64 bytes] (rank 0; every rank gathers)."""
+        tensors = self.adapter_tensors()
+        if self.rank != 0:
+            return None
+        return {n: [d, shape, base64.b64encode(data).decode()] for n, (d, shape, data) in
+                ((n, to_raw(t)) for n, t in tensors.items())}
 
     def export(self, directory: str) -> str | None:
         """Write the PEFT adapter (rank 0); every rank takes part in the gather."""

@@ -13,6 +13,7 @@ is `python -m lora_parity.launch`: its rank 0 runs the CLI, the other ranks serv
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import os
 import time
@@ -22,6 +23,7 @@ from typing import Any
 from lora_parity.backends.base import BackendOptions, BackendTraits, Scores, Sequences, TrainerBackend
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models.config import ModelConfig
+from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.util.errors import ConfigError
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -120,6 +122,12 @@ class MegatronTrainer(TrainerBackend):
         `zero_b` restores it, `perturb` moves each part's own block, and the export gives it back."""
         added = self._call("load_start_adapter", folder=str(Path(folder).resolve()))
         self.described["settings"].update(added)
+
+    def lora_tensors(self) -> dict[str, RawTensor]:
+        """The whole PEFT tensors as the ranks hold them (fused layers split, shards gathered), read from
+        the model, not through the export's writer."""
+        raw = self._call("lora_tensors")
+        return {n: (d, list(shape), base64.b64decode(data)) for n, (d, shape, data) in raw.items()}
 
     def export_adapter(self, directory: Path) -> Path:
         """PEFT folder: fused tensors split, shards gathered, `base_model.model.` names."""
