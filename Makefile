@@ -42,6 +42,8 @@ bench: install
 	-$(PY) scripts/bench.py --model smollm2-135m --probes random,text,sampled --target 45
 	@for mode in inplace merged memory; do $(PY) scripts/bench.py --sync $$mode | grep -E "bench:|wall time|sync \("; done
 	$(PY) scripts/bench.py --sampler vllm,vllm-server
+	$(PY) scripts/bench.py --floor
+	$(PY) scripts/bench.py --refusals --runs 5
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

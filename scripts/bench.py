@@ -13,7 +13,11 @@ count (`sampler.start`, launch to healthy, is printed beside it).
 run, <= 45 s per probe source on 2 cores) and exits 1 when one is over it.
 
 `--selftest` times `lora-parity selftest` instead (fresh processes, median; target <= 60 s on 2
-cores). `--against DIR` alternates every run with the same run of the code in DIR (another checkout,
+cores). `--floor` alternates the default run with `python -c "import torch, transformers, peft, vllm"`
+and prints their ratio (issue 26: <= 1.6x), and one run against a selftest of the same invocation
+(<= 2x). `--refusals` times each refusal of issue 26's list (fresh processes, median of `--runs`;
+target <= 1 s on a quiet machine) and checks it exits 2.
+`--against DIR` alternates every run with the same run of the code in DIR (another checkout,
 put first on PYTHONPATH), so that before and after are measured in one sitting on a noisy machine.
 """
 
@@ -143,6 +147,69 @@ def bench_selftest(args: argparse.Namespace) -> int:
     return 0
 
 
+REFUSALS: dict[str, list[str]] = {
+    "--probes text, model without a tokenizer": ["run", "--probes", "text"],
+    "missing probe file": ["run", "--probes", "no-such-probes.jsonl"],
+    "--trainer tinker without a sampler": ["run", "--trainer", "tinker"],
+    "--inject crash-at=typo": ["run", "--inject", "crash-at=sycn"],
+    "--probes default-x100000000": ["run", "--probes", "default-x100000000"],
+    "--junit into a file, not a folder": ["run", "--junit", "README.md/j.xml"],
+    "--adapter missing": ["run", "--adapter", "no-such-adapter"],
+}
+"""Issue 26's refusals: each must exit 2 before torch, transformers, PEFT or vLLM is imported."""
+IMPORT_FLOOR = "import torch, transformers, peft, vllm"
+
+
+def _timed(cmd: list[str], cwd: str | None = None) -> tuple[float, int]:
+    start = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    return time.perf_counter() - start, res.returncode
+
+
+def bench_refusals(args: argparse.Namespace) -> int:
+    """Median wall time of each refusal in fresh processes; exit 1 if one does not exit 2."""
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for what, argv in REFUSALS.items():
+            runs = [_timed([sys.executable, "-m", "lora_parity", *argv, "--out", str(Path(tmp) / "r.json")])
+                    for _ in range(args.runs)]
+            codes = {code for _, code in runs}
+            median = statistics.median(w for w, _ in runs)
+            worst = max(worst, median)
+            print(f"lora-parity bench: refusal {what}: median {median:.2f} s of {args.runs} (exit {sorted(codes)}; "
+                  f"target <= 1 s)")
+            if codes != {2}:
+                return 1
+    print(f"lora-parity bench: refusals: slowest median {worst:.2f} s (target <= 1 s: "
+          f"{'met' if worst <= 1 else 'MISSED'}); load average {_load()}")
+    return 0
+
+
+def bench_floor(args: argparse.Namespace) -> int:
+    """The default run against the import floor and against a selftest, alternating, one invocation."""
+    walls: dict[str, list[float]] = {"run": [], "floor": [], "selftest": []}
+    load_before = _load()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            result = _run(args, "default", Path(tmp) / f"floor-{i}.json")
+            if result is None:
+                return 1
+            walls["run"].append(result[0])
+            walls["floor"].append(_timed([sys.executable, "-c", IMPORT_FLOOR])[0])
+            wall = _selftest(args, tmp, None, i)
+            if wall is None:
+                return 1
+            walls["selftest"].append(wall)
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    for name, values in walls.items():
+        print(f"lora-parity bench: {name}: median {med[name]:.2f} s of {args.runs}; "
+              f"runs: {', '.join(f'{w:.2f}' for w in values)}")
+    print(f"run / import floor: {med['run'] / med['floor']:.2f}x (target <= 1.6x); selftest / run: "
+          f"{med['selftest'] / med['run']:.2f}x (target <= 2x); same invocation, alternating; load average "
+          f"{load_before} before, {_load()} after")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
@@ -159,11 +226,13 @@ def main() -> int:
     parser.add_argument("--selftest", action="store_true", help="time `lora-parity selftest` instead of `run`")
     parser.add_argument("--against", default=None, metavar="DIR",
                         help="alternate each run with the same run of the code in DIR (another checkout)")
+    parser.add_argument("--floor", action="store_true", help="the default run against the import floor and a selftest")
+    parser.add_argument("--refusals", action="store_true", help="time each refusal of issue 26's list")
     args = parser.parse_args()
-    if args.selftest:
-        return bench_selftest(args)
-    if args.against:
-        return bench_against(args)
+    for flag, mode in (("refusals", bench_refusals), ("floor", bench_floor), ("selftest", bench_selftest),
+                       ("against", bench_against)):
+        if getattr(args, flag):
+            return mode(args)
     variants = _variants(args)
     walls: dict[str, list[float]] = {v: [] for v in variants}
     receipts: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}

@@ -93,3 +93,29 @@ def test_against_runs_the_other_checkouts_code(tmp_path: Path, monkeypatch: pyte
     res = subprocess.run([sys.executable, "-m", "lora_parity"], capture_output=True, text=True,
                          env=bench._env(str(other)), cwd=bench._cwd(str(other)))
     assert res.stdout.strip() == "other checkout"
+
+
+def test_refusals_are_timed_and_each_must_exit_2(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    exits = {"refused": 2, "ran": 0}
+    monkeypatch.setattr(bench, "REFUSALS", {"refused": ["refused"], "ran": ["ran"]})
+    monkeypatch.setattr(bench, "_timed", lambda cmd, cwd=None: (0.5, exits[cmd[3]]))
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--refusals", "--runs", "2"])
+    assert bench.main() == 1  # "ran" exits 0: not a refusal
+    assert "refusal refused: median 0.50 s of 2 (exit [2]; target <= 1 s)" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "REFUSALS", {"refused": ["refused"]})
+    assert bench.main() == 0
+    assert "slowest median 0.50 s (target <= 1 s: met)" in capsys.readouterr().out
+
+
+def test_floor_gives_both_ratios_from_one_invocation(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    monkeypatch.setattr(bench, "_run", lambda args, probes, out, code=None, sampler=None: (12.0, _receipt()))
+    monkeypatch.setattr(bench, "_timed", lambda cmd, cwd=None: (8.0, 0))
+    monkeypatch.setattr(bench, "_selftest", lambda args, tmp, code, i: 18.0)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--floor", "--runs", "2"])
+    assert bench.main() == 0
+    out = capsys.readouterr().out
+    assert "run / import floor: 1.50x (target <= 1.6x); selftest / run: 1.50x (target <= 2x)" in out
