@@ -51,8 +51,9 @@ def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: st
 @torch.inference_mode()
 def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1) -> Scores:
     """`batch_size` sequences per forward, right-padded (causal attention never looks at the padding);
-    log-softmax in fp32; aligned by the rule in backends/base.py."""
-    out: Scores = []
+    log-softmax in fp32; aligned by the rule in backends/base.py. The token logprobs stay on the device
+    until every forward is done, then come to the host in one transfer (a GPU waits once, not per row)."""
+    gathered: list[torch.Tensor] = []
     for start in range(0, len(sequences), batch_size):
         group = sequences[start:start + batch_size]
         width = max(len(seq) for seq in group)
@@ -65,8 +66,14 @@ def score_sequences(model: Any, sequences: Sequences, device: torch.device, batc
         logits = model(input_ids=ids, **kwargs).logits
         for i, seq in enumerate(group):
             n = len(seq)
-            logprobs = torch.log_softmax(logits[i, :n - 1].float(), dim=-1).gather(1, ids[i, 1:n, None])[:, 0]
-            out.append(logprobs.cpu().tolist())
+            gathered.append(torch.log_softmax(logits[i, :n - 1].float(), dim=-1).gather(1, ids[i, 1:n, None])[:, 0])
+        del logits
+    flat = torch.cat(gathered).cpu().tolist() if gathered else []
+    out: Scores = []
+    at = 0
+    for seq in sequences:
+        out.append(flat[at:at + len(seq) - 1])
+        at += len(seq) - 1
     return out
 
 
