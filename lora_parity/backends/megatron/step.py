@@ -16,7 +16,7 @@ and B whole; both gradients are already this rank's own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,8 +28,8 @@ from lora_parity.models import update_step
 from lora_parity.models.perturb import target_kind
 from lora_parity.util.errors import PhaseError
 
-if TYPE_CHECKING:
-    from lora_parity.backends.megatron.shards import Shard
+Shard = Any
+"""A `megatron.shards.Shard` (not imported: it imports this module)."""
 
 Masked = tuple[torch.Tensor, torch.Tensor]
 """A parameter and the mask of the elements the step may change."""
