@@ -57,7 +57,7 @@ SERVER_ARGS_RECORDED = ("enable_deterministic_inference", "attention_backend", "
                         "disable_radix_cache", "dtype", "max_lora_rank", "max_loras_per_batch", "tp_size",
                         "random_seed", "mem_fraction_static", "chunked_prefill_size")
 """The attached or started server's settings that change numbers, read back from `/get_server_info`
-into the receipt (only these: that answer also holds the server's API key)."""
+into the receipt as `server.<name>` (only these: that answer also holds the server's API key)."""
 
 
 class ServerError(ScoreError):
@@ -327,7 +327,7 @@ class SGLangSampler(SamplerBackend):
                        + ("sequence" if self.cfg.scoring.batch_size == 1 else f"{self.cfg.scoring.batch_size} "
                           "sequences") + ", logprob_start_len=0; cached: one request per prefix, token_ids_logprob",
             "sync": "/load_lora_adapter, /unload_lora_adapter (inplace: unload, then load under the same name)",
-            "server_args": recorded["args"],
+            **{f"server.{k}": v for k, v in recorded["args"].items()},
         }
         if self.server is not None:
             settings["deterministic_inference"] = "--enable-deterministic-inference" in self.server.argv
