@@ -379,6 +379,9 @@ def test_faults_that_cannot_happen_on_sglang_are_refused(stand_in: StandIn, tmp_
     assert {"stale-folder", "same-name-no-inplace", "unload-before-score"} <= set(faults_for("new-id", traits))
     assert "warm-prefix-cache" in faults_for("new-id", BackendTraits(served_over_http=True))
     assert "sgl-project/sglang#13771" in FAULTS["stale-folder"].description
+    with pytest.raises(ConfigError, match="needs a sampler that reloads base weights; 'sglang' cannot"):
+        execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, sync="merged",
+                           out=tmp_path / "r.json"))
 
 
 def test_selftest_through_the_stand_in_catches_every_fault_that_applies(stand_in: StandIn, checkpoint: Path,
