@@ -91,7 +91,7 @@ def test_the_server_sampler_declares_what_it_is() -> None:
 
 def test_server_options_and_faults_are_refused_for_other_samplers(tmp_path: Path) -> None:
     for kw in ({"sampler_url": "http://127.0.0.1:1"}, {"api_key_env": "HOME"}, {"shared_dir": tmp_path}):
-        with pytest.raises(ConfigError, match="apply to --sampler vllm-server only"):
+        with pytest.raises(ConfigError, match=r"served over HTTP only \(--sampler vllm-server or sglang\)"):
             execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "r.json", **kw))  # type: ignore[arg-type]
     for fault in SERVING_LAYER_FAULTS:
         with pytest.raises(ConfigError, match="fault of the serving layer"):

@@ -1,4 +1,4 @@
-"""backends: the trainers and samplers (hf, vllm, vllm-server, megatron, tinker, fake) behind `base`'s
+"""backends: the trainers and samplers (hf, vllm, vllm-server, sglang, megatron, tinker, fake) behind `base`'s
 protocols, registered by name as "module:Class" and imported only when asked for (torch, vLLM live here).
 May import util/, evidence/ and models/ only; never run/, verdict/, report/ or cli/.
 
@@ -26,6 +26,7 @@ TRAINERS: dict[str, object] = {
 SAMPLERS: dict[str, object] = {
     "vllm": "lora_parity.backends.vllm:VLLMSampler",
     "vllm-server": "lora_parity.backends.vllm_server:VLLMServerSampler",
+    "sglang": "lora_parity.backends.sglang:SGLangSampler",
     "hf": "lora_parity.backends.hf:HFSampler",
     "fake": "lora_parity.backends.fake:FakeSampler",
     "tinker": "lora_parity.backends.tinker:TinkerSampler",

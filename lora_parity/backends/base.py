@@ -71,7 +71,7 @@ class BackendTraits:
     """Why this trainer cannot start from a user's PEFT adapter (`--adapter`), or None (a trainer
     that can is also a `StartAdapterTrainer`)."""
     served_over_http: bool = False
-    """A sampler served over HTTP (vllm-server): built with `sampler_url`, `api_key_env` and
+    """A sampler served over HTTP (vllm-server, sglang): built with `sampler_url`, `api_key_env` and
     `shared_dir`, and the only one the serving-layer faults apply to."""
     rounding_unresolved: str | None = None
     """Why a fault that only rounds the adapter's values (fp16-export) stays below what this trainer's
@@ -79,6 +79,10 @@ class BackendTraits:
     same_name_reload_refused: str | None = None
     """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
     old adapter), so the faults that do only that do not apply; or None."""
+    reload_gets_fresh_cache: str | None = None
+    """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here
+    (each load gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache)
+    does not apply; or None."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ class BackendOptions:
     shared_dir: Path | None = None
     """Folder the attached server can read; adapters are copied there (`served_over_http`)."""
     batch_invariant: bool = True
-    """Sampler (vLLM on CUDA): batch-invariant kernels where the build has them (`--no-batch-invariant`)."""
+    """Sampler: batch-invariant kernels where the build has them (vLLM on CUDA), SGLang's deterministic
+    inference (`--no-batch-invariant` turns either off)."""
     server: ServerProcess | None = None
     """A server the run launched early for this sampler (`EarlyLaunchingSampler.launch_early`), which
     it adopts instead of launching its own (one already stopped is not adopted)."""

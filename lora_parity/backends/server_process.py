@@ -1,7 +1,8 @@
-"""A `vllm serve` process owned by lora-parity: started on 127.0.0.1 and a free port in a process
-group of its own, ready once `/health` answers, and stopped (the whole group, by pid) on close, on
-error, at exit and on SIGTERM (by the run's own handler where it has one, see `_install_handlers`).
-SIGINT reaches Python as KeyboardInterrupt, whose unwinding closes it.
+"""A server process owned by lora-parity (`vllm serve`, SGLang's `launch_server`): started on
+127.0.0.1 and a free port in a process group of its own, ready once `/health` answers, and stopped
+(the whole group, by pid) on close, on error, at exit and on SIGTERM (by the run's own handler where
+it has one, see `_install_handlers`). SIGINT reaches Python as KeyboardInterrupt, whose unwinding
+closes it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,10 +79,14 @@ class ServerProcess:
     """One server process; `start` returns once it is healthy (or `launch` now and `wait_healthy`
     when it is needed, so the caller works meanwhile), `stop` is idempotent."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str], port: int, start_timeout_s: float) -> None:
+    def __init__(self, argv: Sequence[str], env: dict[str, str], port: int, start_timeout_s: float,
+                 name: str = "vllm serve") -> None:
         self.argv, self.env, self.port, self.start_timeout_s = list(argv), env, port, start_timeout_s
+        self.name = name
+        """What the server is, in its error messages (`vllm serve`, `sglang.launch_server`)."""
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="lora-parity-vllm-server-", suffix=".log")[1])
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        self.log_path = Path(tempfile.mkstemp(prefix=f"lora-parity-{slug}-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
         self.launched_at: float | None = None
         """When `launch` started the process (`time.perf_counter()`)."""
@@ -117,7 +123,7 @@ class ServerProcess:
         if self.healthy_at is not None:
             return
         if self.proc is None:
-            raise BackendUnavailableError(f"vllm serve on port {self.port} was not launched or was stopped")
+            raise BackendUnavailableError(f"{self.name} on port {self.port} was not launched or was stopped")
         try:
             self._wait_healthy(self.proc, self._port_was_free)
         except BaseException:  # an interrupt while waiting too: nothing is left running
@@ -146,7 +152,7 @@ class ServerProcess:
     def _fail(self, what: str) -> None:
         tail = self.log_tail()
         self.stop()
-        raise BackendUnavailableError(f"vllm serve on port {self.port} {what}; last lines of its log:\n{tail}")
+        raise BackendUnavailableError(f"{self.name} on port {self.port} {what}; last lines of its log:\n{tail}")
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last lines of the server's log."""

@@ -8,15 +8,16 @@ scores). Each fault names the check that must catch it; `lora-parity selftest` r
 exactly that.
 
 A fault may not apply to a sampler, as its traits say (`not_applicable`): the serving-layer faults
-need a sampler served over HTTP, and a sampler that refuses a same-name reload with an error never
-silently keeps the old adapter, so the faults that only do that reload do not apply to it.
+need a sampler served over HTTP, a sampler that refuses a same-name reload with an error never
+silently keeps the old adapter, so the faults that only do that reload do not apply to it, and one
+that gives every load a prefix-cache namespace of its own (SGLang) never serves a reloaded adapter
+from the old one's blocks.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,11 +27,12 @@ from lora_parity.backends.base import AdapterHandle, BackendTraits, Scores
 from lora_parity.evidence.receipt import Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.perturb import is_lora_b, target_kind
+from lora_parity.run.serving_faults import SameNameNoInplace, StaleFolder, UnloadBeforeScore, WarmPrefixCache
 from lora_parity.run.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
 from lora_parity.run.update_faults import FP16_MAX as FP16_MAX
 from lora_parity.run.update_faults import UPDATE_FILE_FAULTS as UPDATE_FILE_FAULTS
 from lora_parity.run.update_faults import rewrite_update
-from lora_parity.util.errors import ConfigError, PhaseError, ScoreError
+from lora_parity.util.errors import ConfigError, PhaseError
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class FaultSpec:
     """Why the noise update cannot reveal the fault (the selftest runs it with `--update step` only), or None."""
     needs_targets: tuple[str, ...] = ()
     """Target kinds the adapter must have for the fault to exist (e.g. gate_proj and up_proj)."""
+    reads_reloaded_cache: bool = False
+    """Counts on a reload under the same name and path reading the old adapter's prefix-cache blocks:
+    not for a sampler whose every load gets a cache namespace of its own (`traits.reload_gets_fresh_cache`)."""
 
 
 ADAPTER_MODES = ("new-id", "inplace")
@@ -120,43 +125,6 @@ class StaleTensors(SyncWrapper):
     def sync(self, ctx: SyncContext) -> None:
         """Reload the copy kept at zero-init."""
         reloading(ctx.sampler).reload_base(tensors=self.zero)
-
-
-class SameNameNoInplace(SyncWrapper):
-    """same-name-no-inplace: the update is reloaded under the served name without load_inplace, by a
-    client that does not read the reply (a server refuses it and keeps the old adapter)."""
-
-    def sync(self, ctx: SyncContext) -> None:
-        """Export, then load under the handle the sampler has; an error answer is ignored."""
-        assert ctx.handle is not None
-        folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
-        try:
-            ctx.sampler.publish(folder, ctx.handle.name, ctx.handle.adapter_id, inplace=False)
-        except ScoreError:
-            pass  # the reply is what this fault does not read
-
-
-class WarmPrefixCache(SyncWrapper):
-    """warm-prefix-cache: the update overwrites the published folder and is reloaded in place under
-    the same name and path, so a prefix cache keyed by (name, path) keeps the old adapter's blocks."""
-
-    def sync(self, ctx: SyncContext) -> None:
-        """Export, copy over the published folder, reload it in place."""
-        assert ctx.handle is not None
-        folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
-        published = ctx.workdir / "adapter-v0"
-        shutil.copytree(folder, published, dirs_exist_ok=True)
-        ctx.sampler.publish(published, ctx.handle.name, ctx.handle.adapter_id, inplace=True)
-
-
-class UnloadBeforeScore(SyncWrapper):
-    """unload-before-score: after the sync, the adapter about to be scored is unloaded."""
-
-    def sync(self, ctx: SyncContext) -> None:
-        """Sync as the mode does, then unload the synced adapter."""
-        self.inner.sync(ctx)
-        assert ctx.handle is not None
-        ctx.sampler.retire(ctx.handle)
 
 
 class Leak(SyncWrapper):
@@ -223,7 +191,12 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               serving_layer=True),
     FaultSpec("warm-prefix-cache", "sync overwrites the published adapter folder and reloads it in place under "
               "the same name and path, with prefix-cache blocks of the old adapter warm", ("P.parity.mean",),
-              "fail", must_pass=("C.parity.mean",), modes=ADAPTER_MODES, sync=WarmPrefixCache, serving_layer=True),
+              "fail", must_pass=("C.parity.mean",), modes=ADAPTER_MODES, sync=WarmPrefixCache, serving_layer=True,
+              reads_reloaded_cache=True),
+    FaultSpec("stale-folder", "sync loads the folder published before the update under the update's name (in place "
+              "under the same name with --sync inplace); SGLang serves a path already loaded under another name with "
+              "only a logged warning (sgl-project/sglang#13771)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
+              sync=StaleFolder, serving_layer=True),
     FaultSpec("unload-before-score", "sync unloads the adapter about to be scored instead of the old one",
               (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error"),
@@ -256,9 +229,12 @@ def not_applicable(name: str, sampler: BackendTraits) -> str | None:
     """Why fault `name` does not apply to a sampler with these traits, or None if it does."""
     spec = FAULTS[name]
     if spec.serving_layer and not sampler.served_over_http:
-        return "it is a fault of the serving layer: it needs a sampler served over HTTP (--sampler vllm-server)"
+        return ("it is a fault of the serving layer: it needs a sampler served over HTTP (--sampler vllm-server "
+                "or sglang)")
     if spec.reloads_same_name and sampler.same_name_reload_refused:
         return f"this sampler {sampler.same_name_reload_refused}"
+    if spec.reads_reloaded_cache and sampler.reload_gets_fresh_cache:
+        return f"this sampler {sampler.reload_gets_fresh_cache}"
     return None
 
 

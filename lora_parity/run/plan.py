@@ -126,8 +126,9 @@ def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None =
     ref = model_ref or cfg.name
     if cfg.launch is None:
         flags: dict[str, str | int | None] = {"trainer": trainer, "sampler": sampler, "tp": tp}
-        lines = [f"lora-parity plan: {cfg.name}",
-                 f"  runs in one process (the CPU or one GPU) on this machine: {_run_command(ref, flags)}"]
+        where = ("in one process beside SGLang's server, on one GPU (SGLang has no CPU build)" if sampler == "sglang"
+                 else "in one process (the CPU or one GPU)")
+        lines = [f"lora-parity plan: {cfg.name}", f"  runs {where} on this machine: {_run_command(ref, flags)}"]
         if trainer == "megatron" and tp is not None and tp > 1:
             lines += _torchrun_lines(cfg.name, ref, flags, tp)
         return "\n".join(lines) + "\n"
@@ -160,6 +161,9 @@ def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None =
         f"  memory      {fits}: {max(tr, sa):,.1f} of {launch.gpu_memory_gib:g} GiB per GPU before activations, "
         "KV cache and adapter",
     ]
+    if sampler is not None and sampler != "vllm":
+        lines.append(f"              (--sampler {sampler} does not run a launch plan: its sampler is vLLM in "
+                     "trainer rank 0)")
     if hf:
         lines.append(f"  checkpoint  {hf} in the Hugging Face cache of nodes 0-{nodes - 1} (HF_HUB_CACHE or HF_HOME); "
                      "lora-parity never downloads")
@@ -255,6 +259,8 @@ def preflight(cfg: ModelConfig, trainer: str, sampler: str) -> None:
                            f"(WORLD_SIZE is {world or 'unset'})")
         if trainer != launch.trainer.backend:
             missing.append(f"--trainer {launch.trainer.backend} (the plan's trainer; {trainer} cannot hold it)")
+        if sampler == "sglang":
+            missing.append("--sampler vllm (the plan's sampler; sglang serves from one GPU, not over a launch plan)")
     if missing:
         nodes = num_nodes(launch) if launch else 1
         need = f"{cfg.name} needs " + (f"{nodes} nodes x {launch.gpus_per_node} GPUs; " if launch else "")

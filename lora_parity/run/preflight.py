@@ -73,9 +73,10 @@ def shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: type
 
 def sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions) -> None:
     """Server options only for a sampler served over HTTP; then the sampler's own `preflight` (an
-    attached vllm-server answers within seconds)."""
+    attached server answers within seconds; sglang is installed or attached)."""
     if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
-        raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to --sampler vllm-server only")
+        raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to a sampler served over HTTP only "
+                          "(--sampler vllm-server or sglang)")
     sampler_cls.preflight(pre)
 
 

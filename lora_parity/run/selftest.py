@@ -270,7 +270,7 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
              faults: list[str] | None = None, watch: Watch | None = None, seeds: int = 1,
              first_seed: int = 0) -> SelftestResult:
     """Run the clean run (`repeat` times) and every fault that applies to the sync mode and the
-    sampler (with vllm-server, the serving-layer faults too; or only `faults`), once per seed
+    sampler (with a sampler served over HTTP, the serving-layer faults too; or only `faults`), once per seed
     (`plan_for_seed`), on one load of the backends; write each receipt into `out_dir` (with several
     seeds, into `out_dir/seed-NN/`, NN the run seed); `watch` hears of each run as it starts and ends.
     `first_seed` K runs seed indices K .. K + seeds - 1: exactly those of a longer selftest, so that one

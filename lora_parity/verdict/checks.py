@@ -9,7 +9,7 @@ target.K.sampler; where sampler and trainer share a service (tinker), also stale
 stale adapter queried again after the synced one) and trainer_after_stale (the trainer after
 that). With `--reference fp32`, also reference_fp32: the base model scored in fp32 by HF, which
 both sides approximate at zero-init (comparisons R.*; with `budgets.a_triangulation` they judge A,
-checks A.fp32.*). A sampler that scores through its prefix cache (vllm-server) also
+checks A.fp32.*). A sampler that scores through its prefix cache (vllm-server, sglang) also
 records stale_cached and updated_cached: the same positions read the way rollouts read them
 (comparisons P.*, checks P.parity.*). Where the trainer's tensors can be read (every trainer but
 tinker) and the sync publishes an adapter, also fresh: those tensors written by a writer of the

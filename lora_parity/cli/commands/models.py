@@ -27,6 +27,12 @@ def needs(cfg: Any) -> dict[str, Any]:
     return {"device": device, "extras": extras, "checkpoint": m.hf_id}
 
 
+def sglang_support(cfg: Any) -> str:
+    """Whether `--sampler sglang` can serve a config: on one GPU (SGLang has no CPU build), and not a
+    config with a launch plan (its sampler is vLLM in trainer rank 0)."""
+    return "no (launch plan: the sampler is vLLM)" if cfg.launch is not None else "one GPU"
+
+
 def _needs_text(n: dict[str, Any]) -> str:
     return f"{n['device']}, [{','.join(n['extras'])}]"
 
@@ -40,7 +46,8 @@ def models(json_: Annotated[bool, typer.Option("--json", help="Print the configs
     rows = []
     for p in config.available():
         cfg = config.load(str(p))
-        rows.append({**config.config_summary(cfg), "default": cfg.name == config.DEFAULT_MODEL, "needs": needs(cfg)})
+        rows.append({**config.config_summary(cfg), "default": cfg.name == config.DEFAULT_MODEL, "needs": needs(cfg),
+                     "sglang": sglang_support(cfg)})
     if json_:
         output.print_json(rows)
         return
@@ -49,7 +56,8 @@ def models(json_: Annotated[bool, typer.Option("--json", help="Print the configs
         output.line(f"{r['name']:<{width}} {'*' if r['default'] else ' '} {r['source']:<21} {r['dtype']:<9} "
                     f"r{r['rank']:<2} x{r['targets']}  {_needs_text(r['needs']):<32} {r['description']}")
     output.hint(f"* the default (run without --model: {config.DEFAULT_MODEL}); [extra]: pip install "
-                "'lora-parity[extra]'; a hub id as source must be in the local Hugging Face cache")
+                "'lora-parity[extra]'; a hub id as source must be in the local Hugging Face cache; --sampler sglang "
+                "serves any config without a launch plan, on one GPU (`--json`: key sglang)")
 
 
 def init(

@@ -22,14 +22,14 @@ PublicKeyOpt = Annotated[Path | None, typer.Option(
          "receipt reads 'signature not checked'.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
 TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, megatron or tinker.")]
-SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, hf or tinker.")]
+SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, sglang (GPU), hf or tinker.")]
 SamplerUrlOpt = Annotated[str | None, typer.Option(
-    help="Attach --sampler vllm-server to this running vLLM server instead of starting one (recorded without "
-         "credentials).")]
+    help="Attach --sampler vllm-server or sglang to this running server instead of starting one (recorded "
+         "without credentials).")]
 ApiKeyEnvOpt = Annotated[str | None, typer.Option(
-    help="Environment variable holding the vLLM server's API key (--sampler vllm-server; never recorded).")]
+    help="Environment variable holding the server's API key (--sampler vllm-server or sglang; never recorded).")]
 SharedDirOpt = Annotated[Path | None, typer.Option(
-    help="Folder the attached vLLM server can read; adapters are copied there (--sampler vllm-server).")]
+    help="Folder the attached server can read; adapters are copied there (--sampler vllm-server or sglang).")]
 ProbesOpt = Annotated[str, typer.Option(
     help="Probe source: random[:SET] or a set (default, held-out; SET-xN: N times the sequences), "
          "text[:SET] (shipped English text, real models only), sampled[:SET] (text prompts the sampler "
@@ -48,7 +48,8 @@ ReferenceOpt = Annotated[str | None, typer.Option(
          "bf16/fp16 model whose fp32 copy fits in memory.")]
 BatchInvariantOpt = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",
-    help="vLLM on CUDA: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so repeated scoring is exact.")]
+    help="vLLM on CUDA: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so repeated scoring is exact; "
+         "SGLang: --enable-deterministic-inference.")]
 PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
 BudgetsOpt = Annotated[str | None, typer.Option(
     "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "

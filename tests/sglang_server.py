@@ -1,0 +1,193 @@
+"""A stand-in SGLang server for the `sglang` sampler's CPU tests: SGLang's native HTTP API on loopback
+(`/health`, `/get_model_info`, `/get_server_info`, `/generate`, `/load_lora_adapter`,
+`/unload_lora_adapter`), serving the fake model of `lora_parity.backends.fake` with the adapters it
+loads from PEFT folders, so that a fake trainer and this server agree exactly, as a correct sync does.
+
+It behaves as SGLang's source says SGLang does (python/sglang/srt/...):
+- a load under a name already loaded is refused with 400 (`lora_manager.validate_new_adapter`); a path
+  already loaded under another name is loaded again, with only a warning (sgl-project/sglang#13771);
+- every load mints a new `lora_id`, the radix cache's namespace (sgl-project/sglang#8261);
+- unloading a name it does not have is 400, "does not exist" (`lora_registry.unregister`);
+- a request naming an adapter it does not have is 400 (`lora_registry.acquire`);
+- `input_token_logprobs` has one `[logprob, token_id, text]` per input token from `logprob_start_len`,
+  the first null, ids >= vocab_size - 1 reported as 0; `token_ids_logprob` answers in
+  `output_token_ids_logprobs[0]`, the position after the prompt; a request whose logprobs start
+  after 0 may read the radix cache for the prefix before that start.
+
+`StandIn` runs it on a thread in the test's process; `python tests/sglang_server.py PORT` runs it as
+a process, as lora-parity would start SGLang's.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import random
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from lora_parity.backends import fake
+from lora_parity.models import adapter_files as af
+from lora_parity.models import config
+
+Override = Callable[[http.server.BaseHTTPRequestHandler, dict[str, Any]], bool]
+"""Answers a request in the test's way and returns True, or returns False to let the stand-in answer."""
+
+
+class StandIn:
+    """The stand-in server on 127.0.0.1 (a free port unless given), on a thread; `requests` records
+    (method, path, headers, JSON body) of each request, `warnings` what SGLang would log."""
+
+    def __init__(self, kinds: list[str] | None = None, vocab_size: int = 512, port: int = 0,
+                 server_args: dict[str, Any] | None = None) -> None:
+        self.kinds = kinds or list(config.load(None).adapter.targets)
+        self.vocab_size = vocab_size
+        self.requests: list[tuple[str, str, dict[str, str], dict[str, Any]]] = []
+        self.warnings: list[str] = []
+        self.registry: dict[str, tuple[str, str, dict[str, float]]] = {}
+        """name -> (lora_id, path, the fake model's coefficients)."""
+        self.cache: dict[tuple[str, tuple[int, ...]], dict[str, float]] = {}
+        """(lora_id or '', prefix) -> the coefficients its KV was computed with (the radix cache)."""
+        self.overrides: dict[str, Override] = {}
+        self.server_args = {"version": "0.5.16-standin", "enable_deterministic_inference": True,
+                            "attention_backend": "fa3", "disable_radix_cache": False, "api_key": None,
+                            **(server_args or {})}
+        self.lock = threading.Lock()
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw else {}
+                stand_in.requests.append((self.command, self.path, dict(self.headers), body))
+                override = stand_in.overrides.get(self.path)
+                if override is not None and override(self, body):
+                    return
+                status, answer = stand_in.answer(self.command, self.path, body)
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _any
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        class Server(http.server.ThreadingHTTPServer):
+            request_queue_size = 128  # uvicorn's backlog is larger still: 32 requests in flight never reset
+
+        self.server = Server(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def posted(self, path: str) -> list[dict[str, Any]]:
+        """The JSON bodies POSTed to `path`, in order."""
+        return [body for method, p, _, body in self.requests if method == "POST" and p == path]
+
+    def answer(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """SGLang's status and JSON answer to a request."""
+        if method == "GET" and path == "/health":
+            return 200, {}
+        if method == "GET" and path == "/get_model_info":
+            return 200, {"model_path": "/models/tiny-qwen3", "is_generation": True}
+        if method == "GET" and path == "/get_server_info":
+            return 200, dict(self.server_args)
+        with self.lock:
+            if path == "/load_lora_adapter":
+                return self._load(body)
+            if path == "/unload_lora_adapter":
+                name = body.get("lora_name")
+                if name not in self.registry:
+                    return 400, {"success": False, "error_message": f"LoRA with name {name} does not exist. "
+                                                                    f"Loaded LoRAs: {list(self.registry)}"}
+                del self.registry[name]
+                return 200, {"success": True, "loaded_adapters": self._loaded()}
+            if path == "/generate":
+                return self._generate(body)
+        return 404, {"detail": "Not Found"}
+
+    def _loaded(self) -> dict[str, str]:
+        return {name: entry[1] for name, entry in self.registry.items()}
+
+    def _load(self, body: dict[str, Any]) -> tuple[int, Any]:
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if name in self.registry:
+            return 400, {"success": False, "error_message": f"Failed to load LoRA adapter {name} because it is "
+                                                            "already loaded", "loaded_adapters": self._loaded()}
+        for other, (_, other_path, _) in self.registry.items():
+            if other_path == path:
+                self.warnings.append(f"{path} is already loaded with name: {other}, but another copy is being "
+                                     f"loaded with name: {name}")
+        cfg, tensors = af.read_adapter(path)
+        self.registry[str(name)] = (uuid.uuid4().hex, str(path), fake._coefficients(cfg, tensors))
+        return 200, {"success": True, "loaded_adapters": self._loaded()}
+
+    def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        ids = body["input_ids"]
+        single = isinstance(ids[0], int)
+        batch = [ids] if single else ids
+        names = body.get("lora_path")
+        names = [names] * len(batch) if single or not isinstance(names, list) else names
+        missing = [n for n in names if n is not None and n not in self.registry]
+        if missing:
+            return 400, {"error": {"message": f"The following requested LoRA adapters are not loaded: {missing[0]}"}}
+        out = [self._one(list(seq), self.registry[n] if n is not None else None, body)
+               for seq, n in zip(batch, names, strict=True)]
+        return 200, out[0] if single else out
+
+    def _one(self, seq: list[int], adapter: tuple[str, str, dict[str, float]] | None,
+             body: dict[str, Any]) -> dict[str, Any]:
+        lora_id, coefficients = (adapter[0], adapter[2]) if adapter else ("", {})
+        sampling = body.get("sampling_params") or {}
+        start = body.get("logprob_start_len", -1)
+        start = len(seq) - 1 if start is None or start < 0 else start
+        if start > 0:  # the prefix before the start may be served from the radix cache
+            coefficients = self.cache.setdefault((lora_id, tuple(seq[:start])), coefficients)
+        meta: dict[str, Any] = {"prompt_tokens": len(seq)}
+        if body.get("return_logprob"):
+            row = fake._score([seq], coefficients, self.kinds)[0]
+            meta["input_token_logprobs"] = [[None if t == start else row[t - 1], self._clip(seq[t]), None]
+                                            for t in range(start, len(seq))]
+            if body.get("token_ids_logprob"):
+                meta["output_token_ids_logprobs"] = [[[self._logprob(seq[-1], tok, len(seq) - 1, coefficients), tok,
+                                                       None] for tok in body["token_ids_logprob"]]]
+        rng = random.Random(sampling.get("sampling_seed", 0))
+        full, output = list(seq), []
+        for _ in range(sampling.get("max_new_tokens", 128)):
+            tok = (fake._sample(full[-1], len(full) - 1, coefficients, self.kinds, rng)
+                   if sampling.get("temperature", 1.0) > 0 else 0)
+            output.append([self._logprob(full[-1], tok, len(full) - 1, coefficients), tok, None])
+            full.append(tok)
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = output
+        return {"output_ids": [tok for _, tok, _ in output], "meta_info": meta}
+
+    def _logprob(self, prev: int, tok: int, t: int, coefficients: dict[str, float]) -> float:
+        """The fake model's logprob of `tok` after `prev` at position t, as its scores have it (at most 0)."""
+        return min(fake._score_at(prev, tok, t, coefficients, self.kinds), 0.0)
+
+    def _clip(self, token: int) -> int:
+        return token if token < self.vocab_size - 1 else 0
+
+
+def main(argv: list[str]) -> None:
+    """`python tests/sglang_server.py PORT`: serve on PORT until killed."""
+    server = StandIn(port=int(argv[0]))
+    server.thread.join()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,465 @@
+"""The `sglang` sampler without SGLang: its HTTP client against a stand-in SGLang server
+(`tests/sglang_server.py`, the fake model served over SGLang's native API) on a thread or as a process:
+the requests it sends, the alignment of what it reads back, errors, timeouts, attach and launch, the
+faults that apply to it, and the refusals before anything loads."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lora_parity import backends
+from lora_parity.backends import sglang_server
+from lora_parity.backends.base import (
+    AdapterHandle,
+    BackendTraits,
+    CachedScoringSampler,
+    EarlyLaunchingSampler,
+    GeneratingSampler,
+)
+from lora_parity.backends.fake import FakeSampler, FakeTrainer
+from lora_parity.backends.server_process import free_port
+from lora_parity.backends.sglang import SGLangSampler
+from lora_parity.evidence.receipt import CheckStatus, Verdict
+from lora_parity.models import config, synthetic
+from lora_parity.run.faults import FAULTS, faults_for
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.run.selftest import selftest
+from lora_parity.util.errors import BackendUnavailableError, ConfigError, ScoreError
+
+from .conftest import ROOT, cli
+from .sglang_server import StandIn
+
+pytestmark = pytest.mark.unit
+SECRET = "sglang-test-key-0123456789abcdef"
+SEQS = [[5, 17, 3, 9, 44, 2, 511, 8], [7, 7, 1, 30, 12]]
+"""Two probes; 511 is the stand-in's last vocabulary id, which SGLang reports as token 0."""
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    server = StandIn()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def checkpoint() -> Path:
+    """The default config's synthetic checkpoint on disk (a run with a sampler that serves one needs it)."""
+    return synthetic.materialize(config.load(None))
+
+
+def attach(url: str, **kwargs: Any) -> SGLangSampler:
+    return SGLangSampler(kwargs.pop("cfg", None) or config.load(None), None, {}, url=url, **kwargs)
+
+
+def exported(tmp_path: Path, name: str, std: float = 0.05, seed: int = 3) -> tuple[Path, FakeTrainer]:
+    """A fake trainer after a seeded update, and its adapter exported to `tmp_path/name`."""
+    trainer = FakeTrainer(config.load(None), None, 0, {})
+    trainer.perturb(std, seed)
+    return trainer.export_adapter(tmp_path / name), trainer
+
+
+def answer_with(status: int, body: bytes, headers: dict[str, str] | None = None) -> Callable[..., bool]:
+    def override(h: http.server.BaseHTTPRequestHandler, _: dict[str, Any]) -> bool:
+        h.send_response(status)
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        h.end_headers()
+        h.wfile.write(body)
+        return True
+
+    return override
+
+
+# --- what it is, and the refusals before anything loads ----------------------------------------------
+
+
+def test_sglang_is_a_served_sampler_that_reads_the_cache_generates_and_launches_early() -> None:
+    assert backends.resolve("sampler", "sglang") is SGLangSampler
+    for protocol in (CachedScoringSampler, GeneratingSampler, EarlyLaunchingSampler):
+        assert issubclass(SGLangSampler, protocol)
+    traits = SGLangSampler.traits
+    assert traits.served_over_http and "already loaded" in (traits.same_name_reload_refused or "")
+    assert "sgl-project/sglang#8261" in (traits.reload_gets_fresh_cache or "")
+
+
+def test_without_sglang_or_a_url_the_run_is_refused_before_the_trainer_is_imported(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(sglang_server, "installed", lambda: False)
+    resolved: list[str] = []
+    real = backends.resolve
+    monkeypatch.setattr(backends, "resolve", lambda kind, name: resolved.append(kind) or real(kind, name))
+    with pytest.raises(ConfigError, match=r"^--sampler sglang: SGLang is not installed .*--sampler-url$"):
+        execute(RunOptions(trainer="hf", sampler="sglang", out=tmp_path / "r.json"))
+    assert resolved == ["sampler"] and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.skipif(sglang_server.installed(), reason="SGLang is installed here")
+def test_the_cli_refusal_is_one_line_exit_2_and_imports_no_torch(tmp_path: Path) -> None:
+    r = cli("run", "--sampler", "sglang", "--out", str(tmp_path / "r.json"))
+    assert r.returncode == 2 and r.stdout == ""
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "SGLang is not installed" in lines[0], r.stderr
+    probe = ("import sys\nfrom lora_parity.run.runner import RunOptions, prepare\n"
+             "try:\n    prepare(RunOptions(trainer='hf', sampler='sglang'))\nexcept ValueError as e:\n"
+             "    print(type(e).__name__, 'torch' in sys.modules, 'transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.split() == ["ConfigError", "False", "False"], out.stderr
+
+
+def test_sglang_takes_no_tinker_trainer_and_other_samplers_take_no_url(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="the tinker backends work as a pair"):
+        execute(RunOptions(trainer="tinker", sampler="sglang", out=tmp_path / "r.json"))
+    with pytest.raises(ConfigError, match=r"served over HTTP only \(--sampler vllm-server or sglang\)"):
+        execute(RunOptions(trainer="fake", sampler="fake", sampler_url="http://127.0.0.1:1", out=tmp_path / "r.json"))
+
+
+def test_an_attached_url_is_checked_at_preflight(stand_in: StandIn, tmp_path: Path) -> None:
+    def run(**kw: Any) -> None:
+        execute(RunOptions(trainer="fake", sampler="sglang", out=tmp_path / "r.json", **kw))
+
+    with pytest.raises(ConfigError, match="is not an http"):
+        run(sampler_url="ftp://127.0.0.1:1")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"cannot reach the SGLang server at http://127\.0\.0\.1:\d+: "):
+        run(sampler_url=f"http://u:pw@127.0.0.1:{free_port()}")
+    assert time.perf_counter() - start < 10
+    with pytest.raises(ConfigError, match="environment variable is not set"):
+        run(sampler_url=stand_in.url, api_key_env="LORA_PARITY_UNSET_VAR")
+    stand_in.overrides["/health"] = answer_with(503, b"")
+    with pytest.raises(ConfigError, match="/health answered 503"):
+        run(sampler_url=stand_in.url)
+    assert not (tmp_path / "r.json").exists()
+
+
+# --- the server's command line -----------------------------------------------------------------------
+
+
+def test_the_server_gets_the_runs_lora_settings_and_deterministic_inference(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config.load(None)
+    argv = sglang_server.server_argv(cfg, Path("ckpt"), 8123)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert flag["--model-path"] == str(Path("ckpt").absolute()) and flag["--port"] == "8123"
+    assert flag["--host"] == "127.0.0.1" and flag["--dtype"] == cfg.model.dtype
+    assert flag["--max-lora-rank"] == str(cfg.adapter.rank) and flag["--load-format"] == "safetensors"
+    assert flag["--mem-fraction-static"] == str(cfg.sampler.gpu_memory_utilization)
+    targets = argv[argv.index("--lora-target-modules") + 1:][:len(cfg.adapter.targets)]
+    assert targets == list(cfg.adapter.targets)
+    assert {"--enable-lora", "--skip-tokenizer-init", "--enable-deterministic-inference"} <= set(argv)
+    assert "--disable-radix-cache" not in argv  # served as rollouts are: the cached phases read it
+    assert "--enable-deterministic-inference" not in sglang_server.server_argv(cfg, Path("c"), 1, deterministic=False)
+    monkeypatch.setenv("LORA_PARITY_SGLANG_ARGS", "--log-level warning")
+    assert sglang_server.server_argv(cfg, Path("c"), 1)[-2:] == ["--log-level", "warning"]
+    bad = cfg.model_copy(update={"adapter": cfg.adapter.model_copy(update={"targets": ["--api-key=x"]})})
+    with pytest.raises(ConfigError, match="not a module name"):
+        sglang_server.server_argv(bad, Path("c"), 1)
+    assert sglang_server.server_env()["TMPDIR"] != os.environ.get("TMPDIR")
+
+
+# --- the protocol ------------------------------------------------------------------------------------
+
+
+def test_prompt_logprobs_follow_the_alignment_rule(stand_in: StandIn, tmp_path: Path) -> None:
+    folder, trainer = exported(tmp_path, "adapter-v0")
+    sampler = attach(stand_in.url)
+    handle = sampler.publish(folder, "lora-parity-1-v0", 1)
+    assert handle.name == "lora-parity-1-v0" + sampler.suffix and stand_in.posted("/load_lora_adapter") == [
+        {"lora_name": handle.name, "lora_path": str(folder)}]
+    scores = sampler.score(SEQS, handle)
+    # Entry t is log p(s[t+1] | s[:t+1]): the fake trainer's own scores, exactly (the stand-in serves its model).
+    assert scores == trainer.score(SEQS) and [len(r) for r in scores] == [len(s) - 1 for s in SEQS]
+    assert sampler.score(SEQS, None) == FakeSampler(config.load(None), None, {}).score(SEQS, None) != scores
+    requests = stand_in.posted("/generate")
+    assert [r["input_ids"] for r in requests] == SEQS * 2
+    assert all(r["return_logprob"] is True and r["logprob_start_len"] == 0
+               and r["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0} for r in requests)
+    assert [r.get("lora_path") for r in requests] == [handle.name, handle.name, None, None]
+
+
+def test_a_batch_is_one_request(stand_in: StandIn, tmp_path: Path) -> None:
+    cfg = config.load(None)
+    cfg = cfg.model_copy(update={"scoring": cfg.scoring.model_copy(update={"batch_size": 2})})
+    folder, trainer = exported(tmp_path, "a")
+    sampler = attach(stand_in.url, cfg=cfg)
+    handle = sampler.publish(folder, "a", 1)
+    assert sampler.score(SEQS, handle) == trainer.score(SEQS)
+    (request,) = stand_in.posted("/generate")
+    assert request["input_ids"] == SEQS and request["lora_path"] == [handle.name, handle.name]
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda e: e[1:], "expected 8 entries, got 7"),
+    (lambda e: [[-1.0, e[0][1], None], *e[1:]], "entry 0 is not null"),
+    (lambda e: [e[0], [None, e[1][1], None], *e[2:]], "entry 1 is null"),
+    (lambda e: [e[0], *e[2:], e[1]], "misaligned"),
+    (lambda e: [e[0], [float("nan"), e[1][1], None], *e[2:]], "not a finite number"),
+])
+def test_an_answer_that_does_not_line_up_is_a_score_error(stand_in: StandIn, change: Callable[[list[Any]], list[Any]],
+                                                          error: str) -> None:
+    def altered(h: http.server.BaseHTTPRequestHandler, body: dict[str, Any]) -> bool:
+        status, answer = stand_in.answer("POST", "/generate", body)
+        answer["meta_info"]["input_token_logprobs"] = change(answer["meta_info"]["input_token_logprobs"])
+        return answer_with(status, json.dumps(answer).encode())(h, body)
+
+    stand_in.overrides["/generate"] = altered
+    with pytest.raises(ScoreError, match=error):
+        attach(stand_in.url).score(SEQS[:1], None)
+
+
+def test_cached_scoring_asks_for_each_next_token_and_equals_prompt_scoring(stand_in: StandIn, tmp_path: Path) -> None:
+    folder, trainer = exported(tmp_path, "a")
+    sampler = attach(stand_in.url)
+    handle = sampler.publish(folder, "a", 1)
+    # The stand-in sums the fake model's terms in another order here: equal to the last bits.
+    cached, prompt = sampler.score_cached(SEQS, handle), trainer.score(SEQS)
+    assert [len(r) for r in cached] == [len(r) for r in prompt]
+    assert all(c == pytest.approx(p, abs=1e-12, rel=0) for c, p in zip(cached, prompt, strict=True))
+    requests = sorted(stand_in.posted("/generate"), key=lambda r: (len(r["input_ids"]), r["input_ids"]))
+    wanted = sorted(([s[:t + 1], s[t + 1]] for s in SEQS for t in range(len(s) - 1)), key=lambda p: (len(p[0]), p[0]))
+    assert [[r["input_ids"], *r["token_ids_logprob"]] for r in requests] == wanted
+    assert all(r["logprob_start_len"] == len(r["input_ids"]) - 1 and r["lora_path"] == handle.name for r in requests)
+    stand_in.overrides["/generate"] = lambda h, body: answer_with(200, b'{"meta_info": {}}')(h, body)
+    with pytest.raises(ScoreError, match="the logprob of token 17 after a 1-token prefix was not returned"):
+        sampler.score_cached(SEQS[:1], handle)
+
+
+def test_generation_is_seeded_per_request_and_its_logprobs_follow_the_rule(stand_in: StandIn, tmp_path: Path) -> None:
+    folder, _ = exported(tmp_path, "a")
+    sampler = attach(stand_in.url)
+    handle = sampler.publish(folder, "a", 1)
+    reference = FakeSampler(config.load(None), None, {})
+    ref_handle = reference.publish(folder, "a", 1)
+    prompts = [[3, 9, 4], [8, 1]]
+    sequences, logprobs = sampler.generate(prompts, 6, seed=40, adapter=handle)
+    ref_sequences, ref_logprobs = reference.generate(prompts, 6, 40, ref_handle)
+    assert sequences == ref_sequences and [len(s) for s in sequences] == [9, 8]  # the same tokens: seeded
+    # The same logprobs, by the rule: the prompt's as scored, then each generated token's (to the last bits).
+    assert [len(r) for r in logprobs] == [8, 7]
+    assert all(g == pytest.approx(r, abs=1e-12, rel=0) for g, r in zip(logprobs, ref_logprobs, strict=True))
+    sampling = [r["sampling_params"] for r in stand_in.posted("/generate")]
+    assert [s["sampling_seed"] for s in sampling] == [40, 41]
+    assert all(s["ignore_eos"] is True and s["temperature"] == 1.0 and s["max_new_tokens"] == 6 for s in sampling)
+
+
+def test_loads_unloads_and_what_is_left_on_an_attached_server(stand_in: StandIn, tmp_path: Path) -> None:
+    v0, _ = exported(tmp_path, "adapter-v0")
+    v1, _ = exported(tmp_path, "adapter-v1", seed=4)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    sampler = attach(stand_in.url, shared_dir=shared)
+    first = sampler.publish(v0, "lora-parity-1-v0", 1)
+    assert Path(first.path).parent.parent == shared and (Path(first.path) / "adapter_config.json").is_file()
+    with pytest.raises(ScoreError, match=r"answered 400: .*already loaded"):  # SGLang keeps no silent old adapter
+        sampler.publish(v1, "lora-parity-1-v0", 1)
+    again = sampler.publish(v1, "lora-parity-1-v0", 1, inplace=True)  # no in-place reload: unload, then load
+    assert [p for m, p, _, _ in stand_in.requests if m == "POST"][-2:] == ["/unload_lora_adapter", "/load_lora_adapter"]
+    assert again.name == first.name and stand_in.registry[again.name][1] == str(again.path)
+    sampler.publish(v0, "lora-parity-2-v1", 2)
+    sampler.retire(AdapterHandle("never-loaded", 9, Path()))  # "does not exist": already retired
+    assert len(stand_in.registry) == 2
+    sampler.close()
+    assert stand_in.registry == {} and not any(shared.iterdir())
+
+
+def test_error_answers_are_one_line_and_never_hold_the_key(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORA_PARITY_TEST_KEY", SECRET)
+    stand_in.server_args["api_key"] = SECRET  # /get_server_info holds it, as SGLang's does
+
+    def echo(h: http.server.BaseHTTPRequestHandler, _: dict[str, Any]) -> bool:
+        return answer_with(500, f"Traceback (most recent call last):\n  boom\nauth: {h.headers['Authorization']}\n"
+                           .encode())(h, _)
+
+    stand_in.overrides["/generate"] = echo
+    sampler = attach(stand_in.url, api_key_env="LORA_PARITY_TEST_KEY")
+    with pytest.raises(ScoreError) as e:
+        sampler.score(SEQS[:1], None)
+    message = str(e.value)
+    assert "\n" not in message and "answered 500: Traceback" in message and "Bearer [redacted]" in message
+    assert SECRET not in message
+    assert all(h.get("Authorization") == f"Bearer {SECRET}" for _, _, h, _ in stand_in.requests)  # it was sent
+    info = sampler.info()
+    assert info.versions == {"sglang": "0.5.16-standin"} and info.settings["server.attention_backend"] == "fa3"
+    assert info.settings["server.enable_deterministic_inference"] is True
+    assert SECRET not in info.model_dump_json() and not any("api_key" in k for k in info.settings)
+    stand_in.overrides["/load_lora_adapter"] = answer_with(200, b'{"success": false, "error_message": "no room"}')
+    with pytest.raises(ScoreError, match=r"success false: .*no room"):
+        sampler.publish(Path("x"), "x", 1)
+
+
+def test_a_silent_server_is_left_at_the_timeout_and_a_trickling_one_at_the_deadline(
+        stand_in: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sglang_server, "REQUEST_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(sglang_server, "REQUEST_DEADLINE_S", 2.0)
+    sampler = attach(stand_in.url)
+
+    def silent(h: http.server.BaseHTTPRequestHandler, _: dict[str, Any]) -> bool:
+        time.sleep(5)
+        return True
+
+    def trickle(h: http.server.BaseHTTPRequestHandler, _: dict[str, Any]) -> bool:
+        h.send_response(200)
+        h.end_headers()
+        try:
+            for _ in range(50):
+                h.wfile.write(b" ")
+                h.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+        return True
+
+    for override, error in ((silent, "no answer within 1 s"), (trickle, "no complete answer within 2 s")):
+        stand_in.overrides["/generate"] = override
+        start = time.perf_counter()
+        with pytest.raises(ScoreError, match=error):
+            sampler.score(SEQS[:1], None)
+        assert time.perf_counter() - start < 4
+
+
+# --- runs through the stand-in: clean, every fault that applies, the selftest -------------------------
+
+
+@pytest.mark.parametrize("sync", ["new-id", "inplace"])
+def test_an_attached_run_passes_records_the_url_without_credentials_and_leaves_nothing(
+        stand_in: StandIn, checkpoint: Path, sync: str, tmp_path: Path) -> None:
+    url = stand_in.url.replace("http://", "http://user:pw@") + "/?token=t"
+    receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=url, sync=sync, per_target=False,
+                                 out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == Verdict.PASS, receipt.error
+    assert [p.name for p in receipt.phases][6:12] == ["stale", "stale_cached", "sync", "updated", "fresh",
+                                                   "updated_cached"]
+    assert {"P.parity.mean", "C.parity.mean"} <= {c.id for c in receipt.checks}
+    assert receipt.sampler.backend == "sglang" and receipt.sampler.settings["server"] == f"attached at {stand_in.url}"
+    text = (tmp_path / "r.json").read_text()
+    assert "pw" not in text.replace("pw@", "") and "token=t" not in text
+    assert stand_in.registry == {}
+
+
+@pytest.mark.parametrize("fault, sync, verdict, caught", [
+    ("stale-folder", "new-id", Verdict.FAIL, "C.parity.mean"),
+    ("stale-folder", "inplace", Verdict.FAIL, "C.parity.mean"),
+    ("same-name-no-inplace", "new-id", Verdict.FAIL, "C.parity.mean"),
+    ("skip-sync", "new-id", Verdict.FAIL, "C.parity.mean"),
+    ("unload-before-score", "new-id", Verdict.ERROR, None),
+])
+def test_each_fault_that_applies_fires_through_the_http_client(stand_in: StandIn, checkpoint: Path, fault: str,
+                                                               sync: str, verdict: Verdict, caught: str | None,
+                                                               tmp_path: Path) -> None:
+    receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, inject=fault, sync=sync,
+                                 per_target=False, out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == verdict
+    if caught is not None:
+        assert {c.id: c.status for c in receipt.checks}[caught] == CheckStatus.FAIL
+    else:
+        assert (receipt.error or "").startswith("phase updated:") and "not loaded" in (receipt.error or "")
+    if fault == "stale-folder" and sync == "new-id":  # the load of the old path under a new name: 200, a warning
+        assert stand_in.warnings and "adapter-v0 is already loaded with name" in stand_in.warnings[0]
+    assert stand_in.registry == {}
+
+
+def test_faults_that_cannot_happen_on_sglang_are_refused(stand_in: StandIn, tmp_path: Path) -> None:
+    traits = SGLangSampler.traits
+    for fault, sync, why in (("warm-prefix-cache", "new-id", "lora_id minted at every load"),
+                             ("reuse-adapter-id", "new-id", "already loaded"),
+                             ("no-reload-flag", "inplace", "already loaded")):
+        with pytest.raises(ConfigError, match=f"does not apply to sampler 'sglang'.*{why}"):
+            execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, inject=fault, sync=sync,
+                               out=tmp_path / "r.json"))
+        assert fault not in faults_for(sync, traits)
+    assert {"stale-folder", "same-name-no-inplace", "unload-before-score"} <= set(faults_for("new-id", traits))
+    assert "warm-prefix-cache" in faults_for("new-id", BackendTraits(served_over_http=True))
+    assert "sgl-project/sglang#13771" in FAULTS["stale-folder"].description
+    with pytest.raises(ConfigError, match="needs a sampler that reloads base weights; 'sglang' cannot"):
+        execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, sync="merged",
+                           out=tmp_path / "r.json"))
+
+
+def test_selftest_through_the_stand_in_catches_every_fault_that_applies(stand_in: StandIn, checkpoint: Path,
+                                                                       tmp_path: Path) -> None:
+    result = selftest(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, per_target=False),
+                      tmp_path)
+    rows = {r.fault: r for r in result.rows}
+    assert {"none", "stale-folder", "same-name-no-inplace", "unload-before-score", "skip-sync"} <= set(rows)
+    assert "warm-prefix-cache" not in rows and "reuse-adapter-id" not in rows
+    assert result.ok, [(r.fault, r.observed) for r in result.rows if not r.caught]
+
+
+# --- a server lora-parity starts -------------------------------------------------------------------
+
+
+def _stand_in_process(monkeypatch: pytest.MonkeyPatch, script: str | None = None) -> list[int]:
+    """`sglang.launch_server` replaced by the stand-in as a process (or `script`); returns the pids
+    launched, filled as they are."""
+    monkeypatch.setattr(sglang_server, "installed", lambda: True)
+    monkeypatch.setattr(sglang_server, "START_TIMEOUT_S", 60.0)
+    real = sglang_server.launch_server
+    pids: list[int] = []
+
+    def argv(cfg: Any, model_dir: Path, port: int, deterministic: bool = True) -> list[str]:
+        return [sys.executable, "-c", script] if script else [sys.executable, str(ROOT / "tests" / "sglang_server.py"),
+                                                              str(port)]
+
+    def launch(*args: Any, **kwargs: Any) -> Any:
+        server = real(*args, **kwargs)
+        pids.append(server.pid)
+        return server
+
+    monkeypatch.setattr(sglang_server, "server_argv", argv)
+    monkeypatch.setattr(sglang_server, "launch_server", launch)
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    from lora_parity.util import interrupt
+
+    return interrupt.group_alive(pgid)
+
+
+def test_a_started_server_is_launched_early_adopted_and_stopped(monkeypatch: pytest.MonkeyPatch, checkpoint: Path,
+                                                                tmp_path: Path) -> None:
+    pids = _stand_in_process(monkeypatch)
+    receipt = execute(RunOptions(trainer="fake", sampler="sglang", per_target=False, out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == Verdict.PASS, receipt.error
+    assert len(pids) == 1 and not _group_alive(pids[0])
+    assert receipt.sampler.settings["server"] == "started by lora-parity"
+    assert {"sampler.start", "sampler.start_wait"} <= set(receipt.timings)
+
+
+def test_a_server_that_dies_at_start_is_an_error_naming_sglang_with_its_log(monkeypatch: pytest.MonkeyPatch,
+                                                                           checkpoint: Path, tmp_path: Path) -> None:
+    pids = _stand_in_process(monkeypatch, "print('CUDA is not available'); raise SystemExit(3)")
+    sampler = SGLangSampler(config.load(None), checkpoint, {})
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"sglang.launch_server on port \d+ exited with code 3") as e:
+            sampler.score(SEQS[:1], None)
+        assert "CUDA is not available" in str(e.value)
+    finally:
+        sampler.close()
+    assert not _group_alive(pids[0])
+
+
+def test_plan_and_models_know_sglang() -> None:
+    from lora_parity.cli.commands.models import sglang_support
+    from lora_parity.run import plan
+
+    tiny = config.load(None)
+    text = plan.render(tiny, sampler="sglang")
+    assert "--sampler sglang" in text and "SGLang has no CPU build" in text
+    assert "the CPU or one GPU" in plan.render(tiny, sampler="vllm")
+    glm = config.load("glm-5.3")
+    assert "does not run a launch plan" in plan.render(glm, sampler="sglang")
+    with pytest.raises(ConfigError, match=r"--sampler vllm \(the plan's sampler; sglang serves from one GPU"):
+        plan.preflight(glm, glm.launch.trainer.backend if glm.launch else "megatron", "sglang")
+    assert sglang_support(tiny) == "one GPU" and sglang_support(glm).startswith("no")
+
