@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -40,6 +39,7 @@ from lora_parity.backends.base import (
     Scores,
     Sequences,
 )
+from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
@@ -97,7 +97,7 @@ def _prompt_logprobs(answer: Any, seq: list[int], s: int) -> list[float]:
     return out
 
 
-class SGLangSampler(SamplerBackend):
+class SGLangSampler(ServedAdapters, SamplerBackend):
     """SGLang's server with LoRA, started here or attached to by URL. It scores the way rollouts read
     the radix cache too (`score_cached`: a `CachedScoringSampler`) and generates (`GeneratingSampler`)."""
 
@@ -276,13 +276,6 @@ class SGLangSampler(SamplerBackend):
             scores.append(_prompt_logprobs(answer, list(prompt), i) + [float(v) for v, _ in generated if v is not None])
         return sequences, scores
 
-    def _served_path(self, directory: Path) -> Path:
-        if self.shared_dir is None:
-            return Path(directory)
-        target = self.shared_dir / Path(directory).name
-        shutil.copytree(directory, target, dirs_exist_ok=True)
-        return target
-
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         """Load the PEFT folder under `name` (with this sampler's suffix). With `inplace`, a name this
         sampler has loaded is unloaded first: SGLang has no in-place reload."""
@@ -333,17 +326,3 @@ class SGLangSampler(SamplerBackend):
             settings["deterministic_inference"] = "--enable-deterministic-inference" in self.server.argv
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
         return BackendInfo(backend="sglang", versions={"sglang": recorded["version"]}, settings=settings)
-
-    def close(self) -> None:
-        """Unload what this sampler left on an attached server; stop a started one."""
-        if self.server is None:
-            for name in sorted(self.loaded):
-                try:
-                    self.retire(AdapterHandle(name, 0, Path()))
-                except ScoreError:
-                    break
-        if self.shared_dir is not None:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
-        if self.server is not None:
-            self.server.stop()
-            self.server = None

@@ -16,22 +16,19 @@ import importlib.util
 import os
 import shlex
 import sys
-import urllib.parse
 from pathlib import Path
 
-from lora_parity.backends import bounded_http
+from lora_parity.backends import served
 from lora_parity.backends.base import PreflightOptions
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
-from lora_parity.models.provenance import redact_url as redact
 from lora_parity.util import scratch
 from lora_parity.util.errors import ConfigError
 
 SGLANG_PIN = "sglang==0.5.16"
 """The release the GPU evidence is for (scripts/gpu-sglang-wheels.txt pins what it needs)."""
 SERVER_NAME = "sglang.launch_server"
-PREFLIGHT_TIMEOUT_S = 5.0
 """Longest wait for an attached server's `/health` before the run starts."""
 REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call."""
@@ -49,26 +46,13 @@ def installed() -> bool:
 def preflight(opts: PreflightOptions) -> None:
     """SGLang is installed, or --sampler-url names a server (http(s), answering `/health` within
     seconds); --api-key-env names a set variable; --shared-dir exists. Raises `ConfigError`."""
-    url, key_env, shared_dir = opts.sampler_url, opts.api_key_env, opts.shared_dir
-    if key_env and not os.environ.get(key_env):
-        raise ConfigError(f"--api-key-env {key_env}: that environment variable is not set")
-    if shared_dir is not None and not Path(shared_dir).is_dir():
-        raise ConfigError(f"--shared-dir {shared_dir}: not an existing folder")
-    if url is None:
-        if not installed():
-            raise ConfigError("--sampler sglang: SGLang is not installed in this Python (it has no CPU build; on a "
-                              f"GPU machine install {SGLANG_PIN}, see scripts/gpu-sglang-wheels.txt), or attach to a "
-                              "running SGLang server with --sampler-url")
-        return
-    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        raise ConfigError(f"--sampler-url {redact(url)!r} is not an http(s) URL")
-    try:
-        answer = bounded_http.request(redact(url) + "/health", timeout_s=PREFLIGHT_TIMEOUT_S,
-                                      deadline_s=PREFLIGHT_TIMEOUT_S)
-    except bounded_http.HTTPCallError as e:
-        raise ConfigError(f"cannot reach the SGLang server at {redact(url)}: {e}") from None
-    if answer.status >= 400:
-        raise ConfigError(f"SGLang server at {redact(url)}: /health answered {answer.status}")
+    served.check_options(opts)
+    if opts.sampler_url is not None:
+        served.check_reachable(opts.sampler_url, "SGLang server")
+    elif not installed():
+        raise ConfigError("--sampler sglang: SGLang is not installed in this Python (it has no CPU build; on a "
+                          f"GPU machine install {SGLANG_PIN}, see scripts/gpu-sglang-wheels.txt), or attach to a "
+                          "running SGLang server with --sampler-url")
 
 
 def check_server_args(cfg: ModelConfig) -> None:

@@ -20,17 +20,15 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity.backends import bounded_http
+from lora_parity.backends import bounded_http, served
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
@@ -40,6 +38,7 @@ from lora_parity.backends.base import (
     Scores,
     Sequences,
 )
+from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import max_lora_rank
 from lora_parity.evidence.receipt import BackendInfo
@@ -50,7 +49,6 @@ from lora_parity.models.provenance import redact_url as redact
 from lora_parity.util import scratch
 from lora_parity.util.errors import ConfigError, ScoreError
 
-PREFLIGHT_TIMEOUT_S = 5.0
 """Longest wait for an attached server's `/health` before the run starts."""
 REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call (the first scoring calls on a fresh CPU server compile)."""
@@ -70,22 +68,9 @@ class ServerError(ScoreError):
 def preflight(opts: PreflightOptions) -> None:
     """--sampler-url is http(s) and answers `/health` within seconds; --api-key-env names a set
     variable; --shared-dir exists. Raises `ConfigError`."""
-    url, key_env, shared_dir = opts.sampler_url, opts.api_key_env, opts.shared_dir
-    if key_env and not os.environ.get(key_env):
-        raise ConfigError(f"--api-key-env {key_env}: that environment variable is not set")
-    if shared_dir is not None and not Path(shared_dir).is_dir():
-        raise ConfigError(f"--shared-dir {shared_dir}: not an existing folder")
-    if url is None:
-        return
-    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        raise ConfigError(f"--sampler-url {redact(url)!r} is not an http(s) URL")
-    try:
-        answer = bounded_http.request(redact(url) + "/health", timeout_s=PREFLIGHT_TIMEOUT_S,
-                                      deadline_s=PREFLIGHT_TIMEOUT_S)
-    except bounded_http.HTTPCallError as e:
-        raise ConfigError(f"cannot reach the vLLM server at {redact(url)}: {e}") from None
-    if answer.status >= 400:
-        raise ConfigError(f"vLLM server at {redact(url)}: /health answered {answer.status}")
+    served.check_options(opts)
+    if opts.sampler_url is not None:
+        served.check_reachable(opts.sampler_url, "vLLM server")
 
 
 def check_server_args(cfg: ModelConfig) -> None:
@@ -203,7 +188,7 @@ def launch_server(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant
     return server
 
 
-class VLLMServerSampler(SamplerBackend):
+class VLLMServerSampler(ServedAdapters, SamplerBackend):
     """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the
     way rollouts read the prefix cache too (`score_cached`: a `CachedScoringSampler`)."""
 
@@ -359,13 +344,6 @@ class VLLMServerSampler(SamplerBackend):
             return [list(pool.map(lambda t, seq=seq: self._forced_next(seq[:t + 1], seq[t + 1], model),
                                   range(len(seq) - 1))) for seq in sequences]
 
-    def _served_path(self, directory: Path) -> Path:
-        if self.shared_dir is None:
-            return Path(directory)
-        target = self.shared_dir / Path(directory).name
-        shutil.copytree(directory, target, dirs_exist_ok=True)
-        return target
-
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         path = self._served_path(directory)
         served = name if name.endswith(self.suffix) else name + self.suffix
@@ -404,17 +382,3 @@ class VLLMServerSampler(SamplerBackend):
         except (ScoreError, KeyError, TypeError):
             versions["vllm"] = "unknown"
         return BackendInfo(backend="vllm-server", versions=versions, settings=settings)
-
-    def close(self) -> None:
-        """Unload what this sampler left on an attached server; stop a started one."""
-        if self.server is None:
-            for name in sorted(self.loaded):
-                try:
-                    self.retire(AdapterHandle(name, 0, Path()))
-                except ScoreError:
-                    break
-        if self.shared_dir is not None:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
-        if self.server is not None:
-            self.server.stop()
-            self.server = None

@@ -1,0 +1,83 @@
+"""What the samplers served over HTTP (`vllm-server`, `sglang`) do alike: check the attach options
+before anything loads (`check_options`, `check_reachable`), copy each adapter folder where an attached
+server can read it (`shared_dir`), and on close leave nothing behind (unload what this sampler loaded on
+an attached server, remove the copies, stop a server it started)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import urllib.parse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lora_parity.backends import bounded_http
+from lora_parity.backends.base import AdapterHandle, PreflightOptions
+from lora_parity.models.provenance import redact_url
+from lora_parity.util.errors import ConfigError, ScoreError
+
+if TYPE_CHECKING:
+    from lora_parity.backends.server_process import ServerProcess
+
+
+PREFLIGHT_TIMEOUT_S = 5.0
+"""How long an attached server's `/health` may take to answer at preflight."""
+
+
+def check_options(opts: PreflightOptions) -> None:
+    """--api-key-env names a set variable; --shared-dir is an existing folder. Raises `ConfigError`."""
+    if opts.api_key_env and not os.environ.get(opts.api_key_env):
+        raise ConfigError(f"--api-key-env {opts.api_key_env}: that environment variable is not set")
+    if opts.shared_dir is not None and not Path(opts.shared_dir).is_dir():
+        raise ConfigError(f"--shared-dir {opts.shared_dir}: not an existing folder")
+
+
+def check_reachable(url: str, engine: str) -> None:
+    """`url` is http(s) and its `/health` answers below 400 within `PREFLIGHT_TIMEOUT_S`; `engine` names
+    the server in the error ('vLLM server'). Raises `ConfigError`."""
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise ConfigError(f"--sampler-url {redact_url(url)!r} is not an http(s) URL")
+    try:
+        answer = bounded_http.request(redact_url(url) + "/health", timeout_s=PREFLIGHT_TIMEOUT_S,
+                                      deadline_s=PREFLIGHT_TIMEOUT_S)
+    except bounded_http.HTTPCallError as e:
+        raise ConfigError(f"cannot reach the {engine} at {redact_url(url)}: {e}") from None
+    if answer.status >= 400:
+        raise ConfigError(f"{engine} at {redact_url(url)}: /health answered {answer.status}")
+
+
+class ServedAdapters:
+    """Mixed into a served sampler, before `SamplerBackend`; the sampler sets the three attributes and
+    defines `retire`."""
+
+    server: ServerProcess | None
+    """The server this sampler started (None: attached by URL)."""
+    shared_dir: Path | None
+    """Folder the attached server can read; adapters are copied there."""
+    loaded: set[str]
+    """The adapter names this sampler has loaded and not unloaded."""
+
+    def retire(self, handle: AdapterHandle) -> None:
+        raise NotImplementedError
+
+    def _served_path(self, directory: Path) -> Path:
+        """Where the server reads the adapter in `directory`: a copy in `shared_dir`, else the folder."""
+        if self.shared_dir is None:
+            return Path(directory)
+        target = self.shared_dir / Path(directory).name
+        shutil.copytree(directory, target, dirs_exist_ok=True)
+        return target
+
+    def close(self) -> None:
+        """Unload what this sampler left on an attached server; stop a started one."""
+        if self.server is None:
+            for name in sorted(self.loaded):
+                try:
+                    self.retire(AdapterHandle(name, 0, Path()))
+                except ScoreError:
+                    break
+        if self.shared_dir is not None:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
