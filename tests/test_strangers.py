@@ -674,3 +674,19 @@ def test_15_compile_cache_prune_removes_the_oldest_entries_down_to_three_quarter
     assert cache.prune(tmp_path, 8 << 20) == 0  # at the bound: nothing goes
     assert cache.prune(tmp_path, 6 << 20) == 4 << 20  # down to 4.5 MiB: the four oldest go
     assert sorted(p.name for p in (tmp_path / "fxgraph").iterdir()) == ["e4", "e5", "e6", "e7"]
+
+
+def test_15_the_kept_compile_cache_is_pruned_when_the_backends_close_not_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(scratch.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv(cache.COMPILE_CACHE_MB_ENV, "1")
+    old = tmp_path / "cache" / "torch-compile" / "fxgraph" / "old"
+    old.mkdir(parents=True)
+    (old / "graph.py").write_bytes(b"x" * (2 << 20))  # over the 1 MiB bound
+    (tmp_path / "cache" / "torch-compile").chmod(0o700)
+    during: list[bool] = []
+    monkeypatch.setenv("LORA_PARITY_CACHE", str(tmp_path / "cache"))
+    execute(RunOptions(trainer="fake", sampler="fake", per_target=False, out=tmp_path / "out" / "r.json"),
+            progress=lambda *a: during.append(old.exists()))
+    assert during and all(during)  # the run's start did not walk the cache
+    assert not old.exists()  # pruned at close

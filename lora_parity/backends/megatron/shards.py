@@ -262,15 +262,21 @@ class Shard:
         generator = torch.Generator().manual_seed(noise_seed(name, seed))
         return torch.randn((rows, self.cfg.adapter.rank), generator=generator, dtype=torch.float32) * std
 
+    def update_kinds(self, verb: str, only: str | None, what: str) -> list[str]:
+        """The target kinds an update moves (every one, or `only`), after refusing (on every rank) one
+        that would also move a non-adapter parameter left trainable."""
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and ".adapter." not in n]
+        if self._sum_over_ranks(len(trainable)):
+            raise PhaseError(f"refusing to {verb}: non-adapter parameter {(trainable or ['?'])[0]} is trainable")
+        kinds = [k for k in self.targets if only is None or k == only]
+        if not kinds:
+            raise PhaseError(f"no {what} of {only} to {verb}")
+        return kinds
+
     @torch.no_grad()
     def perturb(self, std: float, seed: int, only: str | None = None) -> dict[str, Any]:
         """Add the seeded noise of each PEFT B tensor (or those of kind `only`) to this rank's B rows."""
-        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and ".adapter." not in n]
-        if self._sum_over_ranks(len(trainable)):
-            raise PhaseError(f"refusing to perturb: non-adapter parameter {(trainable or ['?'])[0]} is trainable")
-        kinds = [k for k in self.targets if only is None or k == only]
-        if not kinds:
-            raise PhaseError(f"no LoRA B tensors of {only} to perturb")
+        kinds = self.update_kinds("perturb", only, "LoRA B tensors")
         updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         names: list[str] = []
         num_elements = 0

@@ -103,12 +103,7 @@ def step(shard: Shard, sequences: Sequences, learning_rate: float, seed: int,
     and B of every target kind (or of kind `only`), loss = -mean logprob of `sequences` (fp32
     log-softmax of the vocabulary-gathered logits). Refuses unless every LoRA tensor is at the start
     point, or if a non-adapter parameter is trainable. The `Perturbation`, as JSON."""
-    trainable = [n for n, p in shard.model.named_parameters() if p.requires_grad and ".adapter." not in n]
-    if shard._sum_over_ranks(len(trainable)):
-        raise PhaseError(f"refusing to step: non-adapter parameter {(trainable or ['?'])[0]} is trainable")
-    kinds = [k for k in shard.targets if only is None or k == only]
-    if not kinds:
-        raise PhaseError(f"no LoRA tensors of {only} to step")
+    kinds = shard.update_kinds("step", only, "LoRA tensors")
     if not _at_start(shard):
         raise PhaseError("refusing to step: a LoRA tensor is not at the start point")
     masked = _masks(shard, kinds)
