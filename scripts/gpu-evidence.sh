@@ -155,15 +155,22 @@ case "$step" in
     # (seed indices FIRST .. FIRST+COUNT-1, per-target coverage off, the sampler's GPU memory split
     # between them). They are started with setsid, so they run on across calls while the machine is
     # held: follow with `collect`. The first starts alone (the fresh machine's JIT warm-up), the rest once
-    # it wrote its first receipt, STAGGER s apart. A process whose engines failed to start (each receipt
+    # it wrote its first receipt, STAGGER s apart; each with a fixed KV cache (sampler.gpu_kv_cache_gib). A process whose engines failed to start (each receipt
     # records the setup error) is started again, twice at most.
     rev=${2:?revision}; shift 2
     mkdir -p /tmp/st
     ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
     [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
     python3 -m lora_parity init "$ck" --out /tmp/st/model.yaml --force >/dev/null
-    share=$(python3 -c "print(round(${SHARE:-0.7} / $#, 3))")
-    sed -i "s/gpu_memory_utilization: .*/gpu_memory_utilization: $share/" /tmp/st/model.yaml
+    # a fixed KV cache per process (no memory profiling to race the others); the share only has to be free
+    share=$(python3 -c "print(round(${SHARE:-0.5} / $#, 3))")
+    python3 - "$share" <<'PY'
+import sys, yaml
+path = "/tmp/st/model.yaml"
+cfg = yaml.safe_load(open(path))
+cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[1]), gpu_kv_cache_gib=0.5)
+yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
+PY
     deadline=$(( $(date +%s) + ${WINDOW:-1500} ))
     first=1
     for spec in "$@"; do
@@ -188,7 +195,7 @@ SH
         for _ in $(seq 60); do ls /tmp/st/"$name"/seed-*/clean.json >/dev/null 2>&1 && break; sleep 5; done
         echo "first receipt of $name after ${SECONDS}s"
       else
-        sleep "${STAGGER:-30}"  # vLLM's memory profiling fails when another process's use moves meanwhile
+        sleep "${STAGGER:-4}"  # spreads the imports; the fixed KV cache needs no quiet GPU
       fi
     done
     echo "started $# at $(date +%s), deadline $deadline (share $share)" ;;

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lora_parity.backends.megatron.layout import Shape
-from lora_parity.backends.vllm_options import engine_options
+from lora_parity.backends.vllm_options import engine_options, serve_command
 from lora_parity.models import config
 from lora_parity.run.runner import RunOptions, prepare
 from lora_parity.util import interrupt, scratch
@@ -206,6 +206,17 @@ def test_hub_snapshot_with_pickled_weights_refused_at_preflight(tmp_path: Path,
 @unit
 def test_vllm_is_told_to_load_safetensors_only() -> None:
     assert engine_options(config.load("tiny-qwen3"), "m", cuda=False)["load_format"] == "safetensors"
+
+
+@unit
+def test_a_fixed_gpu_kv_cache_reaches_vllm_and_its_serve_line() -> None:
+    cfg = config.load("tiny-qwen3")
+    assert "kv_cache_memory_bytes" not in engine_options(cfg, "m", cuda=True)
+    fixed = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"gpu_kv_cache_gib": 1.5})})
+    options = engine_options(fixed, "m", cuda=True)
+    assert options["kv_cache_memory_bytes"] == 1610612736
+    assert "--kv-cache-memory-bytes 1610612736" in serve_command(options)
+    assert "kv_cache_memory_bytes" not in engine_options(fixed, "m", cuda=False)  # the CPU build sizes its own
 
 
 @unit

@@ -62,6 +62,8 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
     if cuda:
         options["gpu_memory_utilization"] = cfg.sampler.gpu_memory_utilization
         options["tensor_parallel_size"] = cfg.sampler.tensor_parallel_size
+        if cfg.sampler.gpu_kv_cache_gib is not None:
+            options["kv_cache_memory_bytes"] = int(cfg.sampler.gpu_kv_cache_gib * 2**30)
     options.update(_extras(cfg, cuda))
     return options
 

@@ -232,6 +232,11 @@ class SamplerSpec(_Cfg):
     """Off by default: a prompt served partly from cached KV blocks is scored differently from the same
     prompt computed whole, so repeated scoring of one state stops being exact (seen on the GPU)."""
     gpu_memory_utilization: float = 0.5
+    gpu_kv_cache_gib: float | None = Field(default=None, gt=0)
+    """A fixed KV cache on the GPU (vLLM's kv_cache_memory_bytes), in GiB. Set, vLLM skips the memory
+    profiling that sizes the cache from `gpu_memory_utilization`, which fails when another process on
+    the same GPU (a second run, a trainer) changes its use meanwhile; `gpu_memory_utilization` then
+    only has to fit in the GPU's free memory at the start. None: the profiling decides."""
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     """vLLM attention backend to force (e.g. CPU_MLA: fp32 MLA on the CPU; the AMX one needs bf16)."""
