@@ -23,6 +23,7 @@ import torch
 from lora_parity.backends.base import Sequences
 from lora_parity.backends.megatron import blocks, cpu
 from lora_parity.backends.megatron.layout import LORA_MODULES
+from lora_parity.backends.native_ops import native_autograd_ops
 from lora_parity.evidence.receipt import Perturbation, TensorChange
 from lora_parity.models import update_step
 from lora_parity.models.perturb import target_kind
@@ -58,6 +59,17 @@ def _masks(shard: Shard, kinds: list[str]) -> list[Masked]:
             _, b_mask = blocks.noise_and_mask(m, zeros, held, shard.shape, shard.rank, shard.tp)
             out += [(a, a_mask.expand_as(a).to(a.device)), (b, b_mask.to(b.device))]
     return out
+
+
+def _name_of(shard: Shard, param: torch.Tensor) -> str:
+    """A LoRA parameter's place, for an error: layer, module, A or B."""
+    for i, wrapped in enumerate(shard.layers):
+        for name, lora in wrapped.items():
+            if param is lora.adapter.linear_in.weight:
+                return f"layer {i} {name} A"
+            if param is lora.adapter.linear_out.weight:
+                return f"layer {i} {name} B"
+    return "a LoRA parameter"
 
 
 def _at_start(shard: Shard) -> bool:
@@ -116,10 +128,12 @@ def step(shard: Shard, sequences: Sequences, learning_rate: float, seed: int,
         optimizer = torch.optim.AdamW([p for p, _ in masked], lr=learning_rate, betas=(0.9, 0.999), eps=1e-8,
                                       weight_decay=0.0)
         optimizer.zero_grad(set_to_none=True)
-        with torch.enable_grad():
+        with torch.enable_grad(), native_autograd_ops():  # vLLM's in-process kernels record no autograd
             _loss_backward(shard, sequences)
         for p, mask in masked:
-            assert p.grad is not None
+            if p.grad is None:
+                raise PhaseError(f"refusing to step: {_name_of(shard, p)} got no gradient (it took no part in "
+                                 "the forward that the loss was taken from)")
             p.grad.mul_(mask)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
