@@ -45,8 +45,8 @@ def native_autograd_ops() -> Iterator[bool]:
         return
     replaced_bmm = torch.bmm
     library._destroy()  # removes every kernel that Library registered
-    module._batch_invariant_LIB = None
-    module._batch_invariant_MODE = False
+    setattr(module, "_batch_invariant_LIB", None)  # noqa: B010  (vLLM's own module state)
+    setattr(module, "_batch_invariant_MODE", False)  # noqa: B010
     torch.bmm = torch._C._VariableFunctions.bmm
     try:
         yield True
