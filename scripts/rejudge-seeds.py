@@ -3,9 +3,9 @@
     python scripts/rejudge-seeds.py DIR [DIR...]      (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json)
 
 Each receipt is verified as it was made, then its checks and verdicts are derived again from the same raw
-scores with `budgets.noise.own_tail` on (the rule every config carries now) and judged as the selftest
-judges: the clean run must pass, each fault must be caught by its declared checks. Prints one line per
-folder (false alarms, faults caught in every seed) and every run whose judgement changed. Nothing is
+scores with `budgets.noise.own_tail` and `max_as_at_start` on (the rule every config carries now) and
+judged as the selftest judges: the clean run must pass, each fault must be caught by its declared checks.
+Prints one line per folder (false alarms, faults caught in every seed) and every run whose judgement changed. Nothing is
 re-run and no receipt is written: this shows what the newer rule says of the same measurements.
 """
 
@@ -19,19 +19,25 @@ from lora_parity.run import selftest
 from lora_parity.verdict import checks
 from lora_parity.verdict.verify import verify
 
+CURRENT = {"own_tail": True, "max_as_at_start": True}
+"""The noise rule's switches every config carries now."""
 
-def rejudge(path: Path) -> tuple[bool, bool]:
-    """(judged right as recorded, judged right under own_tail) of one selftest receipt."""
+
+def rejudge(path: Path) -> tuple[bool, bool] | None:
+    """(judged right as recorded, judged right under the current rule) of one selftest receipt."""
     receipt = verify(path).receipt
+    if any(signal in (receipt.error or "") for signal in ("SIGTERM", "SIGINT")):
+        return None  # stopped by the time limit: no judgement either way (as scripts/tally-seeds.py)
     rule = receipt.budgets.noise
     assert rule is not None, f"{path}: made before the noise rule"
-    budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update={"own_tail": True})})
+    budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update=CURRENT)})
     ev = checks.evaluate(receipt.scores, budgets, errored=receipt.error is not None)
     now = receipt.model_copy(update={"budgets": budgets, "checks": ev.checks, "verdict": ev.verdict,
                                      "verdicts": ev.verdicts})
     # The dropped target is the config's first; a run covers it first (or alone: selftest --no-per-target).
     covered = [p.name.removeprefix("target.") for p in receipt.phases if p.name.startswith("target.")]
-    targets = covered[:1] or ["q_proj"]
+    listed = receipt.trainer.settings.get("targets")
+    targets = [str(t) for t in listed] if isinstance(listed, list) else covered[:1] or ["q_proj"]
     n = receipt.probes.num_scored_positions
     # The receipt was the only file its run added (crash-at); the folder listing is not recorded.
     was = selftest.judge(receipt.injected_fault, receipt, set(), {"r"}, targets, n).caught
@@ -44,11 +50,14 @@ def main(folders: list[str]) -> None:
         rows: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
         changed = []
         for path in sorted(Path(folder).glob("seed-*/*.json")):
-            rows[path.stem].append(rejudge(path))
-            was, now = rows[path.stem][-1]
+            judged = rejudge(path)
+            if judged is None:
+                continue
+            rows[path.stem].append(judged)
+            was, now = judged
             if was != now:
                 changed.append(f"  {path.parent.name}/{path.name}: {'right' if was else 'wrong'} as recorded, "
-                               f"{'right' if now else 'wrong'} with own_tail")
+                               f"{'right' if now else 'wrong'} under the current rule")
         clean = rows.pop("clean", [])
         seeds = len(clean)
         caught = sum(all(now for _, now in runs) for runs in rows.values())
@@ -56,7 +65,8 @@ def main(folders: list[str]) -> None:
         false_alarms = sum(not now for _, now in clean)
         recorded = sum(not was for was, _ in clean)
         print(f"{Path(folder).name}: {seeds} seeds; false alarms {recorded}/{seeds} as recorded, "
-              f"{false_alarms}/{seeds} with own_tail; {caught}/{len(rows)} faults caught in every seed they ran"
+              f"{false_alarms}/{seeds} under the current rule; {caught}/{len(rows)} faults caught in every seed "
+              "they ran"
               + (f" ({len(partial)} did not run in every seed)" if partial else ""))
         for line in changed:
             print(line)

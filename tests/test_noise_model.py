@@ -224,3 +224,46 @@ def test_receipts_record_no_machine_path() -> None:
                "--tinker-url", "http://user:pw@host:1/x"]
     assert redacted_command(command, "http://user:pw@host:1/x") == [
         "run", "--model", ".../smollm2", "--out=.../r.json", "--probes", "text", "--tinker-url", "http://host:1/x"]
+
+
+@pytest.mark.unit
+def test_c_max_is_at_least_what_the_start_point_allows_one_token() -> None:
+    """bf16 with the fp32 reference: A's max threshold is the triangulated ceiling (2 nats: what bf16
+    precision explains for one token). With `max_as_at_start` C's max is never tighter than that; without
+    the reference (no ceiling) nothing changes."""
+    from lora_parity.models import config
+
+    budgets = config.load("smollm2-135m-bf16").budgets
+    assert budgets.noise is not None and budgets.noise.max_as_at_start and budgets.a_triangulation is not None
+    before = budgets.model_copy(update={"noise": budgets.noise.model_copy(update={"max_as_at_start": False})})
+    a = cmp(0.073, 0.26, 0.31)
+    comparisons = {"A.trainer_vs_sampler": a, "R.trainer_vs_fp32": cmp(0.064, 0.30, 0.39),
+                   "R.sampler_vs_fp32": cmp(0.060, 0.32, 0.45)}
+    model = noise(mean=0.073, relative=0.005)
+    now = thresholds.derive(budgets, comparisons, {}, model)["C.parity.max"]
+    was = thresholds.derive(before, comparisons, {}, model)["C.parity.max"]
+    assert was.budget < 1.75 < now.budget == budgets.a_triangulation.max
+    assert now.note is not None and "A's max threshold" in now.note
+    no_reference = {"A.trainer_vs_sampler": a}
+    assert thresholds.derive(budgets, no_reference, {}, model)["C.parity.max"].budget == pytest.approx(
+        thresholds.derive(before, no_reference, {}, model)["C.parity.max"].budget)
+
+
+@pytest.mark.unit
+def test_the_h200_numerics_false_alarm_passes_and_a_skipped_sync_still_fails() -> None:
+    """Re-derived from the committed receipts' raw scores: seed 3's clean run (1.75 nats at one token after
+    BOS, sync exact) passes under the current rule; a skipped sync on the same model still fails, on sync."""
+    from lora_parity.verdict.verify import verify
+
+    root = Path(__file__).resolve().parents[1] / "receipts"
+    for name, verdict in (("smollm2-135m-bf16-path.random.seed-03.20ae6da9__hf__vllm__h200.json", "pass"),
+                          ("smollm2-135m-bf16-path.random.seed-00__hf__vllm__fault-skip-sync__h200.json", "fail")):
+        receipt = verify(root / name).receipt
+        rule = receipt.budgets.noise
+        assert rule is not None and not rule.max_as_at_start
+        budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update={"max_as_at_start": True,
+                                                                                       "own_tail": True})})
+        ev = checks.evaluate(receipt.scores, budgets, errored=False)
+        assert ev.verdict.value == verdict, name
+        if verdict == "fail":
+            assert ev.verdicts is not None and ev.verdicts.sync.verdict.value == "fail"

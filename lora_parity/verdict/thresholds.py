@@ -11,7 +11,8 @@ user's adapter): the trainer-vs-sampler disagreement (A: mean, p99, max, L2, and
 - A: against the fp32 reference (carrying the same start adapter) where it was scored, else absolute.
 - C, P, G (after a change): factor × A's statistic + floor, the max at least the tail the noise model
   predicts for that many tokens, plus relative_k × ρ × the change's own statistic (a token moved by Δ
-  is computed with an error of about ρ|Δ| on either side).
+  is computed with an error of about ρ|Δ| on either side); with `max_as_at_start`, the max at least A's
+  max threshold where that is the fp32-triangulated ceiling (what precision explains for one token).
 - B.stimulus: the trainer's own change must be stimulus_margin × C's mean threshold (a stale sampler
   then fails C clearly) and at least min_stimulus; the calibration aims inside [that, ceiling × that].
 - Directions (C.delta, T.*): noise of norm kε bends a change of norm |t| by at most asin(kε/|t| + relative_k ρ).
@@ -91,12 +92,14 @@ def repeat_noise(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], s
 
 
 def after_change(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel | None,
-                 change: ComparisonStats | None, n: int | None, own: Tail | None = None) -> dict[str, Threshold]:
+                 change: ComparisonStats | None, n: int | None, own: Tail | None = None,
+                 start_max: Threshold | None = None) -> dict[str, Threshold]:
     """Parity thresholds after a change (C, P, G): C relative to A where the budgets say so; with the
     noise rule, the max at least the tail predicted for `n` tokens from the start point's bulk or the
     comparison's own bulk (`own`: a change widens the whole error distribution; a token or two beyond its
     bulk still fail), and every statistic widened by relative_k × ρ × the change's own statistic
-    (`change`: the trainer's change, where measured)."""
+    (`change`: the trainer's change, where measured). `start_max`: A's max threshold where it is the
+    fp32-triangulated ceiling; with `max_as_at_start` the max is at least it."""
     base = check_rules.c_parity_thresholds(budgets, a)
     rule = budgets.noise
     if rule is None or noise is None:
@@ -118,6 +121,9 @@ def after_change(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel 
             value, note = value + extra, f"{note} + {rule.relative_k:g} x ρ {noise.relative:.3g} x change {short} " \
                                          f"{float(getattr(change, field)):.4g}"
         out[short] = Threshold(value, note)
+    if rule.max_as_at_start and start_max is not None and start_max.budget > out["max"].budget:
+        out["max"] = Threshold(start_max.budget, f"A's max threshold, {start_max.budget:g} ({start_max.note}; "
+                                                 f"above the {out['max'].budget:.4g} the noise predicts)")
     return out
 
 
@@ -157,11 +163,14 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
         out[key] = moved
     change = get("C.trainer_change")
     out["B.stimulus"] = stimulus(budgets, a, noise, None)
-    c = after_change(budgets, a, noise, change, a.n if a is not None else None, tails.get("C.trainer_vs_sampler"))
+    triangulated = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
+    start_max = triangulated["max"] if triangulated is not None else None
+    c = after_change(budgets, a, noise, change, a.n if a is not None else None, tails.get("C.trainer_vs_sampler"),
+                     start_max)
     for short, _ in STATS:
         out[f"C.parity.{short}"] = out[f"P.parity.{short}"] = c[short]
     for prefix in GENERATION_PREFIXES:
-        g = _generation(budgets, prefix, comparisons, a, noise, change, c, tails)
+        g = _generation(budgets, prefix, comparisons, a, noise, change, c, tails, start_max)
         for short, _ in STATS:
             out[f"{prefix}.parity.{short}"] = g[short]
     out.update(_directions(budgets, deltas, noise, moved))
@@ -203,7 +212,8 @@ def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: Noise
 
 def _generation(budgets: Budgets, prefix: str, comparisons: Mapping[str, ComparisonStats],
                 a: ComparisonStats | None, noise: NoiseModel | None, change: ComparisonStats | None,
-                c: dict[str, Threshold], tails: Mapping[str, Tail]) -> dict[str, Threshold]:
+                c: dict[str, Threshold], tails: Mapping[str, Tail],
+                start_max: Threshold | None = None) -> dict[str, Threshold]:
     """G.*: absolute before the noise rule; with it, C's thresholds, the max's tail predicted for the
     generated tokens' count."""
     if budgets.noise is None:
@@ -213,7 +223,7 @@ def _generation(budgets: Budgets, prefix: str, comparisons: Mapping[str, Compari
     cmp = comparisons.get(key)
     if cmp is None or a is None:
         return c
-    return after_change(budgets, a, noise, change, cmp.n, tails.get(key))
+    return after_change(budgets, a, noise, change, cmp.n, tails.get(key), start_max)
 
 
 def _absolute(budgets: Budgets) -> dict[str, Threshold]:
