@@ -439,3 +439,13 @@ def test_readme_shows_the_golden_evidence_table() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     header, _rule, row = (GOLDEN / "table-tiny-qwen3.md").read_text(encoding="utf-8").splitlines()[:3]
     assert header in readme and row in readme
+
+
+def test_table_names_a_users_adapter_and_the_step_updates_warm_start_apart() -> None:
+    from lora_parity.report.table import model_input
+
+    receipts = ROOT / "receipts"
+    step = model_input(verify(receipts / "smollm2-135m-bf16-path.step.seed-00.20ae6da9__hf__vllm__h200.json").receipt)
+    user = model_input(verify(receipts / "smollm2-135m-bf16-path.user-adapter__hf__vllm__cpu.json").receipt)
+    assert "update step" in step and "user adapter" not in step
+    assert "user adapter" in user and "update step" not in user

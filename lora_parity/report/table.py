@@ -41,8 +41,8 @@ class EvidenceRow:
 
 
 def model_input(receipt: Receipt) -> str:
-    """'tiny-qwen3, held-out (hf → vllm, cpu)': model, a non-default probe set or source, a user's adapter,
-    an injected fault, then trainer → sampler and the device."""
+    """'tiny-qwen3, held-out (hf → vllm, cpu)': model, a non-default probe set or source, a user's adapter
+    (or the step update's warm start), an injected fault, then trainer → sampler and the device."""
     parts = [receipt.model.name]
     source = receipt.probes.source
     if source is not None and source.kind != "random":
@@ -50,8 +50,10 @@ def model_input(receipt: Receipt) -> str:
         parts.append(f"{source.kind} probes" if default else f"{source.kind} {receipt.probes.set}")
     elif receipt.probes.set != "default":
         parts.append(receipt.probes.set)
-    if "adapter_base" in receipt.scores:  # run --adapter: both sides started from the user's adapter
+    if receipt.start_adapter is not None:  # run --adapter: both sides started from the user's adapter
         parts.append("user adapter")
+    elif "adapter_base" in receipt.scores:  # --update step: the seeded warm start, then one optimizer step
+        parts.append("update step")
     if receipt.injected_fault:
         parts.append(f"injected {receipt.injected_fault}")
     return f"{', '.join(parts)} ({_side(receipt.trainer)} → {_side(receipt.sampler)}, {receipt.environment.device})"
