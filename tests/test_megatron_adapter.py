@@ -22,7 +22,10 @@ from lora_parity.models.synthetic import hf_config_fields
 from lora_parity.run import generation, start_adapter
 from lora_parity.verdict.verify import verify
 
+from lora_parity.util.errors import PhaseError
+
 from .conftest import cli, llama_with_adapter
+from .test_native_ops import vllm_mode  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.megatron
 requires_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -401,3 +404,29 @@ def test_megatron_step_at_tp2_is_the_tp1_step(tmp_path: Path) -> None:
     finally:
         two.close()
         one.close()
+
+
+@requires_megatron
+def test_megatron_step_beside_vllms_batch_invariant_mode(llama: tuple[Path, Path], vllm_mode: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 failure, on the CPU: with vLLM's batch-invariant overrides in the process (a stand-in
+    registering the same kind of kernels, outside autograd, on the CPU key), megatron-core's attention
+    passed no gradient to the QKV LoRA. The step lifts them: every tensor moves, as without them."""
+    import contextlib
+
+    from lora_parity.backends.megatron import step as step_module
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
+
+    ckpt, adapter = llama
+    cfg = start_adapter.apply(config.load(str(ckpt)), adapter)
+    mg = MegatronTrainer(cfg, ckpt, 0, {})
+    try:
+        mg.load_start_adapter(adapter)
+        done = mg.step(SEQUENCES, STEP_LR, 1)
+        assert all(change.l2_change > 0 for change in done.tensor_changes.values())
+        mg.zero_b()
+        monkeypatch.setattr(step_module, "native_autograd_ops", contextlib.nullcontext)  # as before the mend
+        with pytest.raises(PhaseError, match="linear_qkv [AB] got no gradient"):
+            mg.step(SEQUENCES, STEP_LR, 1)
+    finally:
+        mg.close()

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.unit
 
 
 def _softmax_outside_autograd(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    e = input.detach().exp()  # as a Triton kernel: no autograd history
+    x = input.detach()  # as a Triton kernel: no autograd history
+    e = (x - x.amax(dim, keepdim=True)).exp()
     return e / e.sum(dim, keepdim=True)
 
 
