@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +67,53 @@ def llama_with_adapter(folder: Path, targets: list[str]) -> tuple[Path, Path]:
                 p.normal_(0, 0.05)
     lora.save_pretrained(folder / "adapter")
     return folder / "llama", folder / "adapter"
+
+
+# vLLM's batch-invariant mode, as a stand-in: kernels outside autograd registered on the CPU key
+# (tests/test_native_ops.py, the Megatron step beside it in tests/test_megatron_adapter.py).
+
+
+def softmax_outside_autograd(input: Any, dim: int, dtype: Any = None) -> Any:
+    x = input.detach()  # as a Triton kernel: no autograd history
+    e = (x - x.amax(dim, keepdim=True)).exp()
+    return e / e.sum(dim, keepdim=True)
+
+
+def bmm_outside_autograd(a: Any, b: Any) -> Any:
+    import torch
+
+    return torch._C._VariableFunctions.bmm(a.detach(), b.detach())
+
+
+@pytest.fixture
+def vllm_mode() -> Iterator[Any]:
+    """A module shaped like vLLM 0.26's `batch_invariant`, with the mode switched on."""
+    import types
+
+    import torch
+
+    from lora_parity.backends.native_ops import MODULES
+
+    module: Any = types.ModuleType(MODULES[0])
+    module._batch_invariant_MODE = False
+    module._batch_invariant_LIB = None
+
+    def enable() -> None:
+        if module._batch_invariant_MODE:
+            return
+        module._batch_invariant_MODE = True
+        module._batch_invariant_LIB = torch.library.Library("aten", "IMPL")
+        module._batch_invariant_LIB.impl("aten::softmax.int", softmax_outside_autograd, "CPU")
+        torch.bmm = bmm_outside_autograd
+
+    module.enable_batch_invariant_mode = enable
+    original_bmm = torch.bmm
+    sys.modules[MODULES[0]] = module
+    enable()
+    try:
+        yield module
+    finally:
+        del sys.modules[MODULES[0]]
+        if module._batch_invariant_LIB is not None:
+            module._batch_invariant_LIB._destroy()
+        torch.bmm = original_bmm

@@ -20,12 +20,10 @@ from lora_parity.models import adapter_files as af
 from lora_parity.models import config
 from lora_parity.models.synthetic import hf_config_fields
 from lora_parity.run import generation, start_adapter
+from lora_parity.util.errors import PhaseError
 from lora_parity.verdict.verify import verify
 
-from lora_parity.util.errors import PhaseError
-
 from .conftest import cli, llama_with_adapter
-from .test_native_ops import vllm_mode  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.megatron
 requires_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -426,7 +424,7 @@ def test_megatron_step_beside_vllms_batch_invariant_mode(llama: tuple[Path, Path
         assert all(change.l2_change > 0 for change in done.tensor_changes.values())
         mg.zero_b()
         monkeypatch.setattr(step_module, "native_autograd_ops", contextlib.nullcontext)  # as before the mend
-        with pytest.raises(PhaseError, match="linear_qkv [AB] got no gradient"):
+        with pytest.raises(PhaseError, match=r"linear_qkv [AB] got no gradient"):
             mg.step(SEQUENCES, STEP_LR, 1)
     finally:
         mg.close()
