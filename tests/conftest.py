@@ -104,7 +104,7 @@ def vllm_mode() -> Iterator[Any]:
         module._batch_invariant_MODE = True
         module._batch_invariant_LIB = torch.library.Library("aten", "IMPL")
         module._batch_invariant_LIB.impl("aten::softmax.int", softmax_outside_autograd, "CPU")
-        torch.bmm = bmm_outside_autograd
+        torch.bmm = bmm_outside_autograd  # type: ignore[assignment]
 
     module.enable_batch_invariant_mode = enable
     original_bmm = torch.bmm
