@@ -280,7 +280,7 @@ class Shard:
         updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         names: list[str] = []
         num_elements = 0
-        moved = 0
+        moved = torch.zeros((), dtype=torch.int64, device=self.device)  # one host sync, not one per module
         for i, wrapped in enumerate(self.layers):
             for m in LORA_MODULES:
                 chosen = [k for k in m.kinds if k in kinds]
@@ -290,13 +290,19 @@ class Shard:
                 noise, mask = self._module_noise(i, m, chosen, std, seed)
                 names += [peft_name(i, k, "lora_B") for k in chosen]
                 num_elements += sum(self.shape.out_features(k) * self.cfg.adapter.rank for k in chosen)
-                moved += int(torch.count_nonzero(b[mask] != self._start_b(i, m.name, b)[mask]).item())
+                moved += torch.count_nonzero(b[mask] != self._start_b(i, m.name, b)[mask])
                 updates.append((b, noise, mask))
-        if self._sum_over_ranks(moved):
+        if self._sum_over_ranks(int(moved.item())):
             raise PhaseError("refusing to perturb: a LoRA B tensor is non-zero before the update"
                              + (" (relative to the starting adapter's B)" if self.start_b is not None else ""))
+        # One copy per dtype, not one per module (each a wait of its own on a GPU shared with other processes).
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for b, noise, _ in updates:
-            b.add_(noise.to(device=b.device, dtype=b.dtype))
+            by_dtype.setdefault(b.dtype, []).append((b, noise))
+        for dtype, pairs in by_dtype.items():
+            flat = torch.cat([noise.reshape(-1) for _, noise in pairs]).to(device=self.device, dtype=dtype)
+            for (b, noise), part in zip(pairs, flat.split([noise.numel() for _, noise in pairs]), strict=True):
+                b.add_(part.view(noise.shape))
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(names),
                             num_elements=num_elements, tensors=names).model_dump(mode="json")
 
