@@ -11,16 +11,25 @@ re-run and no receipt is written: this shows what the newer rule says of the sam
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from lora_parity.models import config
 from lora_parity.run import selftest
 from lora_parity.verdict import checks
 from lora_parity.verdict.verify import verify
 
-CURRENT = {"own_tail": True, "max_as_at_start": True}
-"""The noise rule's switches every config carries now."""
+SWITCHES = ("own_tail", "max_as_at_start")
+"""The noise rule's switches added after the first receipts; their values now: the bf16 profile's."""
+
+
+@functools.cache
+def _switches_now() -> dict[str, bool]:
+    current = config.profile_budgets("bf16").noise
+    assert current is not None
+    return {name: getattr(current, name) for name in SWITCHES}
 
 
 def rejudge(path: Path) -> tuple[bool, bool] | None:
@@ -30,7 +39,7 @@ def rejudge(path: Path) -> tuple[bool, bool] | None:
         return None  # stopped by the time limit: no judgement either way (as scripts/tally-seeds.py)
     rule = receipt.budgets.noise
     assert rule is not None, f"{path}: made before the noise rule"
-    budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update=CURRENT)})
+    budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update=_switches_now())})
     ev = checks.evaluate(receipt.scores, budgets, errored=receipt.error is not None)
     now = receipt.model_copy(update={"budgets": budgets, "checks": ev.checks, "verdict": ev.verdict,
                                      "verdicts": ev.verdicts})

@@ -29,7 +29,6 @@ from lora_parity.util.errors import ConfigError
 SGLANG_PIN = "sglang==0.5.16"
 """The release the GPU evidence is for (scripts/gpu-sglang-wheels.txt pins what it needs)."""
 SERVER_NAME = "sglang.launch_server"
-"""Longest wait for an attached server's `/health` before the run starts."""
 REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call."""
 REQUEST_DEADLINE_S = 900.0

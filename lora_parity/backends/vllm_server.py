@@ -49,7 +49,6 @@ from lora_parity.models.provenance import redact_url as redact
 from lora_parity.util import scratch
 from lora_parity.util.errors import ConfigError, ScoreError
 
-"""Longest wait for an attached server's `/health` before the run starts."""
 REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call (the first scoring calls on a fresh CPU server compile)."""
 REQUEST_DEADLINE_S = 900.0

@@ -157,13 +157,13 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     tails = tails or {}
     get = comparisons.get
     a = get("A.trainer_vs_sampler")
-    out = _start_point(budgets, comparisons)
+    triangulated = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
+    out = _start_point(budgets, triangulated)
     moved = repeat_noise(budgets, comparisons, "sampler")
     for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer"):
         out[key] = moved
     change = get("C.trainer_change")
     out["B.stimulus"] = stimulus(budgets, a, noise, None)
-    triangulated = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
     start_max = triangulated["max"] if triangulated is not None else None
     c = after_change(budgets, a, noise, change, a.n if a is not None else None, tails.get("C.trainer_vs_sampler"),
                      start_max)
@@ -179,11 +179,10 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     return out
 
 
-def _start_point(budgets: Budgets, comparisons: Mapping[str, ComparisonStats]) -> dict[str, Threshold]:
-    """A's parity (against the fp32 reference where scored), the fp32 ceilings, and the repeat bounds."""
-    get = comparisons.get
+def _start_point(budgets: Budgets, a_thresholds: dict[str, Threshold] | None) -> dict[str, Threshold]:
+    """A's parity (`a_thresholds`: against the fp32 reference where scored, else the absolute budgets), the
+    fp32 ceilings, and the repeat bounds."""
     out: dict[str, Threshold] = {}
-    a_thresholds = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
     for short, _ in STATS:
         out[f"A.parity.{short}"] = (a_thresholds or _absolute(budgets))[short]
     if budgets.a_triangulation is not None:
