@@ -192,14 +192,15 @@ for try in 1 2 3; do
     > /tmp/st/$name.json 2>> /tmp/st/$name.err
   echo "exit \$? at \$(date +%s)" >> /tmp/st/$name.err
   # again only if the engines never started (every receipt then records a setup error)
-  grep -L '"error": "setup:' /tmp/st/$name/seed-*/clean.json 2>/dev/null | grep -q . && break
+  # (one seed from seed 0 writes its receipts without a seed-NN folder)
+  grep -L '"error": "setup:' /tmp/st/$name/seed-*/clean.json /tmp/st/$name/clean.json 2>/dev/null | grep -q . && break
   rm -rf /tmp/st/$name; sleep 20
 done
 SH
       setsid nohup bash "/tmp/st/$name.sh" > /dev/null 2>&1 < /dev/null &
       if [ $first = 1 ]; then
         first=0
-        for _ in $(seq 60); do ls /tmp/st/"$name"/seed-*/clean.json >/dev/null 2>&1 && break; sleep 5; done
+        for _ in $(seq 60); do { ls /tmp/st/"$name"/seed-*/clean.json || ls /tmp/st/"$name"/clean.json; } >/dev/null 2>&1 && break; sleep 5; done
         echo "first receipt of $name after ${SECONDS}s"
       else
         sleep "${STAGGER:-4}"  # spreads the imports; the fixed KV cache needs no quiet GPU
@@ -221,7 +222,7 @@ SH
       sleep 60
     done
     for f in /tmp/st/*.err; do
-      n=${f%.err}; echo "== $(basename "$n"): $(ls "$n"/seed-*/*.json 2>/dev/null | wc -l) receipts, $(ls -d "$n"/seed-* 2>/dev/null | wc -l) seeds; $(grep -E '^(selftest|exit)' "$f" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+      n=${f%.err}; echo "== $(basename "$n"): $(ls "$n"/seed-*/*.json "$n"/*.json 2>/dev/null | wc -l) receipts, $(ls -d "$n"/seed-* 2>/dev/null | wc -l) seeds; $(grep -E '^(selftest|exit)' "$f" | tail -2 | tr '\n' ' ' | cut -c1-300)"
     done
     echo "busy: $(pgrep -fc 'lora_parity selftest' || true); $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
     ls -la "$out" ;;

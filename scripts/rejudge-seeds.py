@@ -1,9 +1,10 @@
 """Re-judge a `selftest --seeds` folder's receipts under a newer noise rule, from their raw scores.
 
-    python scripts/rejudge-seeds.py DIR [DIR...]      (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json)
+    python scripts/rejudge-seeds.py [NAME=]DIR[,DIR...] ...   (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json;
+                                                              NAME=: the folders pooled under one name)
 
 Each receipt is verified as it was made, then its checks and verdicts are derived again from the same raw
-scores with `budgets.noise.own_tail` and `max_as_at_start` on (the rule every config carries now) and
+scores with `budgets.noise.own_tail`, `max_as_at_start` and `fp32_balance` as the bf16 profile sets them now and
 judged as the selftest judges: the clean run must pass, each fault must be caught by its declared checks.
 Prints one line per folder (false alarms, faults caught in every seed) and every run whose judgement changed. Nothing is
 re-run and no receipt is written: this shows what the newer rule says of the same measurements.
@@ -21,12 +22,12 @@ from lora_parity.run import selftest
 from lora_parity.verdict import checks
 from lora_parity.verdict.verify import verify
 
-SWITCHES = ("own_tail", "max_as_at_start")
+SWITCHES = ("own_tail", "max_as_at_start", "fp32_balance")
 """The noise rule's switches added after the first receipts; their values now: the bf16 profile's."""
 
 
 @functools.cache
-def _switches_now() -> dict[str, bool]:
+def _switches_now() -> dict[str, object]:
     current = config.profile_budgets("bf16").noise
     assert current is not None
     return {name: getattr(current, name) for name in SWITCHES}
@@ -54,18 +55,26 @@ def rejudge(path: Path) -> tuple[bool, bool] | None:
     return was, then
 
 
-def main(folders: list[str]) -> None:
-    for folder in folders:
+def _receipts(arg: str) -> tuple[str, list[Path]]:
+    """NAME=DIR,DIR... (folders pooled under one name) or DIR; each DIR holds seed-NN/*.json."""
+    name, _, dirs = arg.rpartition("=")
+    folders = [Path(d) for d in dirs.split(",")]
+    return name or folders[0].name, [p for f in folders for p in sorted(f.glob("seed-*/*.json"))]
+
+
+def main(args: list[str]) -> None:
+    for arg in args:
+        name, paths = _receipts(arg)
         rows: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
         changed = []
-        for path in sorted(Path(folder).glob("seed-*/*.json")):
+        for path in paths:
             judged = rejudge(path)
             if judged is None:
                 continue
             rows[path.stem].append(judged)
             was, now = judged
             if was != now:
-                changed.append(f"  {path.parent.name}/{path.name}: {'right' if was else 'wrong'} as recorded, "
+                changed.append(f"  {path.parent.parent.name}/{path.parent.name}/{path.name}: {'right' if was else 'wrong'} as recorded, "
                                f"{'right' if now else 'wrong'} under the current rule")
         clean = rows.pop("clean", [])
         seeds = len(clean)
@@ -73,7 +82,7 @@ def main(folders: list[str]) -> None:
         partial = [name for name, runs in rows.items() if len(runs) < seeds]
         false_alarms = sum(not now for _, now in clean)
         recorded = sum(not was for was, _ in clean)
-        print(f"{Path(folder).name}: {seeds} seeds; false alarms {recorded}/{seeds} as recorded, "
+        print(f"{name}: {seeds} seeds; false alarms {recorded}/{seeds} as recorded, "
               f"{false_alarms}/{seeds} under the current rule; {caught}/{len(rows)} faults caught in every seed "
               "they ran"
               + (f" ({len(partial)} did not run in every seed)" if partial else ""))

@@ -267,3 +267,101 @@ def test_the_h200_numerics_false_alarm_passes_and_a_skipped_sync_still_fails() -
         assert ev.verdict.value == verdict, name
         if verdict == "fail":
             assert ev.verdicts is not None and ev.verdicts.sync.verdict.value == "fail"
+
+
+GPU_SEEDS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu-seeds-0b20428.tar.xz"
+SAMPLER_PHASES = ("adapter_base", "zero", "zero_repeat", "stale", "updated", "updated_repeat", "fresh")
+
+
+def _h200_receipt(member: str, tmp_path: Path):
+    """One receipt of the H200 `selftest --seeds` run at 0b20428 (SmolLM2-135M bf16), verified as made."""
+    import tarfile
+
+    from lora_parity.verdict.verify import verify
+
+    with tarfile.open(GPU_SEEDS) as tar:
+        data = tar.extractfile(f"./{member}").read()  # type: ignore[union-attr]
+    path = tmp_path / Path(member).name
+    path.write_bytes(data)
+    return verify(path).receipt
+
+
+def _under_the_profile_rule(receipt):
+    from lora_parity.models import config
+
+    budgets = receipt.budgets.model_copy(update={"noise": config.profile_budgets("bf16").noise})
+    return budgets, checks.evaluate(receipt.scores, budgets, errored=receipt.error is not None)
+
+
+@pytest.mark.unit
+def test_fp32_balance_fails_a_side_far_from_fp32_alone() -> None:
+    """A.fp32.balance: the farther side's mean distance from fp32 at most 2 x the nearer's + the mean budget.
+    The H200's missed nonzero-init (sampler 0.225 from fp32, trainer 0.057) fails it; the most unequal clean
+    run measured there (1.31 x) passes; without the rule (receipts made before it) there is no such check."""
+    from lora_parity.models import config
+
+    budgets = config.load("smollm2-135m-bf16").budgets
+    assert budgets.noise is not None and budgets.noise.fp32_balance == 2.0
+    a = cmp(0.228, 0.92, 1.18)
+    far = by_id({"A.trainer_vs_sampler": a, "R.trainer_vs_fp32": cmp(0.0566, 0.22, 0.30),
+                 "R.sampler_vs_fp32": cmp(0.225, 0.92, 1.20)}, budgets)
+    assert far["A.parity.mean"].status == CheckStatus.PASS  # A's triangulated threshold widened with the sampler
+    assert far["A.fp32.balance"].status == CheckStatus.FAIL
+    assert far["A.fp32.balance"].budget == pytest.approx(2 * 0.0566 + budgets.mean)
+    assert "sampler is much farther from fp32" in far["A.fp32.balance"].reason
+    assert explain.measure("A.fp32.balance") == "farther side's mean |diff| from fp32"
+    near = by_id({"A.trainer_vs_sampler": cmp(0.07, 0.3, 0.6), "R.trainer_vs_fp32": cmp(0.0711, 0.3, 0.5),
+                  "R.sampler_vs_fp32": cmp(0.0541, 0.25, 0.5)}, budgets)
+    assert near["A.fp32.balance"].status == CheckStatus.PASS
+    before = budgets.model_copy(update={"noise": budgets.noise.model_copy(update={"fp32_balance": None})})
+    assert "A.fp32.balance" not in by_id({"A.trainer_vs_sampler": a, "R.trainer_vs_fp32": cmp(0.0566, 0.22, 0.30),
+                                          "R.sampler_vs_fp32": cmp(0.225, 0.92, 1.20)}, before)
+
+
+@pytest.mark.unit
+def test_the_h200_nonzero_init_miss_is_caught_and_its_clean_run_passes(tmp_path: Path) -> None:
+    """Megatron, --update step, seed 2 on the H200: the start adapter published with other B than the
+    trainer's passed every check as recorded (A's triangulated mean threshold grew with the sampler's own
+    distance from fp32). Re-derived under the profile's rule: A.fp32.balance fails it, and the declared
+    checks catch it; the same seed's clean run still passes."""
+    from lora_parity.run import selftest
+
+    fault = _h200_receipt("ms2/seed-02/fault-nonzero-init.json", tmp_path)
+    assert fault.verdict.value == "pass"
+    budgets, ev = _under_the_profile_rule(fault)
+    status = {c.id: c.status for c in ev.checks}
+    assert ev.verdict.value == "fail" and status["A.fp32.balance"] == CheckStatus.FAIL
+    now = fault.model_copy(update={"budgets": budgets, "checks": ev.checks, "verdict": ev.verdict,
+                                   "verdicts": ev.verdicts})
+    n = fault.probes.num_scored_positions
+    assert not selftest.judge("nonzero-init", fault, set(), {"r"}, ["q_proj"], n).caught
+    assert selftest.judge("nonzero-init", now, set(), {"r"}, ["q_proj"], n).caught
+    clean = _h200_receipt("ms2/seed-02/clean.json", tmp_path)
+    _, ev = _under_the_profile_rule(clean)
+    assert ev.verdict.value == "pass"
+    assert {c.id: c.status for c in ev.checks}["A.fp32.balance"] == CheckStatus.PASS
+
+
+@pytest.mark.unit
+def test_one_token_is_off_by_twice_what_a_allows_one_token(tmp_path: Path) -> None:
+    """hf, --update step, seed 2 on the H200: one-token's 2.4 nats (a quarter of the mean budget over 192
+    tokens) met a token whose own noise pointed the other way: 1.94 apart against A's 2.0, missed. The
+    fault applied to the same seed's clean scores (the GPU repeats bit for bit: the fault run's scores are
+    exactly these) reproduces the miss at 2.4 nats; at twice A's ceiling A.parity.max catches it while
+    A.parity.mean still passes."""
+    from lora_parity.run.faults import Faults, one_token_ceiling
+
+    clean = _h200_receipt("hs2/seed-02/clean.json", tmp_path)
+    recorded = _h200_receipt("hs2/seed-02/fault-one-token.json", tmp_path)
+    budgets, _ = _under_the_profile_rule(clean)
+    n = clean.probes.num_scored_positions
+    old = Faults("one-token", ["q_proj"], n, budgets.mean, update="step")
+    new = Faults("one-token", ["q_proj"], n, budgets.mean, update="step", max_ceiling=one_token_ceiling(budgets))
+    assert old.one_token_offset == pytest.approx(2.4) and new.one_token_offset == 2 * budgets.a_triangulation.max
+    for faults, caught in ((old, False), (new, True)):
+        scores = {k: faults.sampler_scores(v) if k in SAMPLER_PHASES else v for k, v in clean.scores.items()}
+        if not caught:
+            assert scores == recorded.scores
+        status = {c.id: c.status for c in checks.evaluate(scores, budgets, errored=False).checks}
+        assert (status["A.parity.max"] == CheckStatus.FAIL) is caught
+        assert status["A.parity.mean"] == CheckStatus.PASS

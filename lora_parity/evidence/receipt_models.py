@@ -222,6 +222,13 @@ class NoiseRule(Strict):
     (`budgets.a_triangulation.max`): one token the start point's precision is allowed is allowed after the
     change too. False in receipts made before it: on the H200 (SmolLM2-135M bf16, hf, seed 3) one token after
     BOS was 1.75 nats apart after a sync the exact check proved, against C's 0.91 and A's ceiling 2.0."""
+    fp32_balance: float | None = Field(default=None, ge=1)
+    """A.fp32.balance: the side farther from the fp32 reference (mean |diff|) is at most this many times the
+    nearer side's distance plus the mean budget. Two sides of one precision are about equally far from fp32;
+    a side that is not (a published start adapter other than the trainer's) also widens A's triangulated
+    threshold, which then cannot see it. None in receipts made before it: on the H200 (SmolLM2-135M bf16,
+    Megatron, --update step, seed 2) a start adapter published with other B put the sampler 0.225 from fp32
+    against the trainer's 0.057, while every A check passed."""
 
 
 class Budgets(Strict):

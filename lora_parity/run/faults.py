@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends.base import AdapterHandle, BackendTraits, Scores
-from lora_parity.evidence.receipt import Perturbation
+from lora_parity.evidence.receipt import Budgets, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.perturb import is_lora_b, target_kind
 from lora_parity.run.serving_faults import SameNameNoInplace, StaleFolder, UnloadBeforeScore, WarmPrefixCache
@@ -171,7 +171,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("leak", "the sampler gets the update before the stale phase", ("B.withheld",), "fail", sync=Leak),
     FaultSpec("nonzero-init", "the published zero-init adapter has non-zero B (with a warm start: other B than the "
               "trainer's)", ("A.zero_adapter_noop",), "fail", modes=ADAPTER_MODES, rewrites_files=True,
-              caught_by_step=("A.parity.mean|A.fp32.sampler.mean|A.fp32.sampler.p99|A.fp32.sampler.max",)),
+              caught_by_step=("A.parity.mean|A.fp32.balance|A.fp32.sampler.mean|A.fp32.sampler.p99|A.fp32.sampler.max",)),
     # A.parity.max: under the bf16 profile a shifted sampler is also far from the fp32 reference, so
     # A's triangulated mean budget widens with it (A.fp32.sampler.* fail instead); the max ceiling
     # is absolute in every profile (seen on the H200 selftest of SmolLM2-135M bf16).
@@ -288,12 +288,17 @@ def check_crash_phase(spec: str | None, phases: list[str]) -> None:
         raise ConfigError(f"crash-at: no phase {phase!r}; phases: {', '.join(phases)}")
 
 
+def one_token_ceiling(budgets: Budgets) -> float:
+    """What A allows one token: the fp32-triangulated max ceiling where the budgets have one, else the max."""
+    return budgets.a_triangulation.max if budgets.a_triangulation is not None else budgets.max
+
+
 class Faults:
     """The injected fault of a run (or none): hooks the sequence calls at each seam."""
 
     def __init__(self, spec: str | None, targets: list[str], num_positions: int, mean_budget: float,
                  sync_mode: str = "new-id", sampled: bool = False, update: str = "noise",
-                 start_adapter: bool = False) -> None:
+                 start_adapter: bool = False, max_ceiling: float = 0.0) -> None:
         self.name: str | None = None
         self.nonzero_start = update == "step" or start_adapter
         """The run starts from non-zero B (the warm start of `--update step`, or the user's `--adapter`):
@@ -321,8 +326,10 @@ class Faults:
         self.dropped_target = targets[0]
         # Off by 9 nats as in the seed's review, or less where the mean budget is tighter, so that
         # the mean stays within budget (with room for the backends' own disagreement) and only the
-        # tail checks can catch it.
-        self.one_token_offset = min(9.0, 0.25 * mean_budget * num_positions)
+        # tail checks can catch it; but at least twice what A allows one token (`max_ceiling`): a token
+        # off by less can sit within precision once its own noise points the other way (SmolLM2-135M
+        # bf16 on the H200, --update step seed 2: 2.4 nats off, 1.94 apart against the 2.0 ceiling).
+        self.one_token_offset = min(9.0, max(0.25 * mean_budget * num_positions, 2.0 * max_ceiling))
 
     def expected(self) -> FaultSpec:
         """What must catch this fault."""

@@ -45,7 +45,7 @@ from lora_parity.models.checkpoint import Checkpoint, weights_digest
 from lora_parity.models.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
 from lora_parity.run import early_launch, generation, preflight, start_adapter
 from lora_parity.run import probes as probe_sources
-from lora_parity.run.faults import Faults, rewrites_files
+from lora_parity.run.faults import Faults, one_token_ceiling, rewrites_files
 from lora_parity.run.options import RunOptions
 from lora_parity.run.phases import WARM_FOLDER, Run, StopRun, run_sequence
 from lora_parity.run.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
@@ -290,7 +290,7 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
     faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
                     sampled=plan.sampled, update="step" if warms(plan) else "noise",
-                    start_adapter=plan.opts.adapter is not None)
+                    start_adapter=plan.opts.adapter is not None, max_ceiling=one_token_ceiling(cfg.budgets))
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))
     start = time.perf_counter()
     run: Run | None = None

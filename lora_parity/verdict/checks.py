@@ -197,6 +197,14 @@ def _check_a_parity(c: _Checker, get: Any, th: Mapping[str, check_rules.Threshol
         for short, stat in check_rules.STATS:
             c.add(f"A.fp32.{side}.{short}", f"{side} {start} vs fp32 reference: {short} |diff| within ceiling",
                   getattr(cmp, stat), "<=", th[f"A.fp32.{side}.{short}"].budget, f"the {side} is far from fp32")
+    if "A.fp32.balance" in th:
+        t = th["A.fp32.balance"]
+        farther = "sampler" if sf.mean_abs > tf.mean_abs else "trainer"
+        c.add("A.fp32.balance", f"{start}: trainer and sampler about equally far from fp32 (mean)",
+              max(tf.mean_abs, sf.mean_abs), "<=", t.budget,
+              f"the {farther} is much farther from fp32 than the other side (trainer {tf.mean_abs:.4g}, sampler "
+              f"{sf.mean_abs:.4g}): more than one precision explains; the two sides start from different adapters "
+              "or weights", note=t.note)
 
 
 def compute_checks(

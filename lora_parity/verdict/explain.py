@@ -24,6 +24,10 @@ EXPLAIN: dict[str, str] = {
                 "token alignment (prompt_logprobs[1:] vs forward), the dtype and the kernels, before any sync",
     "A.noise": "the same side scores the same state differently twice: nondeterministic kernels or batching; "
                "fix the seed/batch invariance before trusting any other check",
+    "A.fp32.balance": "one side is much farther from the fp32 reference than the other at the start point, "
+                      "more than one precision explains: the sampler and the trainer start from different "
+                      "adapters or weights (a published start adapter other than the trainer's, another "
+                      "checkpoint); compare the published adapter's tensors with the trainer's",
     "A.zero_adapter_noop": "publishing the zero-init adapter changed the sampler's scores: B is not zero in "
                            "the exported adapter, or the sampler applies the wrong weights",
     "B.withheld": "the sampler saw the update before it was synced: it reads the trainer's live weights or a "
@@ -70,6 +74,7 @@ MEASURE: dict[str, str] = {
     "scale": "|scale-1|",
     "rel_l2": "rel L2",
     "kept": "max |diff|",
+    "balance": "farther side's mean |diff| from fp32",
     "identical": "max |synced-fresh|",
 }
 

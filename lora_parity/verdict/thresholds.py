@@ -159,6 +159,9 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     a = get("A.trainer_vs_sampler")
     triangulated = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
     out = _start_point(budgets, triangulated)
+    balance = _fp32_balance(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
+    if balance is not None:
+        out["A.fp32.balance"] = balance
     moved = repeat_noise(budgets, comparisons, "sampler")
     for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer"):
         out[key] = moved
@@ -192,6 +195,18 @@ def _start_point(budgets: Budgets, a_thresholds: dict[str, Threshold] | None) ->
     for key in ("A.noise.sampler_repeat", "A.noise.trainer_repeat", "C.noise.sampler_repeat"):
         out[key] = Threshold(budgets.repeat_max)
     return out
+
+
+def _fp32_balance(budgets: Budgets, trainer_fp32: ComparisonStats | None,
+                  sampler_fp32: ComparisonStats | None) -> Threshold | None:
+    """A.fp32.balance (`budgets.noise.fp32_balance`): the farther side's mean distance from fp32 at most
+    factor × the nearer's + the mean budget; None without the rule or the reference."""
+    factor = budgets.noise.fp32_balance if budgets.noise is not None else None
+    if factor is None or budgets.a_triangulation is None or trainer_fp32 is None or sampler_fp32 is None:
+        return None
+    nearer = min(trainer_fp32.mean_abs, sampler_fp32.mean_abs)
+    return Threshold(factor * nearer + budgets.mean,
+                     f"{factor:g} x the nearer side's {nearer:.4g} from fp32 + the mean budget {budgets.mean:g}")
 
 
 def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: NoiseModel | None,
