@@ -74,7 +74,8 @@ def main(args: list[str]) -> None:
             rows[path.stem].append(judged)
             was, now = judged
             if was != now:
-                changed.append(f"  {path.parent.parent.name}/{path.parent.name}/{path.name}: {'right' if was else 'wrong'} as recorded, "
+                where = f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
+                changed.append(f"  {where}: {'right' if was else 'wrong'} as recorded, "
                                f"{'right' if now else 'wrong'} under the current rule")
         clean = rows.pop("clean", [])
         seeds = len(clean)
