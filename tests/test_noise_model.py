@@ -286,10 +286,17 @@ def _h200_receipt(member: str, tmp_path: Path):
     return verify(path).receipt
 
 
-def _under_the_profile_rule(receipt):
+def _balanced(budgets):
+    """The budgets with `fp32_balance: 2` (opt-in: an fp32-exact side, as the fake trainer, would trip it)."""
+    assert budgets.noise is not None and budgets.noise.fp32_balance is None
+    return budgets.model_copy(update={"noise": budgets.noise.model_copy(update={"fp32_balance": 2.0})})
+
+
+def _under_the_profile_rule(receipt, balance: bool = True):
     from lora_parity.models import config
 
     budgets = receipt.budgets.model_copy(update={"noise": config.profile_budgets("bf16").noise})
+    budgets = _balanced(budgets) if balance else budgets
     return budgets, checks.evaluate(receipt.scores, budgets, errored=receipt.error is not None)
 
 
@@ -297,11 +304,10 @@ def _under_the_profile_rule(receipt):
 def test_fp32_balance_fails_a_side_far_from_fp32_alone() -> None:
     """A.fp32.balance: the farther side's mean distance from fp32 at most 2 x the nearer's + the mean budget.
     The H200's missed nonzero-init (sampler 0.225 from fp32, trainer 0.057) fails it; the most unequal clean
-    run measured there (1.31 x) passes; without the rule (receipts made before it) there is no such check."""
+    run measured there (1.31 x) passes; without the rule (the default) there is no such check."""
     from lora_parity.models import config
 
-    budgets = config.load("smollm2-135m-bf16").budgets
-    assert budgets.noise is not None and budgets.noise.fp32_balance == 2.0
+    budgets = _balanced(config.load("smollm2-135m-bf16").budgets)
     a = cmp(0.228, 0.92, 1.18)
     far = by_id({"A.trainer_vs_sampler": a, "R.trainer_vs_fp32": cmp(0.0566, 0.22, 0.30),
                  "R.sampler_vs_fp32": cmp(0.225, 0.92, 1.20)}, budgets)
@@ -322,12 +328,13 @@ def test_fp32_balance_fails_a_side_far_from_fp32_alone() -> None:
 def test_the_h200_nonzero_init_miss_is_caught_and_its_clean_run_passes(tmp_path: Path) -> None:
     """Megatron, --update step, seed 2 on the H200: the start adapter published with other B than the
     trainer's passed every check as recorded (A's triangulated mean threshold grew with the sampler's own
-    distance from fp32). Re-derived under the profile's rule: A.fp32.balance fails it, and the declared
-    checks catch it; the same seed's clean run still passes."""
+    distance from fp32), and still does under the profile's default rule. With `fp32_balance`, A.fp32.balance
+    fails it and the declared checks catch it; the same seed's clean run still passes."""
     from lora_parity.run import selftest
 
     fault = _h200_receipt("ms2/seed-02/fault-nonzero-init.json", tmp_path)
     assert fault.verdict.value == "pass"
+    assert _under_the_profile_rule(fault, balance=False)[1].verdict.value == "pass"
     budgets, ev = _under_the_profile_rule(fault)
     status = {c.id: c.status for c in ev.checks}
     assert ev.verdict.value == "fail" and status["A.fp32.balance"] == CheckStatus.FAIL

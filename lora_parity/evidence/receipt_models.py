@@ -226,7 +226,8 @@ class NoiseRule(Strict):
     """A.fp32.balance: the side farther from the fp32 reference (mean |diff|) is at most this many times the
     nearer side's distance plus the mean budget. Two sides of one precision are about equally far from fp32;
     a side that is not (a published start adapter other than the trainer's) also widens A's triangulated
-    threshold, which then cannot see it. None in receipts made before it: on the H200 (SmolLM2-135M bf16,
+    threshold, which then cannot see it. None by default (an fp32-exact side would trip it on precision
+    alone) and in receipts made before it: on the H200 (SmolLM2-135M bf16,
     Megatron, --update step, seed 2) a start adapter published with other B put the sampler 0.225 from fp32
     against the trainer's 0.057, while every A check passed."""
 

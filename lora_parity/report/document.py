@@ -41,7 +41,7 @@ def fmt_budget(x: float | str | dict[str, Any]) -> str:
     """A budget or setting as written in the config ('0.0001', '1e-06'); a string (the budget profile) as is;
     a group of budgets (c_relative, a_triangulation) as '{factor 2, floor 0.02}'."""
     if isinstance(x, dict):
-        return "{" + ", ".join(f"{k} {fmt_budget(v)}" for k, v in x.items()) + "}"
+        return "{" + ", ".join(f"{k} {fmt_budget(v)}" for k, v in x.items() if v is not None) + "}"
     return x if isinstance(x, str) else f"{x:g}"
 
 
