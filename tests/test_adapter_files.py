@@ -36,3 +36,19 @@ def test_peft_names() -> None:
     assert noise_seed(name, 3) == noise_seed(name.replace(".default", ""), 3) != noise_seed(name, 4)
     assert 0 <= noise_seed(name, 0) < 2**63
     assert not math.isnan(noise_seed(name, 0))
+
+
+def test_add_noise_matches_one_add_per_tensor_bit_for_bit() -> None:
+    """The perturbation's batched copy (one per device and dtype) adds exactly what one add per tensor did."""
+    import torch
+
+    from lora_parity.models.perturb import add_noise
+
+    targets = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.ones(5, dtype=torch.float32),
+               torch.full((2, 2), 0.5, dtype=torch.bfloat16)]
+    noises = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float32) * 0.02
+              for i, t in enumerate(targets)]
+    expected = [t.clone().add_(n.to(dtype=t.dtype)) for t, n in zip(targets, noises, strict=True)]
+    add_noise(list(zip(targets, noises, strict=True)))
+    for got, want in zip(targets, expected, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)

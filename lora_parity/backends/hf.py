@@ -22,7 +22,7 @@ from lora_parity.evidence.receipt import BackendInfo, Perturbation, TensorChange
 from lora_parity.models import update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
-from lora_parity.models.perturb import is_lora_b, noise_seed, target_kind
+from lora_parity.models.perturb import add_noise, is_lora_b, noise_seed, target_kind
 from lora_parity.util.errors import PhaseError
 
 
@@ -233,15 +233,8 @@ class HFTrainer(TrainerBackend):
             name = next(n for (n, _), m in zip(params, moved, strict=True) if bool(m))
             raise PhaseError(f"refusing to perturb: {name} is non-zero before the update "
                              "(relative to the starting adapter's B)")
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
-        for name, p in params:
-            generator = torch.Generator().manual_seed(noise_seed(name, seed))
-            noise = torch.randn(p.shape, generator=generator, dtype=torch.float32) * std
-            groups.setdefault((p.device, p.dtype), []).append((p, noise))
-        for (device, dtype), pairs in groups.items():
-            flat = torch.cat([noise.reshape(-1) for _, noise in pairs]).to(device=device, dtype=dtype)
-            for (p, noise), part in zip(pairs, flat.split([noise.numel() for _, noise in pairs]), strict=True):
-                p.add_(part.view(noise.shape))
+        add_noise([(p, torch.randn(p.shape, generator=torch.Generator().manual_seed(noise_seed(name, seed)),
+                                   dtype=torch.float32) * std) for name, p in params])
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(params),
                             num_elements=sum(p.numel() for _, p in params), tensors=[n for n, _ in params])
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _ADAPTER_NAME = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 _PEFT_PREFIX = "base_model.model."
@@ -44,3 +49,18 @@ def noise_seed(name: str, seed: int) -> int:
     """63-bit seed of one tensor's noise: sha256 of its logical name and the run seed."""
     digest = hashlib.sha256(f"{seed}:{logical_name(name)}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def add_noise(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Add each (host) noise tensor to its tensor in place, with one copy per device and dtype rather than one
+    per tensor: on a GPU shared with other processes every copy waits its turn."""
+    import torch
+
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
+    for target, noise in pairs:
+        groups.setdefault((target.device, target.dtype), []).append((target, noise))
+    for (device, dtype), group in groups.items():
+        flat = torch.cat([noise.reshape(-1) for _, noise in group]).to(device=device, dtype=dtype)
+        for (target, noise), part in zip(group, flat.split([noise.numel() for _, noise in group]), strict=True):
+            target.add_(part.view(noise.shape))
+

@@ -40,7 +40,7 @@ from lora_parity.backends.raw_tensors import to_raw
 from lora_parity.evidence.receipt import Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.config import ModelConfig
-from lora_parity.models.perturb import noise_seed
+from lora_parity.models.perturb import add_noise, noise_seed
 from lora_parity.util.errors import ConfigError, PhaseError
 
 _PEFT_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -295,14 +295,7 @@ class Shard:
         if self._sum_over_ranks(int(moved.item())):
             raise PhaseError("refusing to perturb: a LoRA B tensor is non-zero before the update"
                              + (" (relative to the starting adapter's B)" if self.start_b is not None else ""))
-        # One copy per dtype, not one per module (each a wait of its own on a GPU shared with other processes).
-        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for b, noise, _ in updates:
-            by_dtype.setdefault(b.dtype, []).append((b, noise))
-        for dtype, pairs in by_dtype.items():
-            flat = torch.cat([noise.reshape(-1) for _, noise in pairs]).to(device=self.device, dtype=dtype)
-            for (b, noise), part in zip(pairs, flat.split([noise.numel() for _, noise in pairs]), strict=True):
-                b.add_(part.view(noise.shape))
+        add_noise([(b, noise) for b, noise, _ in updates])
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(names),
                             num_elements=num_elements, tensors=names).model_dump(mode="json")
 
