@@ -6,8 +6,9 @@
 Each receipt is verified as it was made, then its checks and verdicts are derived again from the same raw
 scores with `budgets.noise.own_tail`, `max_as_at_start` and `fp32_balance` as the bf16 profile sets them now and
 judged as the selftest judges: the clean run must pass, each fault must be caught by its declared checks.
-Prints one line per folder (false alarms, faults caught in every seed) and every run whose judgement changed. Nothing is
-re-run and no receipt is written: this shows what the newer rule says of the same measurements.
+Prints one line per argument (false alarms, faults caught in every seed) and every run whose judgement
+changed. Nothing is re-run and no receipt is written: this shows what the newer rule says of the same
+measurements.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def main(args: list[str]) -> None:
         clean = rows.pop("clean", [])
         seeds = len(clean)
         caught = sum(all(now for _, now in runs) for runs in rows.values())
-        partial = [name for name, runs in rows.items() if len(runs) < seeds]
+        partial = [fault for fault, runs in rows.items() if len(runs) < seeds]
         false_alarms = sum(not now for _, now in clean)
         recorded = sum(not was for was, _ in clean)
         print(f"{name}: {seeds} seeds; false alarms {recorded}/{seeds} as recorded, "
