@@ -287,16 +287,18 @@ def _h200_receipt(member: str, tmp_path: Path):
 
 
 def _balanced(budgets):
-    """The budgets with `fp32_balance: 2` (opt-in: an fp32-exact side, as the fake trainer, would trip it)."""
-    assert budgets.noise is not None and budgets.noise.fp32_balance is None
-    return budgets.model_copy(update={"noise": budgets.noise.model_copy(update={"fp32_balance": 2.0})})
+    """The budgets with `fp32_balance: 2`, as the bf16 profile sets it."""
+    assert budgets.noise is not None and budgets.noise.fp32_balance == 2.0
+    return budgets
 
 
 def _under_the_profile_rule(receipt, balance: bool = True):
     from lora_parity.models import config
 
-    budgets = receipt.budgets.model_copy(update={"noise": config.profile_budgets("bf16").noise})
-    budgets = _balanced(budgets) if balance else budgets
+    rule = config.profile_budgets("bf16").noise
+    assert rule is not None
+    rule = rule if balance else rule.model_copy(update={"fp32_balance": None})
+    budgets = receipt.budgets.model_copy(update={"noise": rule})
     return budgets, checks.evaluate(receipt.scores, budgets, errored=receipt.error is not None)
 
 
@@ -304,7 +306,7 @@ def _under_the_profile_rule(receipt, balance: bool = True):
 def test_fp32_balance_fails_a_side_far_from_fp32_alone() -> None:
     """A.fp32.balance: the farther side's mean distance from fp32 at most 2 x the nearer's + the mean budget.
     The H200's missed nonzero-init (sampler 0.225 from fp32, trainer 0.057) fails it; the most unequal clean
-    run measured there (1.31 x) passes; without the rule (the default) there is no such check."""
+    run measured there (1.31 x) passes; without the rule there is no such check."""
     from lora_parity.models import config
 
     budgets = _balanced(config.load("smollm2-135m-bf16").budgets)
@@ -328,8 +330,9 @@ def test_fp32_balance_fails_a_side_far_from_fp32_alone() -> None:
 def test_the_h200_nonzero_init_miss_is_caught_and_its_clean_run_passes(tmp_path: Path) -> None:
     """Megatron, --update step, seed 2 on the H200: the start adapter published with other B than the
     trainer's passed every check as recorded (A's triangulated mean threshold grew with the sampler's own
-    distance from fp32), and still does under the profile's default rule. With `fp32_balance`, A.fp32.balance
-    fails it and the declared checks catch it; the same seed's clean run still passes."""
+    distance from fp32), and still does under the profile's rule without `fp32_balance`. With it (the bf16
+    profile's default now), A.fp32.balance fails it and the declared checks catch it; the same seed's clean
+    run still passes."""
     from lora_parity.run import selftest
 
     fault = _h200_receipt("ms2/seed-02/fault-nonzero-init.json", tmp_path)
@@ -372,3 +375,26 @@ def test_one_token_is_off_by_twice_what_a_allows_one_token(tmp_path: Path) -> No
         status = {c.id: c.status for c in checks.evaluate(scores, budgets, errored=False).checks}
         assert (status["A.parity.max"] == CheckStatus.FAIL) is caught
         assert status["A.parity.mean"] == CheckStatus.PASS
+
+
+@pytest.mark.unit
+def test_fp32_balance_applies_only_where_both_sides_score_at_the_checkpoints_precision() -> None:
+    """The bf16 profile sets `fp32_balance`; the runner keeps it for HF, Megatron and vLLM sides and drops it
+    where a side is fp32-exact (the fake backends) or of unknown precision (a Tinker service): such a side is
+    near fp32 for a good reason and would trip the check on precision alone. The receipt records what applied."""
+    from lora_parity.backends import fake, hf, tinker, vllm
+    from lora_parity.backends.megatron.trainer import MegatronTrainer
+    from lora_parity.models import config
+    from lora_parity.run.runner import balance_where_it_holds
+
+    cfg = config.load("smollm2-135m-bf16")
+    assert cfg.budgets.noise is not None and cfg.budgets.noise.fp32_balance == 2.0
+    for trainer in (hf.HFTrainer, MegatronTrainer):
+        for sampler in (vllm.VLLMSampler, hf.HFSampler):
+            kept = balance_where_it_holds(cfg, trainer.traits, sampler.traits)
+            assert kept.budgets.noise is not None and kept.budgets.noise.fp32_balance == 2.0
+    for trainer, sampler in ((fake.FakeTrainer, vllm.VLLMSampler), (hf.HFTrainer, fake.FakeSampler),
+                             (tinker.TinkerTrainer, vllm.VLLMSampler)):
+        dropped = balance_where_it_holds(cfg, trainer.traits, sampler.traits)
+        assert dropped.budgets.noise is not None and dropped.budgets.noise.fp32_balance is None
+        assert dropped.budgets.noise.own_tail and dropped.budgets.mean == cfg.budgets.mean  # nothing else moved

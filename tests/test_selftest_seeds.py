@@ -182,3 +182,30 @@ def test_cli_exits_1_when_a_fault_is_missed_in_one_seed(tmp_path: Path) -> None:
     assert res.returncode == 1, res.stderr
     last = res.stdout.strip().splitlines()[-1]
     assert last.startswith("selftest FAILED, 2 seeds: 0/2 false alarms;") and "(missed: leak 1/2)" in last
+
+
+def test_pick_faults_keeps_the_selftest_order_and_takes_the_file_names() -> None:
+    applicable = faults_for("new-id", trainer=FakeTrainer.traits)
+    assert "crash-at=stale" in applicable
+    picked = st.pick_faults(("wrong-scale", "crash-at-stale", "skip-sync"), applicable)
+    assert picked == [f for f in applicable if f in {"wrong-scale", "crash-at=stale", "skip-sync"}]
+    with pytest.raises(st.ConfigError, match=r"--faults: no-such-fault not among this run's faults: .*skip-sync"):
+        st.pick_faults(("skip-sync", "no-such-fault"), applicable)
+
+
+def test_faults_option_runs_the_clean_run_and_only_the_named_faults(tmp_path: Path) -> None:
+    result = st.selftest(RunOptions(**FAKE), tmp_path, seeds=2, first_seed=3, only=("skip-sync", "crash-at-stale"))
+    assert [(r.seed, r.fault) for r in result.rows] == [(s, f) for s in (3, 4)
+                                                          for f in ("none", "skip-sync", "crash-at=stale")]
+    assert result.ok
+    assert sorted(p.name for p in (tmp_path / "seed-03").iterdir()) == [
+        "clean.json", "fault-crash-at-stale.json", "fault-skip-sync.json"]
+
+
+def test_cli_faults_option_refuses_a_name_it_does_not_run_in_one_line(tmp_path: Path) -> None:
+    res = cli("selftest", "--trainer", "fake", "--sampler", "fake", "--faults", "skip-sync,gen-no-adapter",
+              "--out-dir", str(tmp_path))
+    assert res.returncode == 2, res.stderr  # gen-no-adapter runs only with --probes sampled
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "gen-no-adapter not among this run's faults" in res.stderr
+    assert not list(tmp_path.glob("**/*.json"))

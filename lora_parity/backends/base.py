@@ -79,6 +79,10 @@ class BackendTraits:
     same_name_reload_refused: str | None = None
     """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
     old adapter), so the faults that do only that do not apply; or None."""
+    at_checkpoint_precision: bool = False
+    """Scores in the checkpoint's own dtype on this machine (not fp32-exact, not a remote service of
+    unknown precision): two such sides are about equally far from the fp32 reference, so the noise
+    rule's `fp32_balance` applies to the run only when trainer and sampler both are."""
     reload_gets_fresh_cache: str | None = None
     """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here
     (each load gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache)

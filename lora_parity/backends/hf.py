@@ -159,7 +159,7 @@ class HFTrainer(TrainerBackend):
     """transformers + PEFT LoRA: A seeded (PEFT's init under `torch.manual_seed(seed)`), B zero,
     dropout 0, eval mode; or a user's adapter (`load_start_adapter`)."""
 
-    traits = BackendTraits(start_adapter_unavailable=None)
+    traits = BackendTraits(start_adapter_unavailable=None, at_checkpoint_precision=True)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float]) -> None:
         self.cfg = cfg
@@ -354,6 +354,8 @@ class HFTrainer(TrainerBackend):
 class HFSampler(SamplerBackend):
     """An independent HF + PEFT load that serves adapters by id like an engine: a known id is not
     reloaded unless `inplace`."""
+
+    traits = BackendTraits(at_checkpoint_precision=True)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True) -> None:
         self.cfg = cfg

@@ -102,7 +102,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
     the radix cache too (`score_cached`: a `CachedScoringSampler`) and generates (`GeneratingSampler`)."""
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
-                           reload_gets_fresh_cache=RELOAD_GETS_FRESH_CACHE)
+                           reload_gets_fresh_cache=RELOAD_GETS_FRESH_CACHE, at_checkpoint_precision=True)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:

@@ -92,7 +92,7 @@ def _batch_invariant_environment(wanted: bool) -> str:
 class VLLMSampler(SamplerBackend):
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
-    traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE)
+    traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE, at_checkpoint_precision=True)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True,
                  batch_invariant: bool = True) -> None:

@@ -191,7 +191,8 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
     """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the
     way rollouts read the prefix cache too (`score_cached`: a `CachedScoringSampler`)."""
 
-    traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED)
+    traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
+                           at_checkpoint_precision=True)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:

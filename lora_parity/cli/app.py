@@ -233,6 +233,9 @@ def selftest(
     first_seed: Annotated[int, typer.Option(
         min=0, max=1_000_000, help="Start at seed index K (seeds K .. K+N-1 of a longer selftest), to split one "
                                    "over several processes or machines; receipts in OUT_DIR/seed-NN/.")] = 0,
+    faults: Annotated[str | None, typer.Option(
+        help="Only these of the applicable faults, comma-separated (the clean run always runs): to fill in "
+             "the runs a split selftest did not reach.")] = None,
     per_target: PerTargetOpt = True,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
@@ -269,7 +272,8 @@ def selftest(
             with session:
                 result = run_selftest(opts, out_dir, repeat=repeat, progress=session.progress,
                                       watch=output.selftest_watcher(session, seeds), seeds=seeds,
-                                      first_seed=first_seed)
+                                      first_seed=first_seed,
+                                      only=tuple(f.strip() for f in (faults or "").split(",") if f.strip()))
         except RunInterrupted as e:
             output.error(f"selftest {e}; receipt of the interrupted run: {e.result.path}")
             raise typer.Exit(interrupt.exit_code()) from None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from lora_parity import __version__, backends
 from lora_parity.backends.base import (
     BackendOptions,
+    BackendTraits,
     PreflightOptions,
     Sampler,
     SamplerBackend,
@@ -164,8 +165,23 @@ def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, 
     trainer_cls = backends.resolve("trainer", opts.trainer)
     import_seconds += time.perf_counter() - start
     preflight.backend_checks(opts, cfg, trainer_cls, sampler_cls, pre, sync, probes)
+    cfg = balance_where_it_holds(cfg, trainer_cls.traits, sampler_cls.traits)
     return Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds})
+
+
+def balance_where_it_holds(cfg: config.ModelConfig, trainer: BackendTraits,
+                           sampler: BackendTraits) -> config.ModelConfig:
+    """The config with the noise rule's `fp32_balance` kept only where both sides score at the
+    checkpoint's precision (`BackendTraits.at_checkpoint_precision`): a side that is fp32-exact (the
+    fake backends) or of unknown precision (a Tinker service) is not equally far from fp32 for a good
+    reason, so the check would fire on precision alone. The receipt's budgets record what applied."""
+    rule = cfg.budgets.noise
+    both = trainer.at_checkpoint_precision and sampler.at_checkpoint_precision
+    if rule is None or rule.fp32_balance is None or both:
+        return cfg
+    budgets = cfg.budgets.model_copy(update={"noise": rule.model_copy(update={"fp32_balance": None})})
+    return cfg.model_copy(update={"budgets": budgets})
 
 
 def _pending_backend(name: str) -> BackendInfo:

@@ -30,6 +30,7 @@ from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import FAULTS, Faults, faults_for
 from lora_parity.run.options import RunOptions
 from lora_parity.run.runner import Backends, Plan, prepare, run_once, warms
+from lora_parity.util.errors import ConfigError
 
 PROBE_SEED_STRIDE = 100_000
 """Seed i draws each probe set with the set's seed plus this times i (far from every set's own seed)."""
@@ -268,13 +269,14 @@ def plan_for_seed(plan: Plan, index: int) -> Plan:
 def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
              progress: Callable[[str, str, float], None] | None = None,
              faults: list[str] | None = None, watch: Watch | None = None, seeds: int = 1,
-             first_seed: int = 0) -> SelftestResult:
+             first_seed: int = 0, only: tuple[str, ...] = ()) -> SelftestResult:
     """Run the clean run (`repeat` times) and every fault that applies to the sync mode and the
     sampler (with a sampler served over HTTP, the serving-layer faults too; or only `faults`), once per seed
     (`plan_for_seed`), on one load of the backends; write each receipt into `out_dir` (with several
     seeds, into `out_dir/seed-NN/`, NN the run seed); `watch` hears of each run as it starts and ends.
     `first_seed` K runs seed indices K .. K + seeds - 1: exactly those of a longer selftest, so that one
-    over many seeds can be split across processes or machines and its receipts pooled."""
+    over many seeds can be split across processes or machines and its receipts pooled. `only` (the
+    CLI's `--faults`) keeps those of the applicable faults, to fill in the runs a split selftest is missing."""
     say = progress or (lambda phase, status, seconds: None)
     tell: Watch = watch or (lambda fault, row: None)
     plan = prepare(opts)
@@ -284,9 +286,11 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     loaded = Backends(plan, say)
     targets = list(plan.cfg.adapter.targets)
     update = "step" if warms(plan) else "noise"
-    fault_names = faults if faults is not None else faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled,
-                                                               targets, update, plan.trainer_cls.traits,
-                                                               plan.cfg.model.dtype)
+    applicable = faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled, targets, update,
+                            plan.trainer_cls.traits, plan.cfg.model.dtype)
+    fault_names = faults if faults is not None else applicable
+    if only:
+        fault_names = pick_faults(only, applicable)
     try:
         loaded.open()
         for index in range(first_seed, first_seed + max(1, seeds)):
@@ -299,6 +303,18 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     finally:
         loaded.close()
     return result
+
+
+def pick_faults(only: tuple[str, ...], applicable: list[str]) -> list[str]:
+    """The applicable faults named in `only` (a name as listed, or as its receipt file names it:
+    `crash-at=stale` or `crash-at-stale`), in the selftest's order; a name that is not one of them is
+    a `ConfigError` that lists those that are."""
+    by_name = {name: name for name in applicable} | {name.replace("=", "-"): name for name in applicable}
+    unknown = [name for name in only if name not in by_name]
+    if unknown:
+        raise ConfigError(f"--faults: {', '.join(unknown)} not among this run's faults: {', '.join(applicable)}")
+    wanted = {by_name[name] for name in only}
+    return [name for name in applicable if name in wanted]
 
 
 def _one_seed(plan: Plan, loaded: Backends, folder: Path, result: SelftestResult, fault_names: list[str],

@@ -46,7 +46,7 @@ def _torchrun_world() -> int | None:
 class MegatronTrainer(TrainerBackend):
     """megatron-core GPTModel with LoRA; TP=1 in this process, TP=N in N rank processes it drives."""
 
-    traits = BackendTraits(supports_tp=True, start_adapter_unavailable=None)
+    traits = BackendTraits(supports_tp=True, start_adapter_unavailable=None, at_checkpoint_precision=True)
 
     @classmethod
     def check_config(cls, hf_config: dict[str, Any], tp: int) -> None:
