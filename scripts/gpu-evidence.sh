@@ -24,7 +24,8 @@
 #                  as one tarball, $OUT/seeds-NAME....tgz
 #   pseeds REV NAME:TRAINER:FIRST:COUNT[:ARG,..] ...
 #                  the same selftests, one process per spec, all at once on the one GPU (seed indices
-#                  FIRST.. of --first-seed); they run on across calls: follow with `collect [WAIT]`,
+#                  FIRST.. of --first-seed; ARG --faults,a+b runs only faults a and b); they run on across
+#                  calls: follow with `collect [WAIT]`,
 #                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
@@ -183,12 +184,13 @@ PY
     for spec in "$@"; do
       IFS=: read -r name t from count args <<< "$spec"
       args=${args//@adapter/--adapter,/tmp/user-adapter}
+      argv=${args//,/ }; argv=${argv//+/,}  # ARGs split on commas; a plus stands for a comma inside one (--faults a+b)
       cat > "/tmp/st/$name.sh" <<SH
 cd "$PWD"; export OMP_NUM_THREADS=2
 for try in 1 2 3; do
   left=\$(( $deadline - \$(date +%s) )); [ \$left -gt 60 ] || break
   timeout \$left python3 -m lora_parity selftest --model /tmp/st/model.yaml --trainer $t --no-per-target \\
-    --seeds $count --first-seed $from ${args//,/ } --revision $rev --out-dir /tmp/st/$name --json \\
+    --seeds $count --first-seed $from $argv --revision $rev --out-dir /tmp/st/$name --json \\
     > /tmp/st/$name.json 2>> /tmp/st/$name.err
   echo "exit \$? at \$(date +%s)" >> /tmp/st/$name.err
   # again only if the engines never started (every receipt then records a setup error)
