@@ -6,9 +6,9 @@
 Each receipt is verified as it was made, then its checks and verdicts are derived again from the same raw
 scores with `budgets.noise.own_tail`, `max_as_at_start` and `fp32_balance` as the bf16 profile sets them now and
 judged as the selftest judges: the clean run must pass, each fault must be caught by its declared checks.
-Prints one line per argument (false alarms, faults caught in every seed) and every run whose judgement
-changed. Nothing is re-run and no receipt is written: this shows what the newer rule says of the same
-measurements.
+Prints one line per argument (false alarms, faults run and caught in every seed) and every run whose
+judgement changed or that is judged wrong. Nothing is re-run and no receipt is written: this shows what the
+newer rule says of the same measurements.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from lora_parity.evidence.receipt import Receipt
 from lora_parity.models import config
 from lora_parity.run import selftest
 from lora_parity.verdict import checks
@@ -34,8 +35,8 @@ def _switches_now() -> dict[str, object]:
     return {name: getattr(current, name) for name in SWITCHES}
 
 
-def rejudge(path: Path) -> tuple[bool, bool] | None:
-    """(judged right as recorded, judged right under the current rule) of one selftest receipt."""
+def rejudge(path: Path) -> tuple[int, bool, bool] | None:
+    """(run seed, judged right as recorded, judged right under the current rule) of one selftest receipt."""
     receipt = verify(path).receipt
     if any(signal in (receipt.error or "") for signal in ("SIGTERM", "SIGINT")):
         return None  # stopped by the time limit: no judgement either way (as scripts/tally-seeds.py)
@@ -53,41 +54,62 @@ def rejudge(path: Path) -> tuple[bool, bool] | None:
     # The receipt was the only file its run added (crash-at); the folder listing is not recorded.
     was = selftest.judge(receipt.injected_fault, receipt, set(), {"r"}, targets, n).caught
     then = selftest.judge(receipt.injected_fault, now, set(), {"r"}, targets, n).caught
-    return was, then
+    return _run_seed(path, receipt), was, then
+
+
+def _run_seed(path: Path, receipt: Receipt) -> int:
+    """The run seed of a selftest receipt: the perturbation's, or (a run that stopped before it) its folder's
+    seed-NN, or for a one-seed folder --seed + --first-seed of the command."""
+    if receipt.perturbation is not None:
+        return receipt.perturbation.seed
+    if path.parent.name.startswith("seed-"):
+        return int(path.parent.name.removeprefix("seed-"))
+    cmd = list(receipt.command)
+    flag = {name: int(cmd[cmd.index(name) + 1]) for name in ("--seed", "--first-seed") if name in cmd}
+    return flag.get("--seed", 0) + flag.get("--first-seed", 0)
 
 
 def _receipts(arg: str) -> tuple[str, list[Path]]:
-    """NAME=DIR,DIR... (folders pooled under one name) or DIR; each DIR holds seed-NN/*.json."""
+    """NAME=DIR,DIR... (folders pooled under one name) or DIR; each DIR holds seed-NN/*.json, or one
+    seed's receipts without a seed folder (a selftest of one seed from seed 0)."""
     name, _, dirs = arg.rpartition("=")
     folders = [Path(d) for d in dirs.split(",")]
-    return name or folders[0].name, [p for f in folders for p in sorted(f.glob("seed-*/*.json"))]
+    paths = [p for f in folders for p in sorted(f.glob("seed-*/*.json")) + sorted(f.glob("*.json"))]
+    return name or folders[0].name, paths
 
 
 def main(args: list[str]) -> None:
     for arg in args:
         name, paths = _receipts(arg)
-        rows: dict[str, list[tuple[bool, bool]]] = defaultdict(list)
+        # per fault (clean too): per run seed, every judgement (a seed's run may have been made again)
+        runs: dict[str, dict[int, list[tuple[bool, bool]]]] = defaultdict(lambda: defaultdict(list))
         changed = []
         for path in paths:
             judged = rejudge(path)
             if judged is None:
                 continue
-            rows[path.stem].append(judged)
-            was, now = judged
+            seed, was, now = judged
+            runs[path.stem][seed].append((was, now))
+            where = f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
             if was != now:
-                where = f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
                 changed.append(f"  {where}: {'right' if was else 'wrong'} as recorded, "
                                f"{'right' if now else 'wrong'} under the current rule")
-        clean = rows.pop("clean", [])
-        seeds = len(clean)
-        caught = sum(all(now for _, now in runs) for runs in rows.values())
-        partial = [fault for fault, runs in rows.items() if len(runs) < seeds]
-        false_alarms = sum(not now for _, now in clean)
-        recorded = sum(not was for was, _ in clean)
-        print(f"{name}: {seeds} seeds; false alarms {recorded}/{seeds} as recorded, "
-              f"{false_alarms}/{seeds} under the current rule; {caught}/{len(rows)} faults caught in every seed "
-              "they ran"
-              + (f" ({len(partial)} did not run in every seed)" if partial else ""))
+            elif not now:
+                changed.append(f"  {where}: wrong as recorded and under the current rule")
+        clean = runs.pop("clean", {})
+        seeds = set(clean)
+        judged = [j for js in clean.values() for j in js]
+        recorded = sum(not was for was, _ in judged)
+        false_alarms = sum(not now for _, now in judged)
+        caught = [f for f, by_seed in runs.items() if all(now for js in by_seed.values() for _, now in js)]
+        everywhere = [f for f in caught if seeds <= set(runs[f])]
+        missed = sorted(set(runs) - set(caught))
+        short = {f: sorted(seeds - set(by_seed)) for f, by_seed in runs.items() if seeds - set(by_seed)}
+        print(f"{name}: {len(seeds)} seeds ({len(judged)} clean runs); false alarms {recorded}/{len(judged)} as "
+              f"recorded, {false_alarms}/{len(judged)} under the current rule; {len(everywhere)}/{len(runs)} faults "
+              "run and caught in every seed"
+              + (f"; missed: {', '.join(missed)}" if missed else "")
+              + (f"; not run in every seed: {', '.join(f'{f} {s}' for f, s in short.items())}" if short else ""))
         for line in changed:
             print(line)
 

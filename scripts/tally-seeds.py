@@ -1,7 +1,8 @@
 """Tally `selftest --seeds` receipts pooled from several processes (gpu-evidence.sh `pseeds`), as the
 selftest judges them, into one markdown row per configuration.
 
-    python scripts/tally-seeds.py NAME=DIR[,DIR...] ...      (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json)
+    python scripts/tally-seeds.py NAME=DIR[,DIR...] ...      (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json;
+                                                              one seed from seed 0: no seed-NN folder)
 
 Every receipt is verified first (a receipt that fails `verify` stops the tally). Left out, and counted:
 runs whose engines never started (a setup error: no verdict was reached) and runs stopped by the time
@@ -31,7 +32,7 @@ def tally(name: str, folders: list[Path]) -> str:
     skipped = {"setup": 0, "interrupted": 0}
     seeds = set()
     for folder in folders:
-        for path in sorted(folder.glob("seed-*/*.json")):
+        for path in sorted(folder.glob("seed-*/*.json")) + sorted(folder.glob("*.json")):  # one seed from 0: flat
             receipt = verify(path).receipt
             error = receipt.error or ""
             if error.startswith("setup:"):
