@@ -209,3 +209,13 @@ def test_cli_faults_option_refuses_a_name_it_does_not_run_in_one_line(tmp_path: 
     assert "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "gen-no-adapter not among this run's faults" in res.stderr
     assert not list(tmp_path.glob("**/*.json"))
+
+
+def test_cli_faults_option_refuses_an_unknown_name_before_any_backend_is_imported() -> None:
+    spy = ("import sys\nfrom lora_parity.cli import app as cli\n"
+           "sys.argv = ['lora-parity', 'selftest', '--faults', 'skip-sync,no-such-fault']\n"
+           "try:\n    cli.main()\nexcept SystemExit as e:\n"
+           "    print('exit', e.code, sorted(m for m in ('torch', 'vllm', 'transformers', 'peft') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", spy], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.stdout.strip().endswith("exit 2 []"), res.stdout + res.stderr
+    assert "no-such-fault not among this run's faults" in res.stderr and "Traceback" not in res.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
 from lora_parity.run import preflight
 from lora_parity.run import probes as probe_sources
-from lora_parity.run.faults import FAULTS, Faults, faults_for
+from lora_parity.run.faults import FAULTS, SAMPLED_FAULTS, SELFTEST_FAULTS, Faults, faults_for
 from lora_parity.run.options import RunOptions
 from lora_parity.run.runner import Backends, Plan, prepare, run_once, warms
 from lora_parity.util.errors import ConfigError
@@ -279,6 +279,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     CLI's `--faults`) keeps those of the applicable faults, to fill in the runs a split selftest is missing."""
     say = progress or (lambda phase, status, seconds: None)
     tell: Watch = watch or (lambda fault, row: None)
+    if only:  # a name that is no selftest fault at all is refused before any backend is imported
+        pick_faults(only, SELFTEST_FAULTS + SAMPLED_FAULTS)
     plan = prepare(opts)
     folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
     folder.mkdir(parents=True, exist_ok=True)
