@@ -215,7 +215,8 @@ def test_cli_faults_option_refuses_an_unknown_name_before_any_backend_is_importe
     spy = ("import sys\nfrom lora_parity.cli import app as cli\n"
            "sys.argv = ['lora-parity', 'selftest', '--faults', 'skip-sync,no-such-fault']\n"
            "try:\n    cli.main()\nexcept SystemExit as e:\n"
-           "    print('exit', e.code, sorted(m for m in ('torch', 'vllm', 'transformers', 'peft') if m in sys.modules))")
+           "    heavy = ('torch', 'vllm', 'transformers', 'peft')\n"
+           "    print('exit', e.code, sorted(m for m in heavy if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", spy], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.stdout.strip().endswith("exit 2 []"), res.stdout + res.stderr
     assert "no-such-fault not among this run's faults" in res.stderr and "Traceback" not in res.stderr
