@@ -68,6 +68,8 @@ def _run(args: argparse.Namespace, probes: str, out: Path,
         cmd += ["--sampler", sampler]
     if args.model:
         cmd += ["--model", args.model]
+    if args.per_target is not None:
+        cmd += ["--per-target" if args.per_target else "--no-per-target"]
     start = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(code), cwd=_cwd(code))
     wall = time.perf_counter() - start
@@ -100,11 +102,21 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
     print(f"  all scoring passes          median {med(score):7.3f} s")
     print(f"  sync (export + load)        median {med(sync):7.3f} s   mean publish per version {med(publish):.3f} s")
     print(f"  engine start + model load   median {med(engine):7.3f} s")
+    targets = [per_target_seconds(r["timings"]) for r in receipts]
+    if any(targets):
+        shares = [t / w for t, w in zip(targets, walls, strict=True)]
+        print(f"  per-target coverage         median {med(targets):7.3f} s = {100 * med(shares):.1f} % of the wall time "
+              f"(median of the runs' shares; target <= 25 %)")
     print(f"  overhead (the rest)         median {med(overhead):7.3f} s = {100 * med(overhead) / med(walls):.1f} % "
           f"of the wall time (target <= 10 %)")
     print(f"  scoring: {receipts[0]['sampler']['settings'].get('scoring')}; "
           f"trainer: {receipts[0]['trainer']['settings'].get('forward', 'one sequence per forward')}")
     print(f"  verdicts: {', '.join(r['verdict'] for r in receipts)}")
+
+
+def per_target_seconds(timings: dict[str, float]) -> float:
+    """The run's per-target coverage: its `target.<name>` phases (each with its search, scoring and sync)."""
+    return sum(v for k, v in timings.items() if k.startswith("target."))
 
 
 def _report_http(receipts: list[dict[str, Any]]) -> None:
@@ -221,6 +233,8 @@ def main() -> int:
     parser.add_argument("--sampler", default=None,
                         help="samplers, comma-separated, e.g. vllm,vllm-server: runs alternate between them (on the "
                              "first probe set) and the median wall time of each is compared with the first's")
+    parser.add_argument("--per-target", dest="per_target", action=argparse.BooleanOptionalAction, default=None,
+                        help="pass --per-target / --no-per-target to every run (default: the config's setting)")
     parser.add_argument("--target", type=float, default=None, metavar="SECONDS",
                         help="report each probe set's median wall time against this target (exit 1 if over)")
     parser.add_argument("--selftest", action="store_true", help="time `lora-parity selftest` instead of `run`")

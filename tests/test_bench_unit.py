@@ -33,3 +33,12 @@ def test_a_served_sampler_costs_the_run_its_wait_not_its_whole_start(bench: Modu
     assert bench._engine_seconds(in_process) == pytest.approx(7.5)
     served = {"backends.import": 3.0, "sampler.start": 12.0, "sampler.start_wait": 11.5, "trainer.load": 0.5}
     assert bench._engine_seconds(served) == pytest.approx(15.0)
+
+
+def test_per_target_coverage_counts_the_target_phases_only(bench: ModuleType) -> None:
+    # issue 26's share: the target.<name> phases (search, scoring and sync inside them), not their
+    # score.target.* parts again, nor the run's other phases
+    timings = {"score.zero": 1.0, "calibrate": 2.0, "target.q_proj": 3.0, "score.target.q_proj.sampler": 1.5,
+               "publish.v3": 0.2, "target.v_proj": 0.5, "total": 9.0}
+    assert bench.per_target_seconds(timings) == pytest.approx(3.5)
+    assert bench.per_target_seconds({"score.zero": 1.0, "total": 2.0}) == 0.0
