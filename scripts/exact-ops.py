@@ -118,7 +118,10 @@ def safe(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception as exc:  # a candidate that cannot run here is reported, not fatal
-        return exc
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return type(exc)(f"{exc} (at {Path(where.filename).name}:{where.lineno}: {where.line})")
 
 
 def main() -> int:
@@ -147,7 +150,8 @@ def main() -> int:
     layers = sorted({0, layers_total // 2, layers_total - 1})
     llm = LLM(model=args.model, dtype=args.dtype, enable_lora=True, max_lora_rank=max(8, rank), max_loras=1,
               enforce_eager=True, skip_tokenizer_init=True, max_model_len=max(256, args.tokens + 8), seed=0,
-              gpu_memory_utilization=float(os.environ.get("EXACT_OPS_GPU_MEM", "0.3")))
+              gpu_memory_utilization=float(os.environ.get("EXACT_OPS_GPU_MEM", "0.3")),
+              **({"kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}))  # no profiling race
     gen = torch.Generator().manual_seed(args.seed)
     bos = model_cfg.get("bos_token_id")
     ids = torch.randint(3, int(model_cfg["vocab_size"]), (args.tokens,), generator=gen).tolist()
@@ -355,8 +359,9 @@ class _Lora:
 
         parts = [_lora_parts(m) for m in modules]
         self.weight = torch.cat([p[0] for p in parts]).contiguous()
-        self.a = tuple(p[1][None, None].contiguous() for p in parts)
-        self.b = tuple((p[2] * p[3])[None, None].contiguous() for p in parts)  # bf16 * scale, rounded in bf16
+        dtype = self.weight.dtype  # PEFT keeps the adapter in fp32 beside a bf16 model; vLLM loads it in bf16
+        self.a = tuple(p[1].to(dtype)[None, None].contiguous() for p in parts)
+        self.b = tuple((p[2].to(dtype) * p[3])[None, None].contiguous() for p in parts)  # scaled, rounded in bf16
         self.slices = tuple(p[2].shape[0] for p in parts)
 
 
@@ -536,10 +541,10 @@ def _projection(c: _Candidates, name: str, x: Any, mods: list[Any], want: Any) -
         y = F.linear(x, w_cat).float()
         outs, start = [], 0
         for _, a, b, scale in parts:
-            buf = x.float() @ a.float().t()
+            buf = x.float() @ a.to(x.dtype).float().t()  # the adapter as vLLM holds it: in the model's dtype
             if bf16_buffer:
                 buf = buf.to(x.dtype).float()
-            bs = (b.float() * scale).to(b.dtype).float()  # vLLM folds the scale into B at load
+            bs = (b.to(x.dtype) * scale).float()  # vLLM folds the scale into B at load, in the model's dtype
             outs.append(y[:, start:start + b.shape[0]] + buf @ bs.t())
             start += b.shape[0]
         return torch.cat(outs, dim=-1).to(x.dtype)

@@ -1,11 +1,13 @@
 """Re-judge a `selftest --seeds` folder's receipts under a newer noise rule, from their raw scores.
 
-    python scripts/rejudge-seeds.py [NAME=]DIR[,DIR...] ...   (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json;
-                                                              NAME=: the folders pooled under one name)
+    python scripts/rejudge-seeds.py [--as-recorded] [NAME=]DIR[,DIR...] ...
+        (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json; NAME=: the folders pooled under one name)
 
 Each receipt is verified as it was made, then its checks and verdicts are derived again from the same raw
 scores with `budgets.noise.own_tail`, `max_as_at_start` and `fp32_balance` as the bf16 profile sets them now and
 judged as the selftest judges: the clean run must pass, each fault must be caught by its declared checks.
+`--as-recorded` keeps each receipt's own rule (for a model outside the bf16 profile): only the selftest's
+declared checks are the current ones.
 Prints one line per argument (false alarms, faults run and caught in every seed) and every run whose
 judgement changed or that is judged wrong. Nothing is re-run and no receipt is written: this shows what the
 newer rule says of the same measurements.
@@ -42,7 +44,8 @@ def rejudge(path: Path) -> tuple[int, bool, bool] | None:
         return None  # stopped by the time limit: no judgement either way (as scripts/tally-seeds.py)
     rule = receipt.budgets.noise
     assert rule is not None, f"{path}: made before the noise rule"
-    budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update=_switches_now())})
+    switches = {} if AS_RECORDED else _switches_now()
+    budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update=switches)})
     ev = checks.evaluate(receipt.scores, budgets, errored=receipt.error is not None)
     now = receipt.model_copy(update={"budgets": budgets, "checks": ev.checks, "verdict": ev.verdict,
                                      "verdicts": ev.verdicts})
@@ -78,8 +81,14 @@ def _receipts(arg: str) -> tuple[str, list[Path]]:
     return name or folders[0].name, paths
 
 
+AS_RECORDED = False
+"""`--as-recorded`: each receipt's checks as its own rule derives them (no switch of the bf16 profile applied)."""
+
+
 def main(args: list[str]) -> None:
-    for arg in args:
+    global AS_RECORDED
+    AS_RECORDED = "--as-recorded" in args
+    for arg in (a for a in args if a != "--as-recorded"):
         name, paths = _receipts(arg)
         # per fault (clean too): per run seed, every judgement (a seed's run may have been made again)
         runs: dict[str, dict[int, list[tuple[bool, bool]]]] = defaultdict(lambda: defaultdict(list))

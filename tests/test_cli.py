@@ -96,3 +96,21 @@ def test_revision_from_git_or_unknown(tmp_path: Path) -> None:
     here = git_revision(None, cwd=ROOT)
     assert here.source in ("git", "unknown")
     assert git_revision("deadbeef").commit == "deadbeef"
+
+
+def test_per_target_flag_turns_coverage_on_off_or_leaves_it_to_the_config(tmp_path: Path) -> None:
+    """A config with `per_target: false` (the GPU configs) gets coverage with --per-target; without the flag the
+    config decides; --no-per-target turns it off where the config has it on (the flag once could only turn it off)."""
+    off = tmp_path / "off.yaml"
+    off.write_text((ROOT / "configs" / "tiny-qwen3.yaml").read_text() + "\nper_target: false\n")
+
+    def targets(*args: str) -> list[str]:
+        out = tmp_path / f"r{len(list(tmp_path.glob('*.json')))}.json"
+        res = cli("run", "--trainer", "fake", "--sampler", "fake", "--out", str(out), *args)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return [p["name"] for p in json.loads(out.read_text())["phases"] if p["name"].startswith("target.")]
+
+    assert targets("--model", str(off)) == []
+    assert targets("--model", str(off), "--per-target")
+    assert targets("--model", "tiny-qwen3")
+    assert targets("--model", "tiny-qwen3", "--no-per-target") == []

@@ -86,6 +86,24 @@ def test_from_a_warm_start_a_partial_sync_counts_as_caught_by_the_exact_check(fa
                       X_sync_identical=CheckStatus.PASS)
 
 
+@pytest.mark.parametrize("fault", ["partial-export", "fp16-export"])
+def test_from_zero_init_the_small_sync_faults_count_as_caught_by_the_exact_check(fault: str, tmp_path: Path) -> None:
+    """Under the noise update too, partial-export can stay inside both of C's thresholds (the Qwen3-0.6B shape on
+    the H200: 2 of 10 seeds) and fp16-export's rounding inside C's mean (SmolLM2-135M fp32: 5 of 5 seeds), while
+    X fails in every one: the selftest takes X alone, and nothing tripping is still a miss."""
+    receipt = execute(RunOptions(**FAKE, update="noise", inject=fault, out=tmp_path / "n.json")).receipt
+
+    def judged(**forced: CheckStatus) -> bool:
+        checks = [c.model_copy(update={"status": forced.get(c.id.replace(".", "_"), c.status)}) for c in receipt.checks]
+        edited = receipt.model_copy(update={"checks": checks, "verdict": Verdict.FAIL})
+        return judge(fault, edited, set(), set(), ["q_proj", "gate_proj", "up_proj"], 100).caught
+
+    quiet_c = {"C_parity_mean": CheckStatus.PASS, "C_delta_cosine": CheckStatus.PASS}
+    assert judged(**quiet_c, X_sync_identical=CheckStatus.FAIL)  # X alone
+    assert not judged(**quiet_c, X_sync_identical=CheckStatus.PASS)
+    assert judged(C_parity_mean=CheckStatus.FAIL, X_sync_identical=CheckStatus.PASS)  # C alone, as before
+
+
 @pytest.mark.parametrize("fault", STEP_ONLY)
 def test_the_noise_update_misses_what_only_a_step_reveals(fault: str, tmp_path: Path) -> None:
     """Under noise A never moves: stale-a publishes the very same files, and the run passes."""

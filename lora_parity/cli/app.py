@@ -87,7 +87,7 @@ def run(
     inject: Annotated[str | None, typer.Option(help="Inject a fault (see `lora-parity selftest`).")] = None,
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
-    per_target: PerTargetOpt = True,
+    per_target: PerTargetOpt = None,
     tinker_url: Annotated[
         str | None,
         typer.Option(help="Tinker service URL (--trainer tinker --sampler tinker); API key from TINKER_API_KEY."),
@@ -236,7 +236,7 @@ def selftest(
     faults: Annotated[str | None, typer.Option(
         help="Only these of the applicable faults, comma-separated (the clean run always runs): to fill in "
              "the runs a split selftest did not reach.")] = None,
-    per_target: PerTargetOpt = True,
+    per_target: PerTargetOpt = None,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +129,10 @@ def prepare(opts: RunOptions, launch_early: bool = False) -> Plan:
 
 def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     cfg = config.load(opts.model, opts.dtype, opts.budgets)
+    if opts.per_target is None:  # the config decides
+        opts = replace(opts, per_target=cfg.per_target)
+    elif opts.per_target and not cfg.per_target:  # --per-target turns on what the config leaves off
+        cfg = cfg.model_copy(update={"per_target": True})
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
@@ -272,7 +276,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     router = router_agreement(loaded.trainer, loaded.sampler, loaded.sampler_info.backend, plan.probes.sequences)
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
-              per_target=plan.opts.per_target, per_target_only=plan.opts.per_target_only, progress=say,
+              per_target=plan.opts.per_target is not False, per_target_only=plan.opts.per_target_only, progress=say,
               first_adapter_id=loaded.next_adapter_id, reference=_reference(plan, loaded, workdir),
               sampled=plan.sampled, start_adapter=plan.opts.adapter is not None or warms(plan),
               warm_start=warms(plan) and plan.opts.adapter is None)

@@ -50,7 +50,8 @@ BatchInvariantOpt = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",
     help="vLLM on CUDA: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so repeated scoring is exact; "
          "SGLang: --enable-deterministic-inference.")]
-PerTargetOpt = Annotated[bool, typer.Option("--per-target/--no-per-target", help="Per-target coverage after C.")]
+PerTargetOpt = Annotated[bool | None, typer.Option(
+    "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
 BudgetsOpt = Annotated[str | None, typer.Option(
     "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "
                       "(absolute, tight) or bf16 (C relative to A, A against the fp32 reference, noise-derived "
