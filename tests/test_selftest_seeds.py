@@ -220,3 +220,16 @@ def test_cli_faults_option_refuses_an_unknown_name_before_any_backend_is_importe
     res = subprocess.run([sys.executable, "-c", spy], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.stdout.strip().endswith("exit 2 []"), res.stdout + res.stderr
     assert "no-such-fault not among this run's faults" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_drop_target_gets_its_coverage_where_the_config_leaves_coverage_off(tmp_path: Path) -> None:
+    """The GPU configs set per_target: false; drop-target's declared check is per-target, so its run still covers
+    the dropped target (and only it) instead of leaving the fault unmeasured; the clean run keeps the config's off."""
+    off = tmp_path / "off.yaml"
+    off.write_text((ROOT / "configs" / "tiny-qwen3.yaml").read_text() + "\nper_target: false\n")
+    result = st.selftest(RunOptions(**FAKE, model=str(off)), tmp_path / "out", faults=["drop-target"])
+    assert result.ok, result.rows
+    clean, dropped = (load_receipt(Path(r.receipt))[0] for r in result.rows)
+    assert not [p.name for p in clean.phases if p.name.startswith("target.")]
+    assert [p.name for p in dropped.phases if p.name.startswith("target.")] == ["target.q_proj"]
+    assert any(c.id == "T.q_proj.moved" and c.status == CheckStatus.FAIL for c in dropped.checks)
