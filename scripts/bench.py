@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,10 @@ def _run(args: argparse.Namespace, probes: str, out: Path,
         print(f"bench: {probes} exited {res.returncode}", file=sys.stderr)
         return None
     receipt: dict[str, Any] = json.loads(out.read_text())
+    if getattr(args, "keep", None) and receipt.get("verdict") != "pass":  # a run that did not pass is evidence
+        keep = Path(args.keep)
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, keep / f"{Path(str(probes)).name}-{out.name}")
     return wall, receipt
 
 
@@ -233,6 +238,8 @@ def main() -> int:
     parser.add_argument("--sampler", default=None,
                         help="samplers, comma-separated, e.g. vllm,vllm-server: runs alternate between them (on the "
                              "first probe set) and the median wall time of each is compared with the first's")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="copy the receipt of every run whose verdict is not pass into DIR")
     parser.add_argument("--per-target", dest="per_target", action=argparse.BooleanOptionalAction, default=None,
                         help="pass --per-target / --no-per-target to every run (default: the config's setting)")
     parser.add_argument("--target", type=float, default=None, metavar="SECONDS",

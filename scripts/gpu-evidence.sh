@@ -261,7 +261,8 @@ SH
       if [ "$m" = smollm2-bf16-path ]; then
         m=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
       fi
-      python3 scripts/bench.py --model "$m" --runs "$runs" --probes default,default-x10 --per-target
+      python3 scripts/bench.py --model "$m" --runs "$runs" --probes default,default-x10 --per-target \
+        --keep "$out/bench-not-passing"
     done 2>&1 | tee "$out/bench.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

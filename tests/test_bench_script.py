@@ -119,3 +119,27 @@ def test_floor_gives_both_ratios_from_one_invocation(monkeypatch: pytest.MonkeyP
     assert bench.main() == 0
     out = capsys.readouterr().out
     assert "run / import floor: 1.50x (target <= 1.6x); selftest / run: 1.50x (target <= 2x)" in out
+
+
+def test_keep_copies_the_receipt_of_every_run_that_did_not_pass(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """A bench run whose verdict is not pass is evidence (the H200's 10x runs failed and their receipts were lost)."""
+    import argparse
+    import json
+    import subprocess
+
+    bench = _bench()
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        seen.append(cmd)
+        verdict = "fail" if "default-x10" in cmd else "pass"
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({**_receipt(), "verdict": verdict}))
+        return subprocess.CompletedProcess(cmd, 1 if verdict == "fail" else 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    args = argparse.Namespace(sync="new-id", model=None, per_target=True, keep=str(tmp_path / "kept"))
+    for probes in ("default", "default-x10"):
+        assert bench._run(args, probes, tmp_path / f"{probes}.json") is not None
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["default-x10-default-x10.json"]
+    assert all("--per-target" in cmd for cmd in seen)
