@@ -79,7 +79,7 @@ def _run(args: argparse.Namespace, probes: str, out: Path,
         print(f"bench: {probes} exited {res.returncode}", file=sys.stderr)
         return None
     receipt: dict[str, Any] = json.loads(out.read_text())
-    if getattr(args, "keep", None) and receipt.get("verdict") != "pass":  # a run that did not pass is evidence
+    if args.keep and receipt.get("verdict") != "pass":  # a run that did not pass is evidence
         keep = Path(args.keep)
         keep.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out, keep / f"{Path(str(probes)).name}-{out.name}")

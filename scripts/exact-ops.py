@@ -177,7 +177,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     rows += replays(llm, calls, n)
     model = _trainer(args, "cuda" if torch.cuda.is_available() else "cpu")
-    rows += trainer_candidates(args, calls, layers, n, ids, engine_lp, model)
+    rows += trainer_candidates(calls, layers, n, ids, engine_lp, model)
     if args.packed:
         row = safe(lambda: packed(llm, model, lora, params, int(model_cfg["vocab_size"]), bos, args.packed))
         rows.append(row if not isinstance(row, Exception) else
@@ -218,13 +218,13 @@ def replays(llm: Any, calls: dict[str, list[dict[str, Any]]], n: int) -> list[di
         import torch
 
         found = []
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for name, call in wanted.items():
             if call is None:
                 continue
             module = model.model  # every recorded name but the logits' is under the decoder
             for part in name.split("."):
                 module = module[int(part)] if part.isdigit() else getattr(module, part)
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
             args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in call["in"])
             kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in call["kw"].items()}
             try:
@@ -296,14 +296,13 @@ def packed(llm: Any, model: Any, lora: Any, params: Any, vocab: int, bos: Any, c
                   "mean_abs": float(diff.mean()), "elements": int(want.numel())}
 
 
-def trainer_candidates(args: argparse.Namespace, calls: dict[str, list[dict[str, Any]]], layers: list[int], n: int,
-                       ids: list[int], engine_lp: list[float], model: Any = None) -> list[dict[str, Any]]:
+def trainer_candidates(calls: dict[str, list[dict[str, Any]]], layers: list[int], n: int, ids: list[int],
+                       engine_lp: list[float], model: Any) -> list[dict[str, Any]]:
     """The trainer's modules and the named formulas, on the engine's recorded inputs; and the trainer's
     forward end to end."""
     import torch
 
     c = _Candidates("cuda" if torch.cuda.is_available() else "cpu")
-    model = model if model is not None else _trainer(args, c.device)
     inner = model.base_model.model.model
     with torch.no_grad():
         for index in layers:
@@ -359,10 +358,17 @@ def _end_to_end(c: _Candidates, model: Any, ids: list[int], engine_lp: list[floa
     runs = {"hf+peft forward": hf} | {f"vllm ops, LoRA {how}": (lambda how=how: exact_forward(model, [ids], how)[0])
                                       for how in ("kernels", "formula")}
     for cand, fn in runs.items():
-        c.add("end-to-end logprobs", cand, fn, want)
+        got = safe(fn)  # each forward once: the row and its mean come from the same scores
+        c.add("end-to-end logprobs", cand, lambda got=got: _raise_or(got), want)
         if "equal" in c.rows[-1]:
-            got = fn()
             c.rows[-1]["mean_abs"] = float((got - want).abs().mean())
+
+
+def _raise_or(value: Any) -> Any:
+    """A value `safe` returned, or its exception raised again (for `_Candidates.add` to report)."""
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 def _logits(c: _Candidates, calls: dict[str, list[dict[str, Any]]], inner: Any, ids: list[int],

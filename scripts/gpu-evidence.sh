@@ -46,6 +46,11 @@ export LORA_PARITY_CACHE=/tmp/lora-parity-cache HF_HUB_OFFLINE=1
 models=(qwen3-0.6b-synth qwen3-8b-synth)
 device=h200
 
+# checkpoint CONFIG: the checkpoint folder of a config name or YAML file (a synthetic one generated once, then cached)
+checkpoint() {
+  python3 -c "import sys; from lora_parity import config, synthetic; print(synthetic.materialize(config.load(sys.argv[1])))" "$1"
+}
+
 # user_adapter CHECKPOINT OUT RANK ALPHA: a user's PEFT adapter (all seven projections, B ~ N(0, 0.02), seed 7)
 user_adapter() {
   python3 - "$@" <<'PY'
@@ -137,7 +142,7 @@ case "$step" in
     # adapter REV: a user's adapter (PEFT, rank 8 on all seven projections, B ~ N(0, 0.02)) on the SmolLM2 bf16
     # checkpoint passed by path, with the hf and the megatron trainer
     rev=${2:?revision}; mkdir -p /tmp/gpu-logs
-    ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+    ck=$(checkpoint smollm2-135m-bf16)
     user_adapter "$ck" /tmp/user-adapter 8 16
     for t in hf megatron; do
       receipt="$out/smollm2-135m-bf16-path.user-adapter__${t}__vllm__${device}.json"
@@ -148,7 +153,7 @@ case "$step" in
   seeds)
     rev=${2:?revision}; n=${3:?seeds}; shift 3
     mkdir -p /tmp/st
-    ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+    ck=$(checkpoint smollm2-135m-bf16)
     [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
     names=""
     for spec in "$@"; do
@@ -173,11 +178,11 @@ case "$step" in
     # records the setup error) is started again, twice at most.
     rev=${2:?revision}; shift 2
     mkdir -p /tmp/st
-    ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+    ck=$(checkpoint smollm2-135m-bf16)
     [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
     if [ -n "${MODEL:-}" ]; then  # a project config instead (its checkpoint generated once, before the processes)
       cp "configs/$MODEL.yaml" /tmp/st/model.yaml
-      python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('/tmp/st/model.yaml')))"
+      checkpoint /tmp/st/model.yaml
     else
       python3 -m lora_parity init "$ck" --out /tmp/st/model.yaml --force >/dev/null
     fi
@@ -246,7 +251,7 @@ SH
     shift; mkdir -p /tmp/gpu-logs
     for m in "$@"; do
       cfg=$m; [ "$m" = smollm2-bf16-path ] && cfg=smollm2-135m-bf16
-      ck=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('$cfg')))")
+      ck=$(checkpoint "$cfg")
       [ -f "/tmp/ua-$m/adapter_config.json" ] || user_adapter "$ck" "/tmp/ua-$m" 16 32
       timeout 400 python3 scripts/exact-ops.py --model "$ck" --adapter "/tmp/ua-$m" --tokens 64 \
         --out "$out/exact-ops-$m.jsonl" > "/tmp/gpu-logs/exact-$m.log" 2>&1 && rc=0 || rc=$?
@@ -259,7 +264,7 @@ SH
     runs=${2:-3}; shift $(( $# < 2 ? $# : 2 ))
     for m in "${@:-qwen3-0.6b-synth}"; do
       if [ "$m" = smollm2-bf16-path ]; then
-        m=$(python3 -c "from lora_parity import config, synthetic; print(synthetic.materialize(config.load('smollm2-135m-bf16')))")
+        m=$(checkpoint smollm2-135m-bf16)
       fi
       python3 scripts/bench.py --model "$m" --runs "$runs" --probes default,default-x10 --per-target \
         --keep "$out/bench-not-passing"

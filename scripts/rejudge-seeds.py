@@ -37,14 +37,14 @@ def _switches_now() -> dict[str, object]:
     return {name: getattr(current, name) for name in SWITCHES}
 
 
-def rejudge(path: Path) -> tuple[int, bool, bool] | None:
+def rejudge(path: Path, as_recorded: bool = False) -> tuple[int, bool, bool] | None:
     """(run seed, judged right as recorded, judged right under the current rule) of one selftest receipt."""
     receipt = verify(path).receipt
     if any(signal in (receipt.error or "") for signal in ("SIGTERM", "SIGINT")):
         return None  # stopped by the time limit: no judgement either way (as scripts/tally-seeds.py)
     rule = receipt.budgets.noise
     assert rule is not None, f"{path}: made before the noise rule"
-    switches = {} if AS_RECORDED else _switches_now()
+    switches = {} if as_recorded else _switches_now()  # --as-recorded: the receipt's own rule
     budgets = receipt.budgets.model_copy(update={"noise": rule.model_copy(update=switches)})
     ev = checks.evaluate(receipt.scores, budgets, errored=receipt.error is not None)
     now = receipt.model_copy(update={"budgets": budgets, "checks": ev.checks, "verdict": ev.verdict,
@@ -81,20 +81,15 @@ def _receipts(arg: str) -> tuple[str, list[Path]]:
     return name or folders[0].name, paths
 
 
-AS_RECORDED = False
-"""`--as-recorded`: each receipt's checks as its own rule derives them (no switch of the bf16 profile applied)."""
-
-
 def main(args: list[str]) -> None:
-    global AS_RECORDED
-    AS_RECORDED = "--as-recorded" in args
+    as_recorded = "--as-recorded" in args
     for arg in (a for a in args if a != "--as-recorded"):
         name, paths = _receipts(arg)
         # per fault (clean too): per run seed, every judgement (a seed's run may have been made again)
         runs: dict[str, dict[int, list[tuple[bool, bool]]]] = defaultdict(lambda: defaultdict(list))
         changed = []
         for path in paths:
-            judged = rejudge(path)
+            judged = rejudge(path, as_recorded)
             if judged is None:
                 continue
             seed, was, now = judged

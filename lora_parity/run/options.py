@@ -26,7 +26,7 @@ class RunOptions:
     """`--update noise|step`: replaces the config's `perturbation.update`; None: the config's."""
     per_target: bool | None = None
     """`--per-target/--no-per-target`: coverage on or off whatever the config says; None: the config's
-    `per_target` (`runner.prepare` resolves it)."""
+    `per_target` (`runner.prepare` resolves it, so the plan's is the one setting the sequence reads)."""
     per_target_only: tuple[str, ...] | None = None
     """Per-target coverage of these target kinds only (the selftest's drop-target under --no-per-target)."""
     command: tuple[str, ...] = ()

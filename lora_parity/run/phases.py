@@ -183,7 +183,7 @@ class Run:
     @property
     def covered_targets(self) -> list[str]:
         """The target kinds per-target coverage runs for, in the config's order (none where it is off)."""
-        if not (self.cfg.per_target and self.per_target and self.trainer_has_per_target):
+        if not (self.per_target and self.trainer_has_per_target):
             return []
         return [k for k in self.cfg.adapter.targets if self.per_target_only is None or k in self.per_target_only]
 

@@ -129,10 +129,8 @@ def prepare(opts: RunOptions, launch_early: bool = False) -> Plan:
 
 def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     cfg = config.load(opts.model, opts.dtype, opts.budgets)
-    if opts.per_target is None:  # the config decides
+    if opts.per_target is None:  # no flag: the config decides; a flag wins over the config either way
         opts = replace(opts, per_target=cfg.per_target)
-    elif opts.per_target and not cfg.per_target:  # --per-target turns on what the config leaves off
-        cfg = cfg.model_copy(update={"per_target": True})
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")

@@ -238,14 +238,13 @@ def plan_for(plan: Plan, fault: str) -> Plan:
     spec = FAULTS[fault.partition("=")[0]]
     named = [c.split(".")[1] for c in spec.caught_by + spec.must_pass if c.startswith("T.")]
     needs_targets = bool(named)
-    if not (plan.opts.per_target and plan.cfg.per_target):
+    if not plan.opts.per_target:
         if not needs_targets:
             return plan
         dropped = plan.cfg.adapter.targets[0]
         covered = tuple(dict.fromkeys(dropped if name == "{target}" else name for name in named))
         # also where the config leaves coverage off (the GPU configs): the fault's own check needs it
-        return replace(plan, cfg=plan.cfg.model_copy(update={"per_target": True}),
-                       opts=replace(plan.opts, per_target=True, per_target_only=covered))
+        return replace(plan, opts=replace(plan.opts, per_target=True, per_target_only=covered))
     if needs_targets:
         return plan
     return replace(plan, opts=replace(plan.opts, per_target=False))
