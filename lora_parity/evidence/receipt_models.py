@@ -67,6 +67,9 @@ class ComparisonStats(Strict):
     """k3 estimate of KL(a || b): mean of exp(d) - 1 - d."""
     mult_prob_error: float
     """Mean of exp(|diff|) (NeMo-RL's token_mult_prob_error)."""
+    equal: float | None = None
+    """Fraction of positions where the two scores are bitwise equal (diff exactly 0); None: a receipt made
+    before it was recorded."""
 
 
 class DeltaStats(Strict):
@@ -275,6 +278,9 @@ class Budgets(Strict):
     ‖Δtrainer‖, cosine >= min(min_delta_cosine, cos(asin(min(1, kε/|t|)))), scale and rel_l2 errors <=
     max(their budget, kε/|t|) (C.delta and T.*); where kε/|t| >= 1 they are inconclusive (noise explains
     any change). None: the fixed budgets alone."""
+    exact: bool = False
+    """A, C and P parity judged bitwise (`--budgets exact`): any non-zero difference fails, as it must where
+    the trainer computes what the sampler computes (the `exact` trainer, docs/verdicts.md)."""
     noise: NoiseRule | None = None
     """The noise model's rule (`lora_parity.verdict.thresholds`): B's stimulus, C's tail, the generation checks and
     the calibration window derive from the noise measured at the start point. None: receipts made before

@@ -334,9 +334,10 @@ def _load_yaml(path: Path) -> ModelConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-BUDGET_PROFILES = ("seed", "fp32", "bf16")
+BUDGET_PROFILES = ("seed", "fp32", "bf16", "exact")
 """Budget profiles (configs/budgets/<name>.yaml, `run --budgets`; docs/verdicts.md): seed, the original
-table's absolute rules; fp32, absolute and tight; bf16, relative C, triangulated A, noise-derived deltas."""
+table's absolute rules; fp32, absolute and tight; bf16, relative C, triangulated A, noise-derived deltas;
+exact, bf16's with A, C and P bitwise (the `exact` trainer)."""
 
 
 def profile_budgets(name: str) -> Budgets:

@@ -333,7 +333,8 @@ def _provenance_blocks(receipt: Receipt) -> list[Block]:
             + (f" ({receipt.probes.source.kind} source)" if receipt.probes.source else "")
             + f", seed {receipt.probes.seed}, "
             f"sha256 {code(receipt.probes.digest[:12])}",
-            "budgets: " + ", ".join(f"{k} {fmt_budget(v)}" for k, v in b.model_dump().items() if v is not None),
+            "budgets: " + ", ".join(f"{k} {fmt_budget(v)}" for k, v in b.model_dump().items()
+                                    if v is not None and v is not False),  # exact: shown only where on
         ]),
         Details("Backend settings", [_settings_table(receipt)]),
     ]

@@ -81,7 +81,8 @@ def summarize(a: ScoreArray, b: ScoreArray, over: float) -> dict[str, float | in
     """Statistics of diff = b - a.
 
     Returns n, mean_abs, p50, p99, max_abs, argmax ([sequence, position] of the largest |diff|),
-    frac_over (fraction of positions with |diff| > `over`), k3_kl (mean of exp(d) - 1 - d, the k3
+    frac_over (fraction of positions with |diff| > `over`), equal (fraction with diff exactly 0),
+    k3_kl (mean of exp(d) - 1 - d, the k3
     estimate of KL(a || b) on tokens drawn from a) and mult_prob_error (mean of exp(|diff|), NeMo-RL's
     token_mult_prob_error); exp arguments are clamped at EXP_CLAMP.
     """
@@ -101,6 +102,7 @@ def summarize(a: ScoreArray, b: ScoreArray, over: float) -> dict[str, float | in
         "max_abs": ordered[-1],
         "argmax": [seq, pos],
         "frac_over": sum(1 for d in absd if d > over) / n,
+        "equal": sum(1 for d in absd if d == 0) / n,
         "k3_kl": math.fsum(math.expm1(min(d, EXP_CLAMP)) - d for d in diff) / n,
         "mult_prob_error": math.fsum(math.exp(min(d, EXP_CLAMP)) for d in absd) / n,
     }

@@ -33,6 +33,9 @@ from lora_parity.verdict.check_rules import STATS, Threshold
 ScoreArray = Sequence[Sequence[float]]
 TARGET_PREFIX = "target."
 GENERATION_PREFIXES = ("G.sampled", "G.updated", "G.trainer")
+EXACT_PREFIXES = ("A.parity", "C.parity", "P.parity")
+"""The parity checks `budgets.exact` makes bitwise: trainer against sampler, prompt tokens scored whole (the
+generation checks read decode steps, which no trainer forward computes)."""
 
 
 def noise_model(scores: Mapping[str, ScoreArray], comparisons: Mapping[str, ComparisonStats]) -> NoiseModel | None:
@@ -179,6 +182,10 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     out.update(_directions(budgets, deltas, noise, moved))
     out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
     out["X.sync.identical"] = Threshold(0.0, "bitwise: the sampler repeated the synced adapter's scores exactly")
+    if budgets.exact:
+        for prefix in EXACT_PREFIXES:
+            for short, _ in STATS:
+                out[f"{prefix}.{short}"] = Threshold(0.0, "bitwise (--budgets exact): any non-zero difference fails")
     return out
 
 

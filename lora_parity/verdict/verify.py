@@ -93,10 +93,7 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
         raise ReceiptError(f"{path}: error and phase statuses disagree")
     errored = receipt.error is not None or phase_failed
     ev = checks.evaluate(receipt.scores, receipt.budgets, errored=errored)
-    recorded = {k: v.model_dump(mode="json") for k, v in receipt.comparisons.items()}
-    computed = {k: v.model_dump(mode="json") for k, v in ev.comparisons.items()}
-    if not _same(recorded, computed):
-        raise ReceiptError(f"{path}: {_first_difference('comparison', recorded, computed)}")
+    _verify_comparisons(path, receipt, ev)
     recorded = {k: v.model_dump(mode="json") for k, v in receipt.deltas.items()}
     computed = {k: v.model_dump(mode="json") for k, v in ev.deltas.items()}
     if not _same(recorded, computed):
@@ -115,6 +112,18 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     _verify_calibration(path, receipt)
     breakdown.require_reproduces(path, receipt.breakdown, receipt.scores)
     return Verified(receipt, ev.verdict, signature)
+
+
+def _verify_comparisons(path: Path, receipt: Receipt, ev: checks.Evaluation) -> None:
+    """Every recorded comparison must reproduce from the raw scores (receipts made before the equal fraction
+    was recorded have none: it is not asked of them)."""
+    recorded = {k: v.model_dump(mode="json") for k, v in receipt.comparisons.items()}
+    computed = {k: v.model_dump(mode="json") for k, v in ev.comparisons.items()}
+    for key, stat in recorded.items():
+        if stat["equal"] is None and key in computed:
+            computed[key]["equal"] = None
+    if not _same(recorded, computed):
+        raise ReceiptError(f"{path}: {_first_difference('comparison', recorded, computed)}")
 
 
 def _verify_thresholds(path: Path, receipt: Receipt, ev: checks.Evaluation) -> None:

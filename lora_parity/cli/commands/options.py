@@ -54,8 +54,9 @@ PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
 BudgetsOpt = Annotated[str | None, typer.Option(
     "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "
-                      "(absolute, tight) or bf16 (C relative to A, A against the fp32 reference, noise-derived "
-                      "delta thresholds); see docs/verdicts.md.")]
+                      "(absolute, tight), bf16 (C relative to A, A against the fp32 reference, noise-derived "
+                      "delta thresholds) or exact (bf16's, with A and C bitwise: --trainer exact on the GPU); see "
+                      "docs/verdicts.md.")]
 
 
 def exit_for(verdict: str) -> int:

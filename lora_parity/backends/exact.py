@@ -1,0 +1,291 @@
+"""The `exact` trainer (issue 29): HF + PEFT holds, loads and updates the adapter as the `hf` trainer
+does, but scores through vLLM's own operations, so that on the GPU its logprobs equal the `vllm`
+sampler's bit for bit (docs/verdicts.md, "The exact trainer").
+
+`exact_forward` runs the trainer's weights through vLLM's functions in vLLM's order, as the engine runs
+one step of prompts in eager, batch-invariant mode (vLLM 0.26 on CUDA): its batch-invariant RMSNorm
+(first norm, Qwen3's q/k norms) and fused add-RMSNorm, its batch-invariant GEMM, its LoRA shrink and
+expand kernels with the adapter as vLLM holds it (cast to the model's dtype, B times alpha/r rounded
+there, padded to max_lora_rank, the merged q/k/v and gate/up slices side by side), its rotary kernel with
+the cos/sin cache built as vLLM builds it, FlashAttention 3 on a paged KV cache with one split, its
+SiLU-and-mul and its prompt-logprob kernel. A group of `scoring.batch_size` sequences is packed into one
+forward, as the sampler's one generate call packs them into one step (the shrink kernel's tiling depends
+on the step's token count).
+
+Measured (scripts/exact-ops.py, H200): 100 % of tokens bitwise equal to the engine's, where HF+PEFT's own
+forward matches 1.6 %. There is no backward through these kernels: the update (noise, or a step through
+PEFT's autograd) is the `hf` trainer's, and only the scoring is exact. Llama and Qwen3 (dense, SiLU,
+default rotary) in bf16 or fp16 on CUDA; anything else is refused at start, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora_parity.backends.base import BackendOptions, PreflightOptions, Scores, Sequences
+from lora_parity.backends.hf import HFTrainer, versions
+from lora_parity.backends.vllm_options import max_lora_rank
+from lora_parity.evidence.receipt import BackendInfo
+from lora_parity.models.config import ModelConfig
+from lora_parity.util.errors import ConfigError
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+"""The model definitions `exact_forward` follows (vLLM's llama.py and qwen3.py, dense, no bias)."""
+FORWARD = ("vLLM's ops (batch-invariant GEMM and RMSNorm, LoRA shrink/expand kernels, rotary, FA3 paged with "
+           "one split, compute_token_logprobs), {grouping}")
+
+
+def unsupported(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant: bool) -> str | None:
+    """Why the exact trainer cannot mirror the `vllm` sampler for this run, or None."""
+    if not cuda:
+        return "it needs CUDA (vLLM's batch-invariant and LoRA kernels are Triton GPU kernels)"
+    if not batch_invariant or not cfg.sampler.batch_invariant:
+        return "it mirrors vLLM's batch-invariant kernels, which --no-batch-invariant turns off"
+    if not cfg.sampler.enforce_eager:
+        return "it mirrors vLLM's eager forward; the config's sampler.enforce_eager is false"
+    if cfg.model.dtype not in ("bfloat16", "float16"):
+        return f"FlashAttention takes bfloat16 or float16, not {cfg.model.dtype}"
+    if cfg.sampler.attention_backend not in (None, "FLASH_ATTN"):
+        return f"it mirrors FLASH_ATTN, not the config's attention backend {cfg.sampler.attention_backend}"
+    try:
+        hf_cfg = json.loads((Path(model_dir) / "config.json").read_text()[:1 << 20])
+    except (OSError, ValueError) as exc:
+        return f"config.json unreadable ({type(exc).__name__})"
+    arch = (hf_cfg.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        return f"it follows {' and '.join(ARCHITECTURES)}, not {arch}"
+    rope = hf_cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "?"
+    if rope_type not in ("default", None) or hf_cfg.get("hidden_act", "silu") != "silu" \
+            or hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
+        return "it follows default rotary, SiLU and no bias; this checkpoint differs"
+    return None
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One of vLLM's LoRA linear layers: a projection, or q/k/v or gate/up merged as vLLM merges them.
+    `weight`: the base weights concatenated; `a`, `b`: per slice, as vLLM stacks them ([1, 1, r, in] and
+    [1, 1, out, r] at max_lora_rank, B pre-scaled in the model's dtype), None where no slice has LoRA."""
+
+    weight: torch.Tensor
+    a: tuple[torch.Tensor, ...] | None
+    b: tuple[torch.Tensor, ...] | None
+    rank: int
+
+
+def lora_group(modules: list[Any], rank: int) -> _Group:
+    """The vLLM layout of PEFT linears `modules` (a module without LoRA is a zero slice, as vLLM resets
+    a slice the adapter does not carry), padded to `rank` (vLLM's max_lora_rank)."""
+    parts = [_parts(m) for m in modules]
+    weight = torch.cat([w for w, *_ in parts]).contiguous()
+    if all(a is None for _, a, _, _ in parts):
+        return _Group(weight, None, None, rank)
+    dtype, device = weight.dtype, weight.device
+    a_out, b_out = [], []
+    for w, a, b, scale in parts:
+        a_pad = torch.zeros(rank, w.shape[1], dtype=dtype, device=device)
+        b_pad = torch.zeros(w.shape[0], rank, dtype=dtype, device=device)
+        if a is not None and b is not None:
+            if a.shape[0] > rank:
+                raise ConfigError(f"adapter rank {a.shape[0]} above max_lora_rank {rank}")
+            a_pad[:a.shape[0]] = a.to(dtype)  # vLLM loads the adapter in the model's dtype,
+            b_half = b.to(dtype)
+            b_pad[:, :b.shape[1]] = b_half if scale == 1 else b_half * scale  # then folds alpha/r into B there
+        a_out.append(a_pad[None, None].contiguous())
+        b_out.append(b_pad[None, None].contiguous())
+    return _Group(weight, tuple(a_out), tuple(b_out), rank)
+
+
+def _parts(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
+    """(base weight, A, B, alpha/r) of a PEFT LoRA linear, or (weight, None, None, 1) of a plain one."""
+    if hasattr(module, "base_layer") and "default" in getattr(module, "lora_A", {}):
+        return (module.base_layer.weight, module.lora_A["default"].weight, module.lora_B["default"].weight,
+                float(module.scaling["default"]))
+    return module.weight, None, None, 1.0
+
+
+def apply_group(x: torch.Tensor, group: _Group, meta: Any) -> torch.Tensor:
+    """vLLM's batch-invariant GEMM, then (where the group has LoRA) its shrink and expand kernels."""
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+
+    y = linear_batch_invariant(x, group.weight)
+    if group.a is None or group.b is None or meta is None:
+        return y
+    from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
+
+    m = x.shape[0]
+    buffer = torch.empty((len(group.a), m, group.rank), dtype=torch.float32, device=x.device)
+    args = meta.meta_args(m, False)
+    lora_shrink(x, list(group.a), buffer, *args, 1.0)
+    lora_expand(buffer, list(group.b), y, *args, offset_start=0, add_inputs=True)
+    return y
+
+
+def rope_cache(cfg: Any, head_dim: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
+    """vLLM's cos/sin cache: inv_freq, an fp32 outer product, cos and sin on the device, then the model's dtype."""
+    theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    with torch.device(device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.einsum("i,j -> ij", t, inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def paged_attention(q: Any, k: Any, v: Any, hq: int, hkv: int, head_dim: int, lens: list[int] | None = None) -> Any:
+    """Causal attention of packed sequences (`lens`, default one) as vLLM's FLASH_ATTN backend runs a prefill:
+    K and V written to a paged cache (blocks of 16, K and V side by side in the last dimension) by
+    `reshape_and_cache_flash`, then FlashAttention 3 over each sequence's block table with one split."""
+    from vllm import _custom_ops as ops
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    n, device, block = q.shape[0], q.device, 16
+    lens = lens or [n]
+    per_seq = [(length + block - 1) // block for length in lens]
+    kv = torch.zeros(sum(per_seq), block, hkv, 2 * head_dim, dtype=q.dtype, device=device)
+    key_cache, value_cache = kv[..., :head_dim], kv[..., head_dim:]
+    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
+    slots, first = [], 0
+    for row, (length, count) in enumerate(zip(lens, per_seq, strict=True)):
+        table[row, :count] = torch.arange(first, first + count, dtype=torch.int32, device=device)
+        slots.append(first * block + torch.arange(length, dtype=torch.int64, device=device))
+        first += count
+    one = torch.ones((), dtype=torch.float32, device=device)
+    ops.reshape_and_cache_flash(k.reshape(n, hkv, head_dim), v.reshape(n, hkv, head_dim), key_cache, value_cache,
+                                torch.cat(slots), "auto", one, one)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    out = torch.empty(n, hq * head_dim, dtype=q.dtype, device=device)
+    flash_attn_varlen_func(q=q.reshape(n, hq, head_dim), k=key_cache, v=value_cache, out=out.view(n, hq, head_dim),
+                           cu_seqlens_q=starts, max_seqlen_q=max(lens),
+                           seqused_k=torch.tensor(lens, dtype=torch.int32, device=device), max_seqlen_k=max(lens),
+                           softmax_scale=head_dim ** -0.5, causal=True, window_size=[-1, -1], block_table=table,
+                           softcap=0, fa_version=3, num_splits=1)
+    return out
+
+
+def lora_meta(n: int, device: Any) -> Any:
+    """vLLM's LoRA kernel metadata for n tokens, every one on adapter slot 0 (max_loras 1, as the sampler)."""
+    from vllm.lora.ops.triton_ops import LoRAKernelMeta
+
+    meta = LoRAKernelMeta.make(max_loras=1, max_num_tokens=n, device=device)
+    meta.prepare_tensors(torch.zeros(n, dtype=torch.int32, device=device))
+    return meta
+
+
+def layer_groups(layer: Any, rank: int) -> dict[str, _Group]:
+    """A decoder layer's four LoRA linear layers as vLLM merges them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {"qkv": lora_group([attn.q_proj, attn.k_proj, attn.v_proj], rank), "o": lora_group([attn.o_proj], rank),
+            "gate_up": lora_group([mlp.gate_proj, mlp.up_proj], rank), "down": lora_group([mlp.down_proj], rank)}
+
+
+@torch.inference_mode()
+def exact_forward(model: Any, seqs: list[list[int]], rank: int, lora: bool = True) -> list[torch.Tensor]:
+    """The prompt logprobs (fp32, on the host) of each of `seqs`, packed into one forward of the PEFT
+    `model`'s weights through vLLM's operations (module docstring); `rank`: the sampler's max_lora_rank;
+    `lora` False: the base model, as the engine serves a request without an adapter."""
+    import torch.nn.functional as F
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    causal = model.get_base_model()
+    inner, cfg = causal.model, causal.config
+    device = inner.embed_tokens.weight.device
+    lens = [len(s) for s in seqs]
+    n = sum(lens)
+    tokens = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(length, device=device, dtype=torch.int64) for length in lens])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    cos_sin = rope_cache(cfg, head_dim, device, inner.embed_tokens.weight.dtype)
+    meta = lora_meta(n, device) if lora else None
+    eps = cfg.rms_norm_eps
+
+    h = F.embedding(tokens, inner.embed_tokens.weight)
+    residual = h  # the first layer normalizes the embeddings; each later one adds its input to the residual first
+    for index, layer in enumerate(inner.layers):
+        groups = layer_groups(layer, rank)
+        if index == 0:
+            h = rms_norm_batch_invariant(h, layer.input_layernorm.weight, eps)
+        else:
+            ops.fused_add_rms_norm(h, residual, layer.input_layernorm.weight, eps)
+        q, k, v = apply_group(h, groups["qkv"], meta).split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+        attn = layer.self_attn
+        if getattr(attn, "q_norm", None) is not None:
+            q = rms_norm_batch_invariant(q.reshape(n, hq, head_dim), attn.q_norm.weight, eps).view(n, -1)
+            k = rms_norm_batch_invariant(k.reshape(n, hkv, head_dim), attn.k_norm.weight, eps).view(n, -1)
+        else:
+            q, k = q.contiguous(), k.contiguous()
+        ops.rotary_embedding(positions, q, k, head_dim, cos_sin, True)
+        h = apply_group(paged_attention(q, k, v, hq, hkv, head_dim, lens), groups["o"], meta)
+        ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm.weight, eps)
+        gate_up = apply_group(h, groups["gate_up"], meta)
+        act = torch.empty(n, gate_up.shape[-1] // 2, dtype=h.dtype, device=device)
+        torch.ops._C.silu_and_mul(act, gate_up)
+        h = apply_group(act, groups["down"], meta)
+    ops.fused_add_rms_norm(h, residual, inner.norm.weight, eps)
+    head = causal.get_output_embeddings().weight
+    out, start = [], 0
+    for length in lens:  # row-wise kernels: each sequence's rows but its last, against the next tokens
+        logits = linear_batch_invariant(h[start:start + length - 1], head)
+        out.append(compute_token_logprobs(logits, tokens[start + 1:start + length, None])[:, 0].float().cpu())
+        start += length
+    return out
+
+
+class ExactTrainer(HFTrainer):
+    """The `hf` trainer with scoring through `exact_forward`: its scores equal the `vllm` sampler's bit for
+    bit on the GPU, so `--budgets exact` can fail on any non-zero difference."""
+
+    def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float],
+                 batch_invariant: bool = True) -> None:
+        why = unsupported(cfg, model_dir, torch.cuda.is_available(), batch_invariant)
+        if why is not None:
+            raise ConfigError(f"--trainer exact: {why}")
+        os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")  # the sampler's default; a value the user set wins
+        try:
+            import vllm
+        except ImportError:
+            raise ConfigError("--trainer exact needs vLLM's GPU build in this environment (pip install "
+                              "'lora-parity[gpu]')") from None
+        self._vllm_version = vllm.__version__
+        self.rank = max_lora_rank(cfg.adapter.rank)
+        super().__init__(cfg, model_dir, seed, timings)
+
+    @classmethod
+    def preflight(cls, opts: PreflightOptions) -> None:
+        """It mirrors the in-process `vllm` sampler serving the adapter as a LoRA (not merged weights)."""
+        if opts.sampler != "vllm":
+            raise ConfigError(f"--trainer exact mirrors the in-process vllm sampler, not {opts.sampler}")
+        if opts.sync in ("merged", "memory"):
+            raise ConfigError(f"--trainer exact mirrors vLLM's LoRA kernels; --sync {opts.sync} serves merged weights")
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
+               options: BackendOptions) -> ExactTrainer:
+        assert model_dir is not None
+        return cls(cfg, model_dir, options.seed, timings, batch_invariant=options.batch_invariant)
+
+    def score(self, sequences: Sequences) -> Scores:
+        """`scoring.batch_size` sequences per forward, packed as the sampler packs one generate call."""
+        batch = self.cfg.scoring.batch_size
+        out: Scores = []
+        for start in range(0, len(sequences), batch):
+            out += [row.tolist() for row in exact_forward(self.model, sequences[start:start + batch], self.rank)]
+        return out
+
+    def info(self) -> BackendInfo:
+        n = self.cfg.scoring.batch_size
+        grouping = "one sequence per forward" if n == 1 else f"{n} sequences packed per forward"
+        base = super().info()
+        return BackendInfo(backend="exact", versions=versions() | {"vllm": self._vllm_version},
+                           settings=base.settings | {"forward": FORWARD.format(grouping=grouping),
+                                                     "max_lora_rank": self.rank,
+                                                     "update": "HF+PEFT (the hf trainer's)"})
