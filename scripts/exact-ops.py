@@ -12,7 +12,8 @@ the fraction of output elements that are bitwise equal to the engine's and the l
   in fp32, LoRA with an fp32 intermediate), and vLLM's kernels called as plain functions.
 
 End to end it compares the HF+PEFT forward's prompt logprobs with the engine's (fraction exactly
-equal, mean and max difference), and the trainer's weights through vLLM's own ops (`exact_forward`): for
+equal, mean and max difference), and the trainer's weights through vLLM's own ops (`exact.exact_forward`, the
+`exact` trainer's forward): for
 the one prompt, and for `--packed` prompts in one generate call against one packed forward. Output: one
 JSON object per line (`--out`), and a table on stdout.
 
@@ -33,6 +34,10 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's root, run from anywhere
+
+from lora_parity.backends import exact
+from lora_parity.backends.vllm_options import max_lora_rank
 
 LAYER_OPS = ("input_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm", "self_attn.rotary_emb",
              "self_attn.attn", "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_up_proj", "mlp.act_fn",
@@ -153,7 +158,7 @@ def main() -> int:
     model_cfg = json.loads((Path(args.model) / "config.json").read_text())
     layers_total = int(model_cfg["num_hidden_layers"])
     layers = sorted({0, layers_total // 2, layers_total - 1})
-    llm = LLM(model=args.model, dtype=args.dtype, enable_lora=True, max_lora_rank=max(8, rank), max_loras=1,
+    llm = LLM(model=args.model, dtype=args.dtype, enable_lora=True, max_lora_rank=max_lora_rank(rank), max_loras=1,
               enforce_eager=True, skip_tokenizer_init=True, max_model_len=max(256, args.tokens + 8), seed=0,
               gpu_memory_utilization=float(os.environ.get("EXACT_OPS_GPU_MEM", "0.3")),
               **({"kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}))  # no profiling race
@@ -288,7 +293,7 @@ def packed(llm: Any, model: Any, lora: Any, params: Any, vocab: int, bos: Any, c
     want = torch.tensor([next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]])
     row: dict[str, Any] = {"op": f"end-to-end, {count} prompts packed ({sum(map(len, seqs))} tokens)",
                            "candidate": "vllm ops, LoRA kernels"}
-    got = safe(lambda: torch.cat(exact_forward(model, seqs, "kernels")))
+    got = safe(lambda: torch.cat(exact.exact_forward(model, seqs, _rank(model))))
     if isinstance(got, Exception):
         return row | {"error": f"{type(got).__name__}: {got}"[:300]}
     diff = (got - want).abs()
@@ -329,18 +334,11 @@ def _norms(c: _Candidates, call: dict[str, Any] | None, name: str, hnorm: Any) -
     c.add(name, "fp32 weight, one rounding", lambda: _rms_fp32(added, hnorm.weight, eps), call["out"])
     if residual is None:
         c.add(name, "vllm rms_norm_batch_invariant",
-              lambda: _bi().rms_norm_batch_invariant(x.clone(), hnorm.weight, eps), call["out"])
+              lambda: exact.batch_invariant_ops().rms_norm_batch_invariant(x.clone(), hnorm.weight, eps), call["out"])
         return
     c.add(name, "vllm fused_add_rms_norm", lambda: _fused_add(x, residual, hnorm), call["out"])
     if isinstance(call["out"], tuple | list):
         c.add(f"{name}.residual", "bf16 add", lambda: added, call["out"][1])
-
-
-def _bi() -> Any:
-    """vLLM's batch-invariant ops module."""
-    import importlib
-
-    return importlib.import_module("vllm.model_executor.layers.batch_invariant")
 
 
 def _end_to_end(c: _Candidates, model: Any, ids: list[int], engine_lp: list[float]) -> None:
@@ -355,8 +353,7 @@ def _end_to_end(c: _Candidates, model: Any, ids: list[int], engine_lp: list[floa
         logits = model(input_ids=tokens).logits[0].float()
         return torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[0, 1:, None])[:, 0].cpu()
 
-    runs = {"hf+peft forward": hf} | {f"vllm ops, LoRA {how}": (lambda how=how: exact_forward(model, [ids], how)[0])
-                                      for how in ("kernels", "formula")}
+    runs = {"hf+peft forward": hf, "vllm ops, LoRA kernels": lambda: exact.exact_forward(model, [ids], _rank(model))[0]}
     for cand, fn in runs.items():
         got = safe(fn)  # each forward once: the row and its mean come from the same scores
         c.add("end-to-end logprobs", cand, lambda got=got: _raise_or(got), want)
@@ -392,163 +389,35 @@ def _logits(c: _Candidates, calls: dict[str, list[dict[str, Any]]], inner: Any, 
     if hcall is not None:
         hidden = c.dev(_first(hcall["out"]))[:m]
         weight = inner.embed_tokens.weight
-        c.add("logits", "vllm gemm on the engine's final hidden", lambda: _bi().linear_batch_invariant(hidden, weight),
-              logits_v[:m])
+        c.add("logits", "vllm gemm on the engine's final hidden",
+              lambda: exact.batch_invariant_ops().linear_batch_invariant(hidden, weight), logits_v[:m])
         c.add("logits", "F.linear on the engine's final hidden", lambda: torch.nn.functional.linear(hidden, weight),
               logits_v[:m])
 
 
-class _Lora:
-    """A PEFT LoRA linear group (one projection, or q/k/v or gate/up merged as vLLM merges them) laid
-    out as vLLM lays it out: the base weights concatenated, A as [1, 1, r, in] and B pre-scaled in
-    bf16 as [1, 1, out, r] per slice."""
-
-    def __init__(self, modules: list[Any]) -> None:
-        import torch
-
-        parts = [_lora_parts(m) for m in modules]
-        self.weight = torch.cat([p[0] for p in parts]).contiguous()
-        dtype = self.weight.dtype  # PEFT keeps the adapter in fp32 beside a bf16 model; vLLM loads it in bf16
-        self.a = tuple(p[1].to(dtype)[None, None].contiguous() for p in parts)
-        self.b = tuple((p[2].to(dtype) * p[3])[None, None].contiguous() for p in parts)  # scaled, rounded in bf16
-        self.slices = tuple(p[2].shape[0] for p in parts)
+def _rank(model: Any) -> int:
+    """The sampler's max_lora_rank for the PEFT model's adapter."""
+    lora_a = next(p for n, p in model.named_parameters() if "lora_A" in n)
+    return max_lora_rank(lora_a.shape[0])
 
 
-def _apply_lora(x: Any, lora: _Lora, how: str, meta: Any) -> Any:
-    """base GEMM + LoRA: vLLM's `linear_batch_invariant`, then its shrink and expand kernels (`kernels`)
-    or their arithmetic written out in torch (`formula`: fp32 x A, rounded to bf16, fp32 x B, rounded,
-    then a bf16 add)."""
+def _group(mods: list[Any]) -> Any:
+    """PEFT linears laid out as vLLM holds them (`exact.lora_group`)."""
+    return exact.lora_group(mods, max_lora_rank(mods[0].lora_A["default"].weight.shape[0]))
+
+
+def _formula(x: Any, group: Any) -> Any:
+    """vLLM's GEMM, then the LoRA kernels' arithmetic written out in torch: fp32 x A, rounded to bf16, fp32 x B,
+    rounded, then a bf16 add (`exact.apply_group` runs the kernels themselves)."""
     import torch
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
-
-    y = linear_batch_invariant(x, lora.weight)
-    if how == "kernels":
-        from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
-
-        m = x.shape[0]
-        buffer = torch.empty((len(lora.slices), m, lora.a[0].shape[2]), dtype=torch.float32, device=x.device)
-        args = meta.meta_args(m, False)
-        lora_shrink(x, lora.a, buffer, *args, 1.0)
-        lora_expand(buffer, lora.b, y, *args, offset_start=0, add_inputs=True)
-        return y
+    y = exact.batch_invariant_ops().linear_batch_invariant(x, group.weight)
     outs, start = [], 0
-    for a, b, width in zip(lora.a, lora.b, lora.slices, strict=True):
+    for a, b in zip(group.a, group.b, strict=True):
+        width = b.shape[2]
         buf = (x.float() @ a[0, 0].float().t()).to(x.dtype)
         outs.append(y[:, start:start + width] + (buf.float() @ b[0, 0].float().t()).to(x.dtype))
         start += width
     return torch.cat(outs, dim=-1)
-
-
-def _rope_cache(cfg: Any, head_dim: int, device: Any) -> Any:
-    """vLLM's cos/sin cache: inv_freq, an fp32 outer product and cos/sin on the device, then bf16."""
-    import torch
-
-    theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    with torch.device(device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.einsum("i,j -> ij", t, inv_freq)
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.bfloat16)
-
-
-def _paged_attention(q: Any, k: Any, v: Any, hq: int, hkv: int, head_dim: int, lens: list[int] | None = None) -> Any:
-    """Causal attention of packed sequences (`lens`, default one) as vLLM's FLASH_ATTN backend runs a prefill:
-    K and V written to a paged cache (blocks of 16, K and V side by side in the last dimension) by
-    `reshape_and_cache_flash`, then FlashAttention 3 over each sequence's block table with one split."""
-    import torch
-    from vllm import _custom_ops as ops
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    n, device, block = q.shape[0], q.device, 16
-    lens = lens or [n]
-    per_seq = [(length + block - 1) // block for length in lens]
-    kv = torch.zeros(sum(per_seq), block, hkv, 2 * head_dim, dtype=q.dtype, device=device)
-    key_cache, value_cache = kv[..., :head_dim], kv[..., head_dim:]
-    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
-    slots, first = [], 0
-    for row, (length, count) in enumerate(zip(lens, per_seq, strict=True)):
-        table[row, :count] = torch.arange(first, first + count, dtype=torch.int32, device=device)
-        slots.append(first * block + torch.arange(length, dtype=torch.int64, device=device))
-        first += count
-    one = torch.ones((), dtype=torch.float32, device=device)
-    ops.reshape_and_cache_flash(k.reshape(n, hkv, head_dim), v.reshape(n, hkv, head_dim), key_cache, value_cache,
-                                torch.cat(slots), "auto", one, one)
-    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    out = torch.empty(n, hq * head_dim, dtype=q.dtype, device=device)
-    flash_attn_varlen_func(q=q.reshape(n, hq, head_dim), k=key_cache, v=value_cache, out=out.view(n, hq, head_dim),
-                           cu_seqlens_q=starts, max_seqlen_q=max(lens),
-                           seqused_k=torch.tensor(lens, dtype=torch.int32, device=device), max_seqlen_k=max(lens),
-                           softmax_scale=head_dim ** -0.5, causal=True, window_size=[-1, -1], block_table=table,
-                           softcap=0, fa_version=3, num_splits=1)
-    return out
-
-
-def _lora_meta(n: int, device: Any) -> Any:
-    """vLLM's LoRA kernel metadata for n tokens, every one on adapter slot 0."""
-    import torch
-    from vllm.lora.ops.triton_ops import LoRAKernelMeta
-
-    meta = LoRAKernelMeta.make(max_loras=1, max_num_tokens=n, device=device)
-    meta.prepare_tensors(torch.zeros(n, dtype=torch.int32, device=device))
-    return meta
-
-
-def exact_forward(model: Any, seqs: list[list[int]], lora_how: str) -> list[Any]:
-    """The trainer's weights through vLLM's own operations, called as functions, in vLLM's order: its
-    batch-invariant RMSNorm (first norm, q/k norms) and fused add-RMSNorm, its batch-invariant GEMM,
-    its LoRA kernels, its rotary kernel with the cache built as vLLM builds it, FlashAttention 3 on a
-    paged KV cache (one split), its SiLU-and-mul, and its prompt-logprob kernel. The sequences are packed
-    into one forward, as the engine packs the prompts of one step (the LoRA shrink kernel's tiling depends
-    on the step's token count). Each sequence's prompt logprobs (fp32, on the host)."""
-    import torch
-    import torch.nn.functional as F
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
-    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
-
-    inner = model.base_model.model.model
-    cfg = model.base_model.model.config
-    device = inner.embed_tokens.weight.device
-    lens = [len(s) for s in seqs]
-    n = sum(lens)
-    tokens = torch.tensor([t for s in seqs for t in s], device=device)
-    positions = torch.cat([torch.arange(length, device=device, dtype=torch.int64) for length in lens])
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    cos_sin = _rope_cache(cfg, head_dim, device)
-    meta = _lora_meta(n, device)
-    eps = cfg.rms_norm_eps
-
-    h = F.embedding(tokens, inner.embed_tokens.weight)
-    residual = None
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if residual is None:
-            residual = h
-            h = rms_norm_batch_invariant(h, layer.input_layernorm.weight, eps)
-        else:
-            ops.fused_add_rms_norm(h, residual, layer.input_layernorm.weight, eps)
-        qkv = _apply_lora(h, _Lora([attn.q_proj, attn.k_proj, attn.v_proj]), lora_how, meta)
-        q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
-        if getattr(attn, "q_norm", None) is not None:
-            q = rms_norm_batch_invariant(q.reshape(n, hq, head_dim), attn.q_norm.weight, eps).view(n, -1)
-            k = rms_norm_batch_invariant(k.reshape(n, hkv, head_dim), attn.k_norm.weight, eps).view(n, -1)
-        ops.rotary_embedding(positions, q, k, head_dim, cos_sin, True)
-        out = _paged_attention(q, k, v, hq, hkv, head_dim, lens)
-        h = _apply_lora(out, _Lora([attn.o_proj]), lora_how, meta)
-        ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm.weight, eps)
-        gate_up = _apply_lora(h, _Lora([mlp.gate_proj, mlp.up_proj]), lora_how, meta)
-        act = torch.empty(n, gate_up.shape[-1] // 2, dtype=h.dtype, device=device)
-        torch.ops._C.silu_and_mul(act, gate_up)
-        h = _apply_lora(act, _Lora([mlp.down_proj]), lora_how, meta)
-    ops.fused_add_rms_norm(h, residual, inner.norm.weight, eps)
-    out_lp, start = [], 0
-    for length in lens:  # row-wise kernels: each sequence's rows but its last, against the next tokens
-        logits = linear_batch_invariant(h[start:start + length - 1], inner.embed_tokens.weight)
-        targets = tokens[start + 1:start + length, None]
-        out_lp.append(compute_token_logprobs(logits, targets)[:, 0].float().cpu())
-        start += length
-    return out_lp
 
 
 def _token_logprobs(logits: Any, targets: list[int]) -> Any:
@@ -574,12 +443,6 @@ def _rms_fp32(x: Any, weight: Any, eps: float) -> Any:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def _lora_parts(module: Any) -> tuple[Any, Any, Any, float]:
-    """(base weight, A, B, scaling) of a PEFT LoRA linear."""
-    return (module.base_layer.weight, module.lora_A["default"].weight, module.lora_B["default"].weight,
-            float(module.scaling["default"]))
-
-
 def _projections(c: _Candidates, calls: dict[str, list[dict[str, Any]]], index: int, hl: Any, n: int) -> None:
     """Each LoRA linear group as vLLM merges it (q/k/v, o, gate/up, down)."""
     groups = {"self_attn.qkv_proj": [hl.self_attn.q_proj, hl.self_attn.k_proj, hl.self_attn.v_proj],
@@ -596,7 +459,7 @@ def _projection(c: _Candidates, name: str, x: Any, mods: list[Any], want: Any) -
     import torch
     import torch.nn.functional as F
 
-    parts = [_lora_parts(m) for m in mods]
+    parts = [exact.lora_parts(m) for m in mods]
     w_cat = torch.cat([p[0] for p in parts])
 
     def fp32_lora(bf16_buffer: bool) -> Any:
@@ -617,8 +480,8 @@ def _projection(c: _Candidates, name: str, x: Any, mods: list[Any], want: Any) -
     c.add(name, "fused base + fp32 LoRA", lambda: fp32_lora(False), want)
     c.add(name, "fused base + bf16-buffer LoRA", lambda: fp32_lora(True), want)
     c.add(name, "vllm gemm + LoRA kernels",
-          lambda: _apply_lora(x, _Lora(mods), "kernels", _lora_meta(x.shape[0], x.device)), want)
-    c.add(name, "vllm gemm + LoRA formula", lambda: _apply_lora(x, _Lora(mods), "formula", None), want)
+          lambda: exact.apply_group(x, _group(mods), exact.lora_meta(x.shape[0], x.device)), want)
+    c.add(name, "vllm gemm + LoRA formula", lambda: _formula(x, _group(mods)), want)
 
 
 def _activation(c: _Candidates, call: dict[str, Any] | None, name: str) -> None:
@@ -645,7 +508,7 @@ def _vllm_rope(positions: Any, q: Any, k: Any, cfg: Any, head_dim: int) -> Any:
     from vllm import _custom_ops as ops
 
     q, k = q.clone(), k.clone()
-    ops.rotary_embedding(positions.long(), q, k, head_dim, _rope_cache(cfg, head_dim, q.device), True)
+    ops.rotary_embedding(positions.long(), q, k, head_dim, exact.rope_cache(cfg, head_dim, q.device, q.dtype), True)
     return q, k
 
 
@@ -663,7 +526,9 @@ def _rotary_and_attention(c: _Candidates, calls: dict[str, list[dict[str, Any]]]
             x = c.dev(call["in"][0])
             c.add(f"layers.{index}.self_attn.{norm_name}", "hf", lambda x=x, h=hnorm: h(x), call["out"])
             c.add(f"layers.{index}.self_attn.{norm_name}", "vllm rms_norm_batch_invariant",
-                  lambda x=x, h=hnorm: _bi().rms_norm_batch_invariant(x, h.weight, h.variance_epsilon), call["out"])
+                  lambda x=x, h=hnorm: exact.batch_invariant_ops().rms_norm_batch_invariant(x, h.weight,
+                                                                                            h.variance_epsilon),
+                  call["out"])
     call = _of_n(calls.get(f"layers.{index}.self_attn.attn", []), n)
     if call is not None:
         _attention(c, f"layers.{index}.self_attn.attn", [c.dev(t) for t in call["in"][:3]], call["out"], attn)
@@ -717,7 +582,7 @@ def _attention(c: _Candidates, name: str, qkv: list[Any], want: Any, attn: Any) 
         heads(q, hq)[None], heads(k, hkv)[None], heads(v, hkv)[None], is_causal=True,
         scale=attn.scaling)[0].transpose(0, 1).reshape(n, -1), want)
     c.add(name, "eager, fp32 softmax", eager, want)
-    c.add(name, "paged fa3, splits 1 (vllm's)", lambda: _paged_attention(q, k, v, hq, hkv, head_dim), want)
+    c.add(name, "paged fa3, splits 1 (vllm's)", lambda: exact.paged_attention(q, k, v, hq, hkv, head_dim), want)
     c.add(name, "flash varlen, fa3 splits 1", lambda: flash(num_splits=1, fa_version=3), want)
     c.add(name, "flash varlen, fa2", lambda: flash(fa_version=2), want)
 

@@ -156,3 +156,18 @@ def test_the_adapter_is_laid_out_as_vllm_loads_it() -> None:
     assert torch.equal(group.b[0][0, 0, :, :6], theirs.lora_b)
     assert torch.equal(group.a[0][0, 0, :6], theirs.lora_a)
     assert lora_group([model.base_model.model.k], rank=8).a is None  # no slice with LoRA: the plain GEMM
+
+
+def test_one_token_is_caught_by_the_max_under_exact_budgets_too(tmp_path: Path) -> None:
+    """bf16 rules: the max catches the token the mean hides (A.parity.mean must pass). Exact: every statistic is
+    bitwise, so the mean fails as well, and the selftest still counts the fault caught by A.parity.max."""
+    from lora_parity.run.selftest import judge
+
+    for budgets, mean_status in (("bf16", CheckStatus.PASS), ("exact", CheckStatus.FAIL)):
+        receipt = execute(RunOptions(**FAKE, budgets=budgets, inject="one-token",
+                                     out=tmp_path / f"{budgets}.json")).receipt
+        checks = by_id(receipt)
+        assert checks["A.parity.max"].status == CheckStatus.FAIL  # type: ignore[attr-defined]
+        assert checks["A.parity.mean"].status == mean_status  # type: ignore[attr-defined]
+        n = receipt.probes.num_scored_positions
+        assert judge("one-token", receipt, set(), {"x"}, ["q_proj"], n).caught

@@ -20,7 +20,6 @@ default rotary) in bf16 or fp16 on CUDA; anything else is refused at start, in o
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from lora_parity.backends.hf import HFTrainer, versions
 from lora_parity.backends.vllm_options import max_lora_rank
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
+from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
@@ -54,10 +54,13 @@ def unsupported(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant: 
     if cfg.sampler.attention_backend not in (None, "FLASH_ATTN"):
         return f"it mirrors FLASH_ATTN, not the config's attention backend {cfg.sampler.attention_backend}"
     try:
-        hf_cfg = json.loads((Path(model_dir) / "config.json").read_text()[:1 << 20])
-    except (OSError, ValueError) as exc:
-        return f"config.json unreadable ({type(exc).__name__})"
-    arch = (hf_cfg.get("architectures") or ["?"])[0]
+        hf_cfg = safe_read.read_json(Path(model_dir) / "config.json")
+    except ConfigError as exc:
+        return str(exc)
+    if not isinstance(hf_cfg, dict):
+        return "config.json is not a JSON object"
+    archs = hf_cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else "?"
     if arch not in ARCHITECTURES:
         return f"it follows {' and '.join(ARCHITECTURES)}, not {arch}"
     rope = hf_cfg.get("rope_scaling") or {}
@@ -83,7 +86,7 @@ class _Group:
 def lora_group(modules: list[Any], rank: int) -> _Group:
     """The vLLM layout of PEFT linears `modules` (a module without LoRA is a zero slice, as vLLM resets
     a slice the adapter does not carry), padded to `rank` (vLLM's max_lora_rank)."""
-    parts = [_parts(m) for m in modules]
+    parts = [lora_parts(m) for m in modules]
     weight = torch.cat([w for w, *_ in parts]).contiguous()
     if all(a is None for _, a, _, _ in parts):
         return _Group(weight, None, None, rank)
@@ -103,7 +106,7 @@ def lora_group(modules: list[Any], rank: int) -> _Group:
     return _Group(weight, tuple(a_out), tuple(b_out), rank)
 
 
-def _parts(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
+def lora_parts(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
     """(base weight, A, B, alpha/r) of a PEFT LoRA linear, or (weight, None, None, 1) of a plain one."""
     if hasattr(module, "base_layer") and "default" in getattr(module, "lora_A", {}):
         return (module.base_layer.weight, module.lora_A["default"].weight, module.lora_B["default"].weight,
@@ -111,11 +114,19 @@ def _parts(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor
     return module.weight, None, None, 1.0
 
 
+def batch_invariant_ops() -> Any:
+    """vLLM's batch-invariant ops module (`model_executor.layers` in 0.26, `model_executor.determinism` later)."""
+    import importlib
+
+    try:
+        return importlib.import_module("vllm.model_executor.layers.batch_invariant")
+    except ModuleNotFoundError:
+        return importlib.import_module("vllm.model_executor.determinism.batch_invariant")
+
+
 def apply_group(x: torch.Tensor, group: _Group, meta: Any) -> torch.Tensor:
     """vLLM's batch-invariant GEMM, then (where the group has LoRA) its shrink and expand kernels."""
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
-
-    y = linear_batch_invariant(x, group.weight)
+    y = batch_invariant_ops().linear_batch_invariant(x, group.weight)
     if group.a is None or group.b is None or meta is None:
         return y
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
@@ -192,7 +203,8 @@ def exact_forward(model: Any, seqs: list[list[int]], rank: int, lora: bool = Tru
     `lora` False: the base model, as the engine serves a request without an adapter."""
     import torch.nn.functional as F
     from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+    bi = batch_invariant_ops()
+    linear_batch_invariant, rms_norm_batch_invariant = bi.linear_batch_invariant, bi.rms_norm_batch_invariant
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
     causal = model.get_base_model()

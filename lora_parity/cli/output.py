@@ -51,8 +51,17 @@ def _row(table: Table, c: Any) -> None:
                   f"[{style}]{c.status.value}[/]")
 
 
+def _equal_row(table: Table, receipt: Receipt, key: str) -> None:
+    """The fraction of bitwise-equal tokens of a trainer-vs-sampler comparison (no check; `--budgets exact`
+    makes A's and C's parity checks bitwise)."""
+    cmp = receipt.comparisons.get(key)
+    if cmp is not None and cmp.equal is not None:
+        table.add_row(f"[dim]{escape(key)}[/]", "bitwise equal", f"{100 * cmp.equal:.4g} %", "", "", "")
+
+
 def _reference_rows(table: Table, receipt: Receipt) -> None:
     """The fp32 reference beside A: how far each side's zero-init scores are from it (no checks)."""
+    _equal_row(table, receipt, "A.trainer_vs_sampler")
     for key in ("R.trainer_vs_fp32", "R.sampler_vs_fp32"):
         cmp = receipt.comparisons.get(key)
         if cmp is not None:
@@ -79,6 +88,8 @@ def checks_table(receipt: Receipt, fold_passing_targets: bool = True) -> Table:
             _reference_rows(table, receipt)
             shown_reference = True
         _row(table, c)
+        if c.id == "C.parity.max":
+            _equal_row(table, receipt, "C.trainer_vs_sampler")
     if fold:
         kinds = {c.id.split(".")[1] for c in targets}
         table.add_row(f"T.* ({len(targets)} checks)", f"{len(kinds)} targets", "", "", "", "[green]pass[/]")
@@ -95,7 +106,7 @@ def summary(receipt: Receipt, path: str) -> dict[str, Any]:
         "failed_checks": [c.id for c in not_passing(receipt.checks, reached=True)],
         "checks": [{"id": c.id, "status": c.status.value, "observed": c.observed, "budget": c.budget, "op": c.op}
                    for c in receipt.checks],
-        "comparisons": {k: {"mean_abs": v.mean_abs, "p99": v.p99, "max_abs": v.max_abs}
+        "comparisons": {k: {"mean_abs": v.mean_abs, "p99": v.p99, "max_abs": v.max_abs, "equal": v.equal}
                         for k, v in receipt.comparisons.items()},
     }
 

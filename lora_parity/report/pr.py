@@ -184,9 +184,16 @@ def _worst_cell(receipt: Receipt, name: str) -> str:
 
 def _comparisons_table(receipt: Receipt) -> Table:
     rows = [[name, f"{c.b} − {c.a}", str(c.n), fmt_num(c.mean_abs), fmt_num(c.p99), fmt_num(c.max_abs),
-             _worst_cell(receipt, name)] for name, c in receipt.comparisons.items()]
-    return Table(["comparison", "diff", "n", "mean |diff|", "p99", "max",
+             _equal_cell(c.equal), _worst_cell(receipt, name)] for name, c in receipt.comparisons.items()]
+    return Table(["comparison", "diff", "n", "mean |diff|", "p99", "max", "bitwise equal",
                   "worst positions (sequence, position, token id: diff)"], rows)
+
+
+def _equal_cell(equal: float | None) -> str:
+    """The fraction of bitwise-equal positions: 100 % only when every one is, '—' where not recorded."""
+    if equal is None:
+        return "—"
+    return "100 %" if equal == 1 else f"{min(100 * equal, 99.9):.1f} %"
 
 
 def _checks_table(checks: Sequence[Check]) -> Table:
@@ -402,7 +409,7 @@ def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = N
         "budgets": receipt.budgets.model_dump(mode="json"),
         "comparisons": {
             name: {"a": c.a, "b": c.b, "n": c.n, "mean_abs": c.mean_abs, "p99": c.p99, "max_abs": c.max_abs,
-                   "worst": [asdict(p) for p in worst_diffs(receipt, name)]}
+                   "equal": c.equal, "worst": [asdict(p) for p in worst_diffs(receipt, name)]}
             for name, c in receipt.comparisons.items()
         },
         "checks": [c.model_dump(mode="json") for c in receipt.checks],
