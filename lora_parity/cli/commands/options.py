@@ -21,7 +21,8 @@ PublicKeyOpt = Annotated[Path | None, typer.Option(
     help="Check each signed receipt's ed25519 signature with this public key (PEM); without it a signed "
          "receipt reads 'signature not checked'.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
-TrainerOpt = Annotated[str, typer.Option(help="Trainer backend: hf, exact (GPU: scores through vLLM's own ops), megatron or tinker.")]
+TrainerOpt = Annotated[str, typer.Option(
+    help="Trainer backend: hf, exact (GPU: scores through vLLM's own ops), megatron or tinker.")]
 SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, sglang (GPU), hf or tinker.")]
 SamplerUrlOpt = Annotated[str | None, typer.Option(
     help="Attach --sampler vllm-server or sglang to this running server instead of starting one (recorded "
