@@ -146,3 +146,44 @@ def test_bad_update_is_refused_before_anything_loads(tmp_path: Path) -> None:
     done = cli("run", "--update", "adam", "--out", str(tmp_path / "r.json"))
     assert done.returncode == 2 and "unknown update 'adam'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
+
+
+def test_the_hf_step_computes_the_gradient_once_and_steps_bitwise_as_without_the_cache(tmp_path: Path) -> None:
+    """The learning-rate search steps from one start point on the same tokens: the gradient is taken once, and
+    each step equals, bit for bit, a trainer's first step at that learning rate with nothing cached."""
+    import torch
+
+    from lora_parity.backends.hf import HFTrainer
+    from lora_parity.models import config
+    from lora_parity.run import start_adapter
+
+    from .conftest import llama_with_adapter
+
+    ckpt, adapter = llama_with_adapter(tmp_path, ["q_proj", "v_proj", "down_proj"])
+    cfg = start_adapter.apply(config.load(str(ckpt)), adapter)
+    sequences = [[1, 5, 9, 33, 70, 2, 400, 17], [3, 4, 5, 6, 7, 8]]
+
+    def lora(trainer: HFTrainer) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+    searched = HFTrainer(cfg, ckpt, 0, {})
+    for lr in (1e-3, 4e-3, 2e-3):
+        searched.zero_b()
+        searched.step(sequences, lr, 0)
+    assert searched.gradients.computed == 1
+    fresh = HFTrainer(cfg, ckpt, 0, {})
+    fresh.step(sequences, 2e-3, 0)
+    assert fresh.gradients.computed == 1
+    mine, theirs = lora(searched), lora(fresh)
+    assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+    assert any(not torch.equal(t, s) for t, s in zip(theirs.values(), lora(HFTrainer(cfg, ckpt, 0, {})).values()))
+    searched.zero_b()
+    searched.step(sequences, 2e-3, 0, only="q_proj")  # another target kind: its own gradient
+    searched.zero_b()
+    searched.step(sequences[:1], 2e-3, 0)  # other tokens: their own gradient
+    assert searched.gradients.computed == 3
+    searched.load_start_adapter(adapter)  # a new start point: nothing cached applies
+    assert not searched.gradients.grads
+    with pytest.raises(Exception, match="not at the start point"):
+        searched.step(sequences, 1e-3, 0)
+        searched.step(sequences, 1e-3, 0)

@@ -15,11 +15,11 @@ import peft
 import torch
 import transformers
 
+from lora_parity.backends import hf_step
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.backends.moe import Routes, hf_router_topk
 from lora_parity.backends.raw_tensors import to_raw
-from lora_parity.evidence.receipt import BackendInfo, Perturbation, TensorChange
-from lora_parity.models import update_step
+from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import add_noise, is_lora_b, noise_seed, target_kind
@@ -181,6 +181,8 @@ class HFTrainer(TrainerBackend):
         """The starting adapter's B tensors (`load_start_adapter`); None: zero-init."""
         self.start_a = self._copy_a()
         """Every A at the start point (a step moves A; `zero_b` puts it back)."""
+        self.gradients = hf_step.GradientCache()
+        """The loss's gradient at the start point, per sequences and target kind (`step`)."""
         timings["trainer.load"] = time.perf_counter() - start
 
     @torch.no_grad()
@@ -203,6 +205,7 @@ class HFTrainer(TrainerBackend):
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
         self.start_b = {n: p.detach().clone() for n, p in self._lora_b()}
         self.start_a = self._copy_a()
+        self.gradients.clear()  # a new start point
 
     def _copy_a(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if "lora_A" in n}
@@ -241,54 +244,11 @@ class HFTrainer(TrainerBackend):
     def step(self, sequences: Sequences, learning_rate: float, seed: int, only: str | None = None) -> Perturbation:
         """One `torch.optim.AdamW` step (betas 0.9/0.999, eps 1e-8, weight decay 0, fresh state) on every
         lora_A and lora_B (or target kind `only`'s), autograd through PEFT, loss = −mean logprob of
-        `sequences` (every scored position, one sequence per forward, fp32 log-softmax); dropout is 0.
-        Refuses unless every LoRA tensor is at the start point, or if a non-adapter parameter is trainable."""
-        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and "lora_" not in n]
-        if trainable:
-            raise PhaseError(f"refusing to step: non-adapter parameter {trainable[0]} is trainable")
-        params = [(n, p) for n, p in self.model.named_parameters()
-                  if "lora_" in n and (only is None or target_kind(n) == only)]
-        if not params:
-            raise PhaseError(f"no LoRA tensors{' of ' + only if only else ''} to step")
-        for name, p in params:
-            start = (self.start_a.get(name) if "lora_A" in name else
-                     self.start_b[name] if self.start_b is not None else torch.zeros_like(p))
-            if start is not None and not torch.equal(p, start):
-                raise PhaseError(f"refusing to step: {name} is not at the start point")
-        chosen = {id(p) for _, p in params}
-        saved = {n: p.requires_grad for n, p in self.model.named_parameters()}
-        before = {n: p.detach().float().clone() for n, p in params}
-        try:
-            for _, p in self.model.named_parameters():
-                p.requires_grad_(id(p) in chosen)
-            optimizer = torch.optim.AdamW([p for _, p in params], lr=learning_rate, betas=(0.9, 0.999), eps=1e-8,
-                                          weight_decay=0.0)
-            optimizer.zero_grad(set_to_none=True)
-            num_positions = sum(len(seq) - 1 for seq in sequences)
-            for seq in sequences:
-                ids = torch.tensor([seq], device=self.device)
-                logits = self.model(input_ids=ids).logits[0, :-1].float()
-                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-                (-logprobs.sum() / num_positions).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        finally:
-            for n, p in self.model.named_parameters():
-                p.requires_grad_(saved[n])
-        changes: dict[str, list[float]] = {}
-        with torch.no_grad():
-            for name, p in params:
-                acc = changes.setdefault(update_step.group_of(name), [0, 0.0, 0.0])
-                acc[0] += 1
-                acc[1] += float(before[name].double().pow(2).sum())
-                acc[2] += float((p.detach().float() - before[name]).double().pow(2).sum())
-        return Perturbation(kind="optimizer_step", seed=seed, std=0.0, num_tensors=len(params),
-                            num_elements=sum(p.numel() for _, p in params), tensors=[n for n, _ in params],
-                            learning_rate=learning_rate, optimizer=update_step.OPTIMIZER,
-                            objective=update_step.OBJECTIVE,
-                            tensor_changes={g: TensorChange(num_tensors=int(n), l2_before=math.sqrt(b),
-                                                            l2_change=math.sqrt(c))
-                                            for g, (n, b, c) in sorted(changes.items())})
+        `sequences` (every scored position, one sequence per forward, fp32 log-softmax); dropout is 0. The
+        gradient at the start point is computed once per sequences and kind (`hf_step`). Refuses unless every
+        LoRA tensor is at the start point, or if a non-adapter parameter is trainable."""
+        return hf_step.step(self.model, sequences, learning_rate, seed, only, self.device, self.start_a, self.start_b,
+                            self.gradients)
 
     @torch.no_grad()
     def zero_b(self) -> None:
