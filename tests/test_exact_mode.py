@@ -118,7 +118,9 @@ def test_the_exact_trainer_refuses_on_this_machine_in_one_line(tmp_path: Path) -
 
 @pytest.mark.parametrize(("args", "said"), [
     (["--sampler", "hf"], "mirrors the in-process vllm sampler, not hf"),
+    (["--sampler", "vllm-server"], "mirrors the in-process vllm sampler, not vllm-server"),
     (["--sync", "merged"], "--sync merged serves merged weights"),
+    (["--sync", "memory"], "--sync memory serves merged weights"),
 ])
 def test_the_cli_refuses_pairs_the_exact_trainer_cannot_mirror(args: list[str], said: str, tmp_path: Path) -> None:
     result = cli("run", "--model", "tiny-qwen3", "--trainer", "exact", *args, "--out", str(tmp_path / "r.json"))
@@ -126,6 +128,25 @@ def test_the_cli_refuses_pairs_the_exact_trainer_cannot_mirror(args: list[str], 
     assert said in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_pair_is_refused_before_torch_is_imported() -> None:
+    from lora_parity.run.options import RunOptions as Options
+    from lora_parity.run.preflight import check_options
+
+    code = ("import sys\nfrom lora_parity.models import config\nfrom lora_parity.run.options import RunOptions\n"
+            "from lora_parity.run.preflight import check_options\n"
+            "try:\n    check_options(RunOptions(trainer='exact', sampler='hf'), config.load('tiny-qwen3'))\n"
+            "except Exception as e:\n    print(type(e).__name__)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm') if m in sys.modules))")
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.split() == ["ConfigError", "[]"], out.stdout + out.stderr
+    check_options(Options(trainer="exact", sampler="vllm"), config.load("tiny-qwen3"))  # the pair it mirrors
 
 
 def test_the_adapter_is_laid_out_as_vllm_loads_it() -> None:

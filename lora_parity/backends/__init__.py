@@ -1,6 +1,5 @@
-"""backends: the trainers and samplers (hf, exact, vllm, vllm-server, sglang, megatron, tinker, fake) behind
-`base`'s protocols, registered by name as "module:Class" and imported only when asked for (torch, vLLM live
-here).
+"""backends: the trainers and samplers (hf, exact, vllm, vllm-server, sglang, megatron, tinker, fake), each
+registered by name as "module:Class" and imported only when asked for (torch and vLLM live here).
 May import util/, evidence/ and models/ only; never run/, verdict/, report/ or cli/.
 
 A new backend registers with `register("trainer" | "sampler", name, "module:Class")` (or the class
@@ -33,6 +32,9 @@ SAMPLERS: dict[str, object] = {
     "fake": "lora_parity.backends.fake:FakeSampler",
     "tinker": "lora_parity.backends.tinker:TinkerSampler",
 }
+MIRRORS = {"exact": "vllm"}
+"""Trainers that compute what one sampler computes, as a LoRA (`--trainer exact`: vLLM's own operations): with
+another sampler or a merged sync mode they are refused by name, before any import."""
 PAIRED = frozenset({"tinker"})
 """Backends that are both roles of one service: named for one role, they must be named for the other
 too (checked by name, before any import)."""

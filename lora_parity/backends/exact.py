@@ -15,7 +15,8 @@ on the step's token count).
 Measured (scripts/exact-ops.py, H200): 100 % of tokens bitwise equal to the engine's, where HF+PEFT's own
 forward matches 1.6 %. There is no backward through these kernels: the update (noise, or a step through
 PEFT's autograd) is the `hf` trainer's, and only the scoring is exact. Llama and Qwen3 (dense, SiLU,
-default rotary) in bf16 or fp16 on CUDA; anything else is refused at start, in one line.
+default rotary) in bf16 or fp16 on CUDA; anything else is refused at start, in one line (another sampler and
+the merged sync modes before any import: `backends.MIRRORS`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lora_parity.backends.base import BackendOptions, PreflightOptions, Scores, Sequences
+from lora_parity.backends.base import BackendOptions, Scores, Sequences
 from lora_parity.backends.hf import HFTrainer, versions
 from lora_parity.backends.vllm_options import max_lora_rank
 from lora_parity.evidence.receipt import BackendInfo
@@ -270,14 +271,6 @@ class ExactTrainer(HFTrainer):
         self._vllm_version = vllm.__version__
         self.rank = max_lora_rank(cfg.adapter.rank)
         super().__init__(cfg, model_dir, seed, timings)
-
-    @classmethod
-    def preflight(cls, opts: PreflightOptions) -> None:
-        """It mirrors the in-process `vllm` sampler serving the adapter as a LoRA (not merged weights)."""
-        if opts.sampler != "vllm":
-            raise ConfigError(f"--trainer exact mirrors the in-process vllm sampler, not {opts.sampler}")
-        if opts.sync in ("merged", "memory"):
-            raise ConfigError(f"--trainer exact mirrors vLLM's LoRA kernels; --sync {opts.sync} serves merged weights")
 
     @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],

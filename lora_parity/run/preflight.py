@@ -17,6 +17,7 @@ from lora_parity.run.faults import Faults, check_crash_phase, require_applies
 from lora_parity.run.options import RunOptions
 from lora_parity.run.phases import phase_names
 from lora_parity.run.sync import SyncMode
+from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import ConfigError
 
 REFERENCES = ("fp32", "none")
@@ -101,6 +102,12 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     paired = next((name for name in (opts.trainer, opts.sampler) if name in backends.PAIRED), None)
     if paired is not None and opts.trainer != opts.sampler:
         raise ConfigError(f"the {paired} backends work as a pair: --trainer {paired} --sampler {paired}")
+    mirrored = backends.MIRRORS.get(opts.trainer)
+    if mirrored is not None and opts.sampler != mirrored:
+        raise ConfigError(f"--trainer {opts.trainer} mirrors the in-process {mirrored} sampler, not {opts.sampler}")
+    if mirrored is not None and not sync_mode_named(opts.sync).sampler_lora:
+        raise ConfigError(f"--trainer {opts.trainer} mirrors {mirrored}'s LoRA kernels; --sync {opts.sync} serves "
+                          "merged weights")
     Faults(opts.inject, list(cfg.adapter.targets), 1, cfg.budgets.mean, opts.sync,
            sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
     check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
