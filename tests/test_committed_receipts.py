@@ -44,13 +44,6 @@ EXPECTED_NOT_PASSING = {
     # passed (the exact check too); numerics failed on C.parity.max alone, one token after BOS 1.75 nats
     # apart after the update against 0.91 predicted (docs/verdicts.md, "Third H200 session").
     "smollm2-135m-bf16-path.random.seed-03.20ae6da9__hf__vllm__h200.json",
-    # SmolLM2-135M bf16 by path with 10x the probe tokens (1920) and per-target coverage, hf trainer, at 4137471
-    # (issue 26's bench found it): sync passed (X exact, every C.delta and T.* check); numerics failed on
-    # C.parity.max alone, one token right after BOS 3.17 nats apart after the update (trainer moved -1.98,
-    # sampler +1.45; both were 0.8 and 0.6 from fp32 there at zero-init) against A's max ceiling of 2.0.
-    # Seed 1 of the same run passes; the exact trainer on the same probes gives A and C of exactly 0
-    # (docs/verdicts.md, "The exact trainer").
-    "smollm2-135m-bf16-path.x10-per-target.seed-0__hf__vllm__h200.json",
 }
 
 
