@@ -103,6 +103,14 @@ def test_unsupported_names_what_the_exact_trainer_cannot_mirror(tmp_path: Path) 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                       "rope_scaling": {"rope_type": "llama3"}}))
     assert "rotary" in (unsupported(cfg, tmp_path, cuda=True, batch_invariant=True) or "")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                      "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    assert "rotary" in (unsupported(cfg, tmp_path, cuda=True, batch_invariant=True) or "")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}))
+    assert unsupported(cfg, tmp_path, cuda=True, batch_invariant=True) is None
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert "not a JSON object" in (unsupported(cfg, tmp_path, cuda=True, batch_invariant=True) or "")
 
 
 def test_the_exact_trainer_refuses_on_this_machine_in_one_line(tmp_path: Path) -> None:

@@ -64,9 +64,9 @@ def unsupported(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant: 
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else "?"
     if arch not in ARCHITECTURES:
         return f"it follows {' and '.join(ARCHITECTURES)}, not {arch}"
-    rope = hf_cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "?"
-    if rope_type not in ("default", None) or hf_cfg.get("hidden_act", "silu") != "silu" \
+    ropes = [hf_cfg.get("rope_scaling") or {}, hf_cfg.get("rope_parameters") or {}]  # transformers 4 and 5
+    rope_types = {r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "?" for r in ropes}
+    if not rope_types <= {"default", None} or hf_cfg.get("hidden_act", "silu") != "silu" \
             or hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
         return "it follows default rotary, SiLU and no bias; this checkpoint differs"
     return None
