@@ -180,8 +180,10 @@ _SPY = textwrap.dedent("""
                                   ("--inject", "stale-path"), ("--reference", "fp64"), ("--tp", "0"),
                                   ("--out", "EXISTING"), ("--inject", "crash-at=typo"), ("--probes", "text"),
                                   ("--probes", "NO_FILE"), ("--probes", "default-x100000000"),
-                                  ("--trainer", "tinker"), ("--sampler", "tinker")])
-def test_bad_option_values_are_refused_before_heavy_imports(args: tuple[str, str], tmp_path: Path) -> None:
+                                  ("--trainer", "tinker"), ("--sampler", "tinker"),
+                                  ("--trainer", "exact", "--sampler", "hf"),
+                                  ("--trainer", "exact", "--sync", "merged")])
+def test_bad_option_values_are_refused_before_heavy_imports(args: tuple[str, ...], tmp_path: Path) -> None:
     existing = tmp_path / "exists.json"
     existing.write_text("{}")
     argv = [a.replace("EXISTING", str(existing)).replace("NO_FILE", str(tmp_path / "none.jsonl")) for a in args]

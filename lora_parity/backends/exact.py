@@ -128,7 +128,7 @@ def batch_invariant_ops() -> Any:
 def apply_group(x: torch.Tensor, group: _Group, meta: Any) -> torch.Tensor:
     """vLLM's batch-invariant GEMM, then (where the group has LoRA) its shrink and expand kernels."""
     y = batch_invariant_ops().linear_batch_invariant(x, group.weight)
-    if group.a is None or group.b is None or meta is None:
+    if group.a is None or group.b is None:
         return y
     from vllm.lora.ops.triton_ops import lora_expand, lora_shrink
 
@@ -198,10 +198,9 @@ def layer_groups(layer: Any, rank: int) -> dict[str, _Group]:
 
 
 @torch.inference_mode()
-def exact_forward(model: Any, seqs: list[list[int]], rank: int, lora: bool = True) -> list[torch.Tensor]:
+def exact_forward(model: Any, seqs: list[list[int]], rank: int) -> list[torch.Tensor]:
     """The prompt logprobs (fp32, on the host) of each of `seqs`, packed into one forward of the PEFT
-    `model`'s weights through vLLM's operations (module docstring); `rank`: the sampler's max_lora_rank;
-    `lora` False: the base model, as the engine serves a request without an adapter."""
+    `model`'s weights through vLLM's operations (module docstring); `rank`: the sampler's max_lora_rank."""
     import torch.nn.functional as F
     from vllm import _custom_ops as ops
     bi = batch_invariant_ops()
@@ -218,7 +217,7 @@ def exact_forward(model: Any, seqs: list[list[int]], rank: int, lora: bool = Tru
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     cos_sin = rope_cache(cfg, head_dim, device, inner.embed_tokens.weight.dtype)
-    meta = lora_meta(n, device) if lora else None
+    meta = lora_meta(n, device)
     eps = cfg.rms_norm_eps
 
     h = F.embedding(tokens, inner.embed_tokens.weight)
