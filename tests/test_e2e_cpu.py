@@ -100,7 +100,7 @@ def _batched_config(tmp_path: Path, batch_size: int) -> Path:
     text = (configs_dir() / "tiny-qwen3.yaml").read_text(encoding="utf-8")
     path = tmp_path / "tiny-qwen3-batched.yaml"
     path.write_text(text.replace("name: tiny-qwen3", "name: tiny-qwen3-batched")
-                    + f"scoring:\n  batch_size: {batch_size}\n", encoding="utf-8")
+                    + f"scoring:\n  batch_size: {batch_size}\n  trainer_tokens: 0\n", encoding="utf-8")
     return path
 
 
@@ -119,8 +119,30 @@ def test_hf_batched_forward_equals_one_sequence_per_forward() -> None:
     model = load_base(cfg, materialize(cfg), torch.device("cpu"))
     one = score_sequences(model, sequences, torch.device("cpu"))
     batched = score_sequences(model, sequences, torch.device("cpu"), batch_size=3)
-    assert [len(s) for s in batched] == [len(s) - 1 for s in sequences]
-    assert max(abs(a - b) for x, y in zip(one, batched, strict=True) for a, b in zip(x, y, strict=True)) < 1e-4
+    packed = score_sequences(model, sequences, torch.device("cpu"), pack=2 * max(len(s) for s in sequences))
+    for other in (batched, packed):
+        assert [len(s) for s in other] == [len(s) - 1 for s in sequences]
+        assert max(abs(a - b) for x, y in zip(one, other, strict=True) for a, b in zip(x, y, strict=True)) < 1e-4
+
+
+def test_trainer_packs_sequences_by_tokens_and_keeps_moe_models_one_per_forward(matrix) -> None:
+    from types import SimpleNamespace
+
+    from lora_parity.backends.hf import groups, pack_tokens
+    from lora_parity.models.config import load as load_config
+
+    seqs = [[1] * n for n in (10, 30, 20, 5, 40)]
+    # padded tokens per group: 2 x 30 = 60, then 20 + 5 fit (2 x 20 = 40; with 40 it would be 3 x 40 = 120)
+    assert groups(seqs, pack_tokens=60) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert groups(seqs, pack_tokens=1) == [slice(i, i + 1) for i in range(5)]  # a sequence longer than it
+    assert groups(seqs, batch_size=2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert groups(seqs, pack_tokens=10_000) == [slice(0, 5)]
+    cfg = load_config("tiny-qwen3")
+    assert pack_tokens(cfg, SimpleNamespace(config=SimpleNamespace(num_experts=0))) == cfg.scoring.trainer_tokens > 0
+    assert pack_tokens(cfg, SimpleNamespace(config=SimpleNamespace(num_experts=8))) == 0
+    assert pack_tokens(cfg, SimpleNamespace(config=SimpleNamespace(n_routed_experts=4))) == 0
+    clean = load(Path(next(r for r in matrix.rows if r.fault.startswith("none")).receipt))[0]
+    assert clean.trainer.settings["forward"].startswith("sequences packed up to 2048 padded tokens per forward")
 
 
 def test_batched_scoring_run_passes_and_matches_unbatched(matrix, tmp_path: Path) -> None:

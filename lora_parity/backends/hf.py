@@ -48,14 +48,47 @@ def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: st
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
+def groups(sequences: Sequences, batch_size: int = 1, pack_tokens: int = 0) -> list[slice]:
+    """Consecutive groups of `sequences`, one forward each: `batch_size` sequences, or with `pack_tokens`
+    as many as fit in that many tokens once right-padded to the group's longest (at least one), so a
+    scoring pass takes forwards in proportion to its tokens, not to its sequences."""
+    out: list[slice] = []
+    start = 0
+    while start < len(sequences):
+        end, width = start + 1, len(sequences[start])
+        while end < len(sequences):
+            grown = max(width, len(sequences[end]))
+            if (grown * (end + 1 - start) > pack_tokens) if pack_tokens else end - start >= batch_size:
+                break
+            end, width = end + 1, grown
+        out.append(slice(start, end))
+        start = end
+    return out
+
+
+def is_moe(model: Any) -> bool:
+    """Whether an HF model routes tokens to experts (its config names experts): routing can depend on what
+    else is in the batch, so such a model is scored one sequence per forward."""
+    config = getattr(model, "config", None)
+    return any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def pack_tokens(cfg: ModelConfig, model: Any) -> int:
+    """The trainer's tokens per forward (`scoring.trainer_tokens`); 0 (`scoring.batch_size` sequences per
+    forward) for an MoE model."""
+    return 0 if is_moe(model) else cfg.scoring.trainer_tokens
+
+
 @torch.inference_mode()
-def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1) -> Scores:
-    """`batch_size` sequences per forward, right-padded (causal attention never looks at the padding);
-    log-softmax in fp32; aligned by the rule in backends/base.py. The token logprobs stay on the device
-    until every forward is done, then come to the host in one transfer (a GPU waits once, not per row)."""
+def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1,
+                    pack: int = 0) -> Scores:
+    """One forward per group (`groups`: `batch_size` sequences, or `pack` tokens), right-padded (causal
+    attention never looks at the padding); log-softmax in fp32; aligned by the rule in backends/base.py.
+    The token logprobs stay on the device until every forward is done, then come to the host in one
+    transfer (a GPU waits once, not per row)."""
     gathered: list[torch.Tensor] = []
-    for start in range(0, len(sequences), batch_size):
-        group = sequences[start:start + batch_size]
+    for part in groups(sequences, batch_size, pack):
+        group = sequences[part]
         width = max(len(seq) for seq in group)
         ids = torch.zeros((len(group), width), dtype=torch.long, device=device)
         mask = torch.zeros((len(group), width), dtype=torch.long, device=device)
@@ -98,10 +131,12 @@ def generate_one(model: Any, prompt: list[int], max_tokens: int, seed: int, devi
     return seq, logprobs
 
 
-def forward_description(cfg: ModelConfig) -> str:
-    """How the HF backends group sequences, for the receipt."""
+def forward_description(cfg: ModelConfig, pack: int = 0) -> str:
+    """How an HF backend groups sequences (`pack`: the trainer's tokens per forward), for the receipt."""
     n = cfg.scoring.batch_size
     grouping = "one sequence per forward" if n == 1 else f"{n} sequences per forward, right-padded"
+    if pack:
+        grouping = f"sequences packed up to {pack} padded tokens per forward, right-padded"
     return f"{grouping}, log-softmax in fp32"
 
 
@@ -116,7 +151,7 @@ def fp32_reference(cfg: ModelConfig, model_dir: Path, adapter: Path | None = Non
         if adapter is not None:
             model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device).eval()
         try:
-            return score_sequences(model, sequences, device, cfg.scoring.batch_size)
+            return score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model))
         finally:
             del model
             if device.type == "cuda":
@@ -177,6 +212,8 @@ class HFTrainer(TrainerBackend):
             init_lora_weights=True,
         )
         self.model = peft.get_peft_model(base, lora).to(self.device).eval()
+        self.pack = pack_tokens(cfg, base)
+        """Tokens per scoring forward (0: `scoring.batch_size` sequences)."""
         self.start_b: dict[str, torch.Tensor] | None = None
         """The starting adapter's B tensors (`load_start_adapter`); None: zero-init."""
         self.start_a = self._copy_a()
@@ -211,7 +248,7 @@ class HFTrainer(TrainerBackend):
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if "lora_A" in n}
 
     def score(self, sequences: Sequences) -> Scores:
-        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
+        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack)
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k experts per MoE layer under the current adapter (None: dense model)."""
@@ -304,7 +341,7 @@ class HFTrainer(TrainerBackend):
         return BackendInfo(backend="hf", versions=versions(), settings={
             "dtype": self.cfg.model.dtype, "device": device_name(self.device), "rank": self.cfg.adapter.rank,
             "alpha": self.cfg.adapter.alpha, "targets": list(self.cfg.adapter.targets), "dropout": 0.0,
-            "forward": forward_description(self.cfg),
+            "forward": forward_description(self.cfg, self.pack),
         })
 
     def close(self) -> None:

@@ -254,8 +254,14 @@ class ScoringSpec(_Cfg):
     depend on what else is in the batch (capacity, kernel choice)."""
 
     batch_size: int = Field(default=1, gt=0)
-    """Sequences per HF forward (right-padded; causal attention never looks at the padding) and
-    per vLLM `generate` call. The megatron and tinker backends score one sequence at a time."""
+    """Sequences per vLLM `generate` call and per forward of the HF sampler and the exact trainer
+    (right-padded; causal attention never looks at the padding). The megatron and tinker backends
+    score one sequence at a time."""
+    trainer_tokens: int = Field(default=2048, ge=0)
+    """The HF trainer (and the fp32 reference) packs consecutive sequences into one forward up to this
+    many right-padded tokens, so a scoring pass at 10x the tokens takes forwards in proportion to its
+    tokens, not to its sequences; 0: `batch_size` sequences per forward. MoE models keep one sequence
+    per forward (routing can depend on the batch)."""
 
 
 class ModelConfig(_Cfg):
