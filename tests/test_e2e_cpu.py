@@ -100,7 +100,7 @@ def _batched_config(tmp_path: Path, batch_size: int) -> Path:
     text = (configs_dir() / "tiny-qwen3.yaml").read_text(encoding="utf-8")
     path = tmp_path / "tiny-qwen3-batched.yaml"
     path.write_text(text.replace("name: tiny-qwen3", "name: tiny-qwen3-batched")
-                    + f"scoring:\n  batch_size: {batch_size}\n  trainer_tokens: 0\n", encoding="utf-8")
+                    + f"scoring:\n  batch_size: {batch_size}\n  pack_tokens: 0\n", encoding="utf-8")
     return path
 
 
@@ -128,7 +128,8 @@ def test_hf_batched_forward_equals_one_sequence_per_forward() -> None:
 def test_trainer_packs_sequences_by_tokens_and_keeps_moe_models_one_per_forward(matrix) -> None:
     from types import SimpleNamespace
 
-    from lora_parity.backends.hf import groups, pack_tokens
+    from lora_parity.backends.base import groups
+    from lora_parity.backends.hf import pack_tokens
     from lora_parity.models.config import load as load_config
 
     seqs = [[1] * n for n in (10, 30, 20, 5, 40)]
@@ -138,11 +139,28 @@ def test_trainer_packs_sequences_by_tokens_and_keeps_moe_models_one_per_forward(
     assert groups(seqs, batch_size=2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert groups(seqs, pack_tokens=10_000) == [slice(0, 5)]
     cfg = load_config("tiny-qwen3")
-    assert pack_tokens(cfg, SimpleNamespace(config=SimpleNamespace(num_experts=0))) == cfg.scoring.trainer_tokens > 0
-    assert pack_tokens(cfg, SimpleNamespace(config=SimpleNamespace(num_experts=8))) == 0
-    assert pack_tokens(cfg, SimpleNamespace(config=SimpleNamespace(n_routed_experts=4))) == 0
+
+    def model(**fields: int) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(to_dict=lambda: fields))
+
+    assert pack_tokens(cfg, model(num_experts=0)) == cfg.scoring.pack_tokens > 0
+    assert pack_tokens(cfg, model(num_experts=8)) == 0
+    assert pack_tokens(cfg, model(n_routed_experts=4)) == 0
     clean = load(Path(next(r for r in matrix.rows if r.fault.startswith("none")).receipt))[0]
     assert clean.trainer.settings["forward"].startswith("sequences packed up to 2048 padded tokens per forward")
+    assert clean.sampler.settings["scoring"].startswith("one request per sequence")  # vLLM-CPU: not invariant
+
+
+def test_the_vllm_sampler_packs_only_with_batch_invariant_kernels_and_never_an_moe_model(tmp_path: Path) -> None:
+    from lora_parity.backends.vllm import packing
+    from lora_parity.models.config import load as load_config
+
+    cfg = load_config("tiny-qwen3")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}), encoding="utf-8")
+    assert packing(cfg, tmp_path, invariant=True) == cfg.scoring.pack_tokens
+    assert packing(cfg, tmp_path, invariant=False) == 0
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 8}), encoding="utf-8")
+    assert packing(cfg, tmp_path, invariant=True) == 0
 
 
 def test_batched_scoring_run_passes_and_matches_unbatched(matrix, tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ Token alignment (the rule every other module points to as "the alignment rule in
 for a sequence of n token ids, every `score` returns n - 1 values, and entry t is
 log p(tokens[t+1] | tokens[:t+1]), computed in fp32 from the model's logits. There is no value for
 the first token; an engine that returns one for it (vLLM's `prompt_logprobs` entry 0 is None)
-drops it and checks the length. Each sequence is scored on its own (one sequence per forward or
-request) unless the config batches them, because batching changes numbers on real backends.
+drops it and checks the length. Sequences are grouped into forwards or requests by the config
+(`scoring`, `groups`), the same way in every phase, because batching changes numbers on real backends.
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
@@ -19,6 +19,7 @@ test with `isinstance`/`issubclass`, never by probing attributes. Every backend 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
@@ -34,6 +35,34 @@ Sequences = list[list[int]]
 Scores = list[list[float]]
 Routes = list[list[list[list[int]]]]
 """[sequence][token][MoE layer] -> the token's top-k expert ids, ascending."""
+
+
+def groups(sequences: Sequences, batch_size: int = 1, pack_tokens: int = 0) -> list[slice]:
+    """Consecutive groups of `sequences`, one forward or generate call each: `batch_size` sequences, or
+    with `pack_tokens` as many as fit in that many tokens once right-padded to the group's longest (at
+    least one), so a scoring pass takes calls in proportion to its tokens, not to its sequences."""
+    out: list[slice] = []
+    start = 0
+    while start < len(sequences):
+        end, width = start + 1, len(sequences[start])
+        while end < len(sequences):
+            grown = max(width, len(sequences[end]))
+            if (grown * (end + 1 - start) > pack_tokens) if pack_tokens else end - start >= batch_size:
+                break
+            end, width = end + 1, grown
+        out.append(slice(start, end))
+        start = end
+    return out
+
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""config.json fields that name a model's experts."""
+
+
+def routes_experts(config: Mapping[str, object]) -> bool:
+    """Whether a model's config (config.json's fields) names experts: routing can depend on what else is
+    in the batch, so such a model is scored one sequence per forward or request, never packed."""
+    return any(config.get(key) for key in MOE_KEYS)
 
 
 @dataclass(frozen=True)

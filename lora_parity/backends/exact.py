@@ -8,7 +8,7 @@ one step of prompts in eager, batch-invariant mode (vLLM 0.26 on CUDA): its batc
 expand kernels with the adapter as vLLM holds it (cast to the model's dtype, B times alpha/r rounded
 there, padded to max_lora_rank, the merged q/k/v and gate/up slices side by side), its rotary kernel with
 the cos/sin cache built as vLLM builds it, FlashAttention 3 on a paged KV cache with one split, its
-SiLU-and-mul and its prompt-logprob kernel. A group of `scoring.batch_size` sequences is packed into one
+SiLU-and-mul and its prompt-logprob kernel. The sampler's groups (`vllm.packing`) are each packed into one
 forward, as the sampler's one generate call packs them into one step (the shrink kernel's tiling depends
 on the step's token count).
 
@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from lora_parity.backends.base import BackendOptions, Scores, Sequences
+from lora_parity.backends.base import BackendOptions, Scores, Sequences, groups
 from lora_parity.backends.hf import HFTrainer, versions
+from lora_parity.backends.vllm import packing
 from lora_parity.backends.vllm_options import max_lora_rank
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
@@ -270,6 +271,7 @@ class ExactTrainer(HFTrainer):
         self._vllm_version = vllm.__version__
         self.rank = max_lora_rank(cfg.adapter.rank)
         super().__init__(cfg, model_dir, seed, timings)
+        self.pack = packing(cfg, model_dir, invariant=True)  # the vllm sampler's, which it mirrors
 
     @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
@@ -278,16 +280,18 @@ class ExactTrainer(HFTrainer):
         return cls(cfg, model_dir, options.seed, timings, batch_invariant=options.batch_invariant)
 
     def score(self, sequences: Sequences) -> Scores:
-        """`scoring.batch_size` sequences per forward, packed as the sampler packs one generate call."""
-        batch = self.cfg.scoring.batch_size
+        """The sampler's groups (`vllm.packing`: batch-invariant on CUDA), each packed into one forward as the
+        sampler packs one generate call."""
         out: Scores = []
-        for start in range(0, len(sequences), batch):
-            out += [row.tolist() for row in exact_forward(self.model, sequences[start:start + batch], self.rank)]
+        for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
+            out += [row.tolist() for row in exact_forward(self.model, sequences[part], self.rank)]
         return out
 
     def info(self) -> BackendInfo:
         n = self.cfg.scoring.batch_size
         grouping = "one sequence per forward" if n == 1 else f"{n} sequences packed per forward"
+        if self.pack:
+            grouping = f"sequences up to {self.pack} tokens packed per forward"
         base = super().info()
         return BackendInfo(backend="exact", versions=versions() | {"vllm": self._vllm_version},
                            settings=base.settings | {"forward": FORWARD.format(grouping=grouping),

@@ -16,7 +16,16 @@ import torch
 import transformers
 
 from lora_parity.backends import hf_step
-from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
+from lora_parity.backends.base import (
+    AdapterHandle,
+    BackendTraits,
+    SamplerBackend,
+    Scores,
+    Sequences,
+    TrainerBackend,
+    groups,
+    routes_experts,
+)
 from lora_parity.backends.moe import Routes, hf_router_topk
 from lora_parity.backends.raw_tensors import to_raw
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
@@ -48,35 +57,11 @@ def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: st
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
-def groups(sequences: Sequences, batch_size: int = 1, pack_tokens: int = 0) -> list[slice]:
-    """Consecutive groups of `sequences`, one forward each: `batch_size` sequences, or with `pack_tokens`
-    as many as fit in that many tokens once right-padded to the group's longest (at least one), so a
-    scoring pass takes forwards in proportion to its tokens, not to its sequences."""
-    out: list[slice] = []
-    start = 0
-    while start < len(sequences):
-        end, width = start + 1, len(sequences[start])
-        while end < len(sequences):
-            grown = max(width, len(sequences[end]))
-            if (grown * (end + 1 - start) > pack_tokens) if pack_tokens else end - start >= batch_size:
-                break
-            end, width = end + 1, grown
-        out.append(slice(start, end))
-        start = end
-    return out
-
-
-def is_moe(model: Any) -> bool:
-    """Whether an HF model routes tokens to experts (its config names experts): routing can depend on what
-    else is in the batch, so such a model is scored one sequence per forward."""
-    config = getattr(model, "config", None)
-    return any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-
-
 def pack_tokens(cfg: ModelConfig, model: Any) -> int:
-    """The trainer's tokens per forward (`scoring.trainer_tokens`); 0 (`scoring.batch_size` sequences per
+    """The trainer's tokens per forward (`scoring.pack_tokens`); 0 (`scoring.batch_size` sequences per
     forward) for an MoE model."""
-    return 0 if is_moe(model) else cfg.scoring.trainer_tokens
+    config = getattr(model, "config", None)
+    return 0 if routes_experts(config.to_dict() if config is not None else {}) else cfg.scoring.pack_tokens
 
 
 @torch.inference_mode()

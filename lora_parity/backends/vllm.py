@@ -3,14 +3,16 @@
 Scoring is one request per sequence with `max_tokens=1` and `prompt_logprobs=0`, which returns
 the logprob of each given prompt token, aligned by the rule in backends/base.py (the engine's
 entry 0, None, is dropped). Batching several prompt_logprobs requests changes numbers
-on the GPU (every phase scores the same way, so comparisons never mix groupings), so it is a
-config choice (`scoring.batch_size`, default 1). vLLM's CPU build crashed on batched
-prompt_logprobs with LoRA enabled for all modules; with `lora_target_modules` restricted to the
-adapter's own targets, as here, it does not.
+on the GPU (every phase scores the same way, so comparisons never mix groupings): on CUDA with
+batch-invariant kernels (the repeat is then exact) one generate call takes up to `scoring.pack_tokens`
+tokens of requests, else `scoring.batch_size` requests (default 1). vLLM's CPU
+build crashed on batched prompt_logprobs with LoRA enabled for all modules; with
+`lora_target_modules` restricted to the adapter's own targets, as here, it does not.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import replace
@@ -25,6 +27,8 @@ from lora_parity.backends.base import (
     SamplerBackend,
     Scores,
     Sequences,
+    groups,
+    routes_experts,
 )
 from lora_parity.backends.vllm_options import engine_options, llm_kwargs, private_dist_store
 from lora_parity.evidence.receipt import BackendInfo
@@ -78,6 +82,18 @@ def batch_invariant_support() -> str | None:
     return "this vLLM build has no batch-invariant mode"
 
 
+def packing(cfg: ModelConfig, model_dir: Path, invariant: bool) -> int:
+    """Tokens of requests per generate call: `scoring.pack_tokens` where the kernels are batch-invariant
+    on CUDA (`invariant`) and the model routes no experts (config.json), else 0 (`scoring.batch_size`)."""
+    if not invariant:
+        return 0
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    return 0 if not isinstance(config, dict) or routes_experts(config) else cfg.scoring.pack_tokens
+
+
 def _batch_invariant_environment(wanted: bool) -> str:
     """Set VLLM_BATCH_INVARIANT before the engine starts (a value the user set wins); the receipt's
     words for the outcome."""
@@ -100,6 +116,8 @@ class VLLMSampler(SamplerBackend):
         self.model_dir = Path(model_dir)
         self.cuda = _has_cuda()
         self.batch_invariant = _batch_invariant_environment(batch_invariant and cfg.sampler.batch_invariant)
+        self.pack = packing(cfg, model_dir, self.cuda and self.batch_invariant.startswith("on"))
+        """Tokens of requests per generate call (0: `scoring.batch_size` requests)."""
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
         else:
@@ -143,13 +161,12 @@ class VLLMSampler(SamplerBackend):
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         request = self._request(adapter)
-        batch = self.cfg.scoring.batch_size
         out: Scores = []
-        for start in range(0, len(sequences), batch):
-            group = sequences[start:start + batch]
+        for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
+            group = sequences[part]
             prompts = [self._TokensPrompt(prompt_token_ids=seq) for seq in group]
             results = self.llm.generate(prompts, self.params, lora_request=request, use_tqdm=False)
-            for s, (seq, result) in enumerate(zip(group, results, strict=True), start=start):
+            for s, (seq, result) in enumerate(zip(group, results, strict=True), start=part.start):
                 plp = result.prompt_logprobs
                 if plp is None or len(plp) != len(seq) or plp[0] is not None:
                     got = "None" if plp is None else f"{len(plp)} entries"
@@ -217,6 +234,8 @@ class VLLMSampler(SamplerBackend):
         settings = {k: v for k, v in self.engine_args.items() if k != "model"}
         batch = self.cfg.scoring.batch_size
         grouping = "one request per sequence" if batch == 1 else f"{batch} sequences per generate call"
+        if self.pack:
+            grouping = f"requests packed up to {self.pack} tokens per generate call"
         settings.update(device=device, build=build, scoring=f"{grouping}, prompt_logprobs=0",
                         batch_invariant=self.batch_invariant)
         return BackendInfo(backend="vllm", versions={"vllm": self._vllm.__version__, "torch": torch.__version__},

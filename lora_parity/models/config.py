@@ -257,11 +257,14 @@ class ScoringSpec(_Cfg):
     """Sequences per vLLM `generate` call and per forward of the HF sampler and the exact trainer
     (right-padded; causal attention never looks at the padding). The megatron and tinker backends
     score one sequence at a time."""
-    trainer_tokens: int = Field(default=2048, ge=0)
-    """The HF trainer (and the fp32 reference) packs consecutive sequences into one forward up to this
-    many right-padded tokens, so a scoring pass at 10x the tokens takes forwards in proportion to its
-    tokens, not to its sequences; 0: `batch_size` sequences per forward. MoE models keep one sequence
-    per forward (routing can depend on the batch)."""
+    pack_tokens: int = Field(default=2048, ge=0)
+    """Consecutive sequences packed into one call up to this many right-padded tokens, where packing is
+    safe: every HF trainer forward and the fp32 reference's, and the vLLM sampler's generate calls on
+    CUDA with batch-invariant kernels (its repeat is then exact; the CPU build keeps `batch_size`, and
+    the exact trainer packs as the sampler does). Packing changes numbers a little, the same way in
+    every phase, so comparisons never mix two groupings. A scoring pass at 10x the tokens then takes
+    calls in proportion to its tokens, not to its sequences. 0: `batch_size` sequences per call. MoE
+    models are never packed (routing can depend on the batch)."""
 
 
 class ModelConfig(_Cfg):
