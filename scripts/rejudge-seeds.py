@@ -4,7 +4,7 @@
         (each DIR holds seed-NN/clean.json, seed-NN/fault-*.json; NAME=: the folders pooled under one name)
 
 Each receipt is verified as it was made, then its checks and verdicts are derived again from the same raw
-scores with `budgets.noise.own_tail`, `max_as_at_start` and `fp32_balance` as the bf16 profile sets them now and
+scores with `budgets.noise`'s later switches (`SWITCHES`) as the bf16 profile sets them now and
 judged as the selftest judges: the clean run must pass, each fault must be caught by its declared checks.
 `--as-recorded` keeps each receipt's own rule (for a model outside the bf16 profile): only the selftest's
 declared checks are the current ones.
@@ -26,8 +26,9 @@ from lora_parity.run import selftest
 from lora_parity.verdict import checks
 from lora_parity.verdict.verify import verify
 
-SWITCHES = ("own_tail", "max_as_at_start", "fp32_balance")  # fp32_balance: None unless a profile opts in
-"""The noise rule's switches added after the first receipts; their values now: the bf16 profile's."""
+SWITCHES = ("own_tail", "max_as_at_start", "fp32_balance", "max_at_start_factor", "max_growth_from")
+"""The noise rule's switches added after the first receipts; their values now: the bf16 profile's
+(fp32_balance: None unless a profile opts in)."""
 
 
 @functools.cache

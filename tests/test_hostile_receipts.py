@@ -68,6 +68,22 @@ VALUES = st.one_of(
 )
 
 
+def test_one_comparison_without_its_equal_fraction_is_tampered_all_without_it_is_an_older_receipt(
+        valid: dict[str, Any], tmp_path: Path) -> None:
+    """Receipts made before `equal` was recorded have none anywhere; a resealed receipt with one comparison's
+    `equal` emptied (a found hole: verify accepted it) is refused."""
+    one, every = copy.deepcopy(valid), copy.deepcopy(valid)
+    next(iter(one["comparisons"].values()))["equal"] = None
+    for stat in every["comparisons"].values():
+        stat["equal"] = None
+    for name, receipt in (("one", one), ("every", every)):
+        receipt["digest"] = rc.compute_digest(receipt)
+        (tmp_path / f"{name}.json").write_text(json.dumps(receipt), encoding="utf-8")
+    with pytest.raises(ReceiptError, match="comparison"):
+        verify(tmp_path / "one.json")
+    assert verify(tmp_path / "every.json").verdict.value == valid["verdict"]
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_receipts_never_crash_verify(valid: dict[str, Any], data: st.DataObject, tmp_path: Path) -> None:

@@ -242,8 +242,10 @@ def test_c_max_is_at_least_what_the_start_point_allows_one_token() -> None:
     model = noise(mean=0.073, relative=0.005)
     now = thresholds.derive(budgets, comparisons, {}, model)["C.parity.max"]
     was = thresholds.derive(before, comparisons, {}, model)["C.parity.max"]
-    assert was.budget < 1.75 < now.budget == budgets.a_triangulation.max
-    assert now.note is not None and "A's max threshold" in now.note
+    assert was.budget < 1.75 < now.budget == budgets.noise.max_at_start_factor * budgets.a_triangulation.max
+    assert now.note is not None and "2 x A's max threshold" in now.note
+    once = budgets.model_copy(update={"noise": budgets.noise.model_copy(update={"max_at_start_factor": 1.0})})
+    assert thresholds.derive(once, comparisons, {}, model)["C.parity.max"].budget == budgets.a_triangulation.max
     no_reference = {"A.trainer_vs_sampler": a}
     assert thresholds.derive(budgets, no_reference, {}, model)["C.parity.max"].budget == pytest.approx(
         thresholds.derive(before, no_reference, {}, model)["C.parity.max"].budget)
@@ -398,3 +400,50 @@ def test_fp32_balance_applies_only_where_both_sides_score_at_the_checkpoints_pre
         dropped = balance_where_it_holds(cfg, trainer.traits, sampler.traits)
         assert dropped.budgets.noise is not None and dropped.budgets.noise.fp32_balance is None
         assert dropped.budgets.noise.own_tail and dropped.budgets.mean == cfg.budgets.mean  # nothing else moved
+
+
+def _rows(n: int, width: int, value: float) -> list[list[float]]:
+    return [[value] * width for _ in range(n)]
+
+
+@pytest.mark.unit
+def test_the_one_token_ceiling_grows_with_the_sequences_as_their_maxima_spread() -> None:
+    """`max_growth_from` 2: on 2 sequences the ceiling is a_triangulation.max; on 20 it grows by
+    β ln(10), β the Gumbel scale (IQR / 1.5725) of the 40 per-sequence maxima of both sides' distance
+    from fp32; A.parity.max, A.fp32.*.max and what C carries grow with it. Maxima that do not spread
+    (β 0) grow nothing, and a ceiling set without the rule stays fixed."""
+    from lora_parity.models import config
+    from lora_parity.verdict import stats
+
+    evaluate = checks.evaluate
+
+    budgets = config.load("smollm2-135m-bf16").budgets
+    assert budgets.noise is not None and budgets.noise.max_growth_from == 2 and budgets.a_triangulation is not None
+    ref = _rows(20, 8, -3.0)
+    trainer = [row[:] for row in ref]
+    sampler = [row[:] for row in ref]
+    for i in range(20):  # one token per sequence off fp32 by 0.1 .. 1.05 on the trainer, 0.2 .. 1.15 the sampler
+        trainer[i][1] -= 0.1 + 0.05 * i
+        sampler[i][1] -= 0.2 + 0.05 * i
+    n, beta = thresholds.sequence_growth({"reference_fp32": ref, "trainer_zero": trainer, "zero": sampler})
+    maxima = sorted([0.1 + 0.05 * i for i in range(20)] + [0.2 + 0.05 * i for i in range(20)])
+    iqr = stats.quantile(maxima, 0.75) - stats.quantile(maxima, 0.25)
+    assert n == 20 and beta == pytest.approx(iqr / 1.5725, rel=1e-3)
+    scores = {"reference_fp32": ref, "trainer_zero": trainer, "zero": sampler, "trainer_zero_repeat": trainer,
+              "zero_repeat": sampler}
+    grown = evaluate(scores, budgets, errored=False).thresholds
+    assert grown is not None
+    ceiling = budgets.a_triangulation.max + beta * math.log(10)
+    for check in ("A.parity.max", "A.fp32.trainer.max", "A.fp32.sampler.max"):
+        assert grown[check].budget == pytest.approx(ceiling), check
+        assert "ln(20 / 2)" in grown[check].rule
+    two = {k: v[:2] for k, v in scores.items()}
+    assert evaluate(two, budgets, errored=False).thresholds["A.fp32.sampler.max"].budget == budgets.a_triangulation.max
+    flat = {k: [row[:] for row in ref] if k.startswith("trainer") else v for k, v in scores.items()}
+    for row in flat["trainer_zero"] + flat["trainer_zero_repeat"]:
+        row[1] -= 0.5
+    flat["zero"] = flat["zero_repeat"] = flat["trainer_zero"]
+    assert thresholds.sequence_growth(flat)[1] == 0.0
+    fixed = budgets.model_copy(update={"noise": budgets.noise.model_copy(update={"max_growth_from": None})})
+    assert evaluate(scores, fixed, errored=False).thresholds["A.fp32.sampler.max"].budget == \
+        budgets.a_triangulation.max

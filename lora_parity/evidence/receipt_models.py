@@ -225,6 +225,19 @@ class NoiseRule(Strict):
     (`budgets.a_triangulation.max`): one token the start point's precision is allowed is allowed after the
     change too. False in receipts made before it: on the H200 (SmolLM2-135M bf16, hf, seed 3) one token after
     BOS was 1.75 nats apart after a sync the exact check proved, against C's 0.91 and A's ceiling 2.0."""
+    max_at_start_factor: float = Field(default=1.0, ge=1)
+    """With `max_as_at_start`: C's, P's and G's max are at least this many times A's one-token ceiling. Each
+    side may be the ceiling away from fp32 at one token (A.fp32.*.max), so after a change the two may be
+    up to twice it apart (triangle inequality). 1 in receipts made before it: on the H200 (SmolLM2-135M
+    bf16, hf, 20 sequences) one token right after BOS was 3.17 nats apart after a sync the exact check
+    proved, each side at most 1.45 from fp32 there at the start point."""
+    max_growth_from: int | None = Field(default=None, ge=1)
+    """The one-token ceiling (`a_triangulation.max`: A.parity.max where triangulated, A.fp32.*.max, and what
+    `max_as_at_start` carries) was set on runs of this many sequences; with N > it, the ceiling grows by
+    β ln(N / max_growth_from), β the Gumbel scale of the per-sequence maxima of both sides' distance from
+    fp32 (interquartile range / 1.5725), as the largest of N such maxima grows (`thresholds.sequence_growth`).
+    None in receipts made before it (the fixed ceiling): on the CPU (SmolLM2-135M bf16, 20 sequences)
+    the sampler was 2.05 nats from fp32 at one token right after BOS, against 2.0."""
     fp32_balance: float | None = Field(default=None, ge=1)
     """A.fp32.balance: the side farther from the fp32 reference (mean |diff|) is at most this many times the
     nearer side's distance plus the mean budget. Two sides of one precision are about equally far from fp32;

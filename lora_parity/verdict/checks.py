@@ -357,7 +357,8 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     deltas = compute_deltas(scores)
     noise = _thresholds.noise_model(scores, comparisons)
     after = {k: COMPARISONS[k] for k in ("C.trainer_vs_sampler", *(key for key, _ in GENERATION_PARITY.values()))}
-    derived = _thresholds.derive(budgets, comparisons, deltas, noise, _thresholds.own_tails(scores, after))
+    derived = _thresholds.derive(budgets, comparisons, deltas, noise, _thresholds.own_tails(scores, after),
+                                 _thresholds.sequence_growth(scores))
     checks = compute_checks(comparisons, deltas, budgets, derived, noise)
     tails = check_rules.tails_in_numerics(checks) if budgets.noise is not None else frozenset()
     verdicts = check_rules.group_verdicts(checks, errored, tails)

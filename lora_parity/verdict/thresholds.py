@@ -74,6 +74,43 @@ def own_tails(scores: Mapping[str, ScoreArray], pairs: Mapping[str, tuple[str, s
             for name, (a, b) in pairs.items() if a in scores and b in scores}
 
 
+Growth = tuple[int, float]
+"""(N, β): the sequences scored at the start point, and the Gumbel scale of their per-sequence maxima."""
+GUMBEL_IQR = math.log(math.log(4.0)) - math.log(math.log(4.0 / 3.0))
+"""Interquartile range of a Gumbel distribution of scale 1 (1.5725)."""
+
+
+def sequence_growth(scores: Mapping[str, ScoreArray]) -> Growth | None:
+    """(N, β) at the start point: N sequences; β the Gumbel scale (interquartile range / GUMBEL_IQR) of the
+    2N per-sequence maxima of |trainer − fp32| and |sampler − fp32|, how the largest one-token error of a
+    sequence spreads between sequences (the largest of N such maxima grows by about β ln N). None without
+    the fp32 reference."""
+    ref = scores.get("reference_fp32")
+    if ref is None or "zero" not in scores or "trainer_zero" not in scores:
+        return None
+    maxima = sorted(max((abs(a - b) for a, b in zip(row, ref_row, strict=True)), default=0.0)
+                    for side in ("trainer_zero", "zero") for row, ref_row in zip(scores[side], ref, strict=True))
+    if len(maxima) < 4:
+        return len(ref), 0.0
+    return len(ref), (stats.quantile(maxima, 0.75) - stats.quantile(maxima, 0.25)) / GUMBEL_IQR
+
+
+def one_token_ceiling(budgets: Budgets, growth: Growth | None) -> Threshold | None:
+    """The one-token ceiling (`a_triangulation.max`), grown for N sequences where the rule says so
+    (`NoiseRule.max_growth_from`): + β ln(N / max_growth_from). None without a_triangulation."""
+    tri = budgets.a_triangulation
+    if tri is None:
+        return None
+    start = budgets.noise.max_growth_from if budgets.noise is not None else None
+    if start is None or growth is None or growth[0] <= start:
+        return Threshold(tri.max, "the fp32-triangulated max ceiling")
+    n, beta = growth
+    extra = beta * math.log(n / start)
+    return Threshold(tri.max + extra, f"the fp32-triangulated max ceiling {tri.max:g} + β {beta:.4g} x ln({n} / "
+                                      f"{start}) for {n} sequences (β: the Gumbel scale of the per-sequence maxima "
+                                      f"of both sides' distance from fp32)")
+
+
 def predicted_max(noise: NoiseModel | Tail, n: int, alpha: float) -> float:
     """The |diff| that noise alone exceeds at one of `n` tokens with chance `alpha`: an exponential tail
     (the start point's, or a comparison's own bulk) solved for n · P = alpha."""
@@ -124,9 +161,11 @@ def after_change(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel 
             value, note = value + extra, f"{note} + {rule.relative_k:g} x ρ {noise.relative:.3g} x change {short} " \
                                          f"{float(getattr(change, field)):.4g}"
         out[short] = Threshold(value, note)
-    if rule.max_as_at_start and start_max is not None and start_max.budget > out["max"].budget:
-        out["max"] = Threshold(start_max.budget, f"A's max threshold, {start_max.budget:g} ({start_max.note}; "
-                                                 f"above the {out['max'].budget:.4g} the noise predicts)")
+    carried = rule.max_at_start_factor * start_max.budget if start_max is not None else 0.0
+    if rule.max_as_at_start and start_max is not None and carried > out["max"].budget:
+        times = f"{rule.max_at_start_factor:g} x " if rule.max_at_start_factor != 1 else ""
+        out["max"] = Threshold(carried, f"{times}A's max threshold, {carried:g} ({start_max.note}; "
+                                        f"above the {out['max'].budget:.4g} the noise predicts)")
     return out
 
 
@@ -154,14 +193,19 @@ def delta(budgets: Budgets, noise_l2: float | None, trainer_norm: float | None,
 
 
 def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats],
-           noise: NoiseModel | None, tails: Mapping[str, Tail] | None = None) -> dict[str, Threshold]:
+           noise: NoiseModel | None, tails: Mapping[str, Tail] | None = None,
+           growth: Growth | None = None) -> dict[str, Threshold]:
     """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them).
-    `tails`: the after-change comparisons' own bulk tails (`own_tails`)."""
+    `tails`: the after-change comparisons' own bulk tails (`own_tails`); `growth`: the start point's
+    sequences and the spread of their maxima (`sequence_growth`), for the one-token ceiling."""
     tails = tails or {}
     get = comparisons.get
     a = get("A.trainer_vs_sampler")
+    ceiling = one_token_ceiling(budgets, growth)
     triangulated = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
-    out = _start_point(budgets, triangulated)
+    if triangulated is not None and ceiling is not None:
+        triangulated["max"] = ceiling
+    out = _start_point(budgets, triangulated, ceiling)
     balance = _fp32_balance(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
     if balance is not None:
         out["A.fp32.balance"] = balance
@@ -189,9 +233,10 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     return out
 
 
-def _start_point(budgets: Budgets, a_thresholds: dict[str, Threshold] | None) -> dict[str, Threshold]:
+def _start_point(budgets: Budgets, a_thresholds: dict[str, Threshold] | None,
+                 ceiling: Threshold | None = None) -> dict[str, Threshold]:
     """A's parity (`a_thresholds`: against the fp32 reference where scored, else the absolute budgets), the
-    fp32 ceilings, and the repeat bounds."""
+    fp32 ceilings (the max: `ceiling`, where it grew for the run's sequences), and the repeat bounds."""
     out: dict[str, Threshold] = {}
     for short, _ in STATS:
         out[f"A.parity.{short}"] = (a_thresholds or _absolute(budgets))[short]
@@ -199,6 +244,8 @@ def _start_point(budgets: Budgets, a_thresholds: dict[str, Threshold] | None) ->
         for side in ("trainer", "sampler"):
             for short, _ in STATS:
                 out[f"A.fp32.{side}.{short}"] = Threshold(float(getattr(budgets.a_triangulation, short)))
+            if ceiling is not None and ceiling.budget != budgets.a_triangulation.max:
+                out[f"A.fp32.{side}.max"] = ceiling
     for key in ("A.noise.sampler_repeat", "A.noise.trainer_repeat", "C.noise.sampler_repeat"):
         out[key] = Threshold(budgets.repeat_max)
     return out

@@ -116,11 +116,12 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
 
 def _verify_comparisons(path: Path, receipt: Receipt, ev: checks.Evaluation) -> None:
     """Every recorded comparison must reproduce from the raw scores (receipts made before the equal fraction
-    was recorded have none: it is not asked of them)."""
+    was recorded have none in any comparison: it is not asked of them; one comparison without it is a
+    tampered receipt)."""
     recorded = {k: v.model_dump(mode="json") for k, v in receipt.comparisons.items()}
     computed = {k: v.model_dump(mode="json") for k, v in ev.comparisons.items()}
-    for key, stat in recorded.items():
-        if stat["equal"] is None and key in computed:
+    if all(stat["equal"] is None for stat in recorded.values()):
+        for key in recorded.keys() & computed.keys():
             computed[key]["equal"] = None
     if not _same(recorded, computed):
         raise ReceiptError(f"{path}: {_first_difference('comparison', recorded, computed)}")
