@@ -12,7 +12,6 @@ build crashed on batched prompt_logprobs with LoRA enabled for all modules; with
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import replace
@@ -33,7 +32,8 @@ from lora_parity.backends.base import (
 from lora_parity.backends.vllm_options import engine_options, llm_kwargs, private_dist_store
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
-from lora_parity.util.errors import ConfigError, ScoreError
+from lora_parity.util import safe_read
+from lora_parity.util.errors import ConfigError, LoraParityError, ScoreError
 
 
 def _cpu_environment(kv_cache_gib: float) -> None:
@@ -88,9 +88,9 @@ def packing(cfg: ModelConfig, model_dir: Path, invariant: bool) -> int:
     if not invariant:
         return 0
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
+        config = safe_read.read_json(Path(model_dir) / "config.json")
+    except LoraParityError:  # the engine's own start reports an unreadable checkpoint
+        return 0
     return 0 if not isinstance(config, dict) or routes_experts(config) else cfg.scoring.pack_tokens
 
 
