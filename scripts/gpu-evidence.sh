@@ -36,6 +36,22 @@
 #                  calls: follow with `collect [WAIT]`,
 #                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz; MODEL=NAME runs the
 #                  project config NAME (e.g. qwen3-0.6b-synth) instead of SmolLM2 by path
+#   stash-sglang N copy .gpu-wheels-sglang/cN (SGLang 0.5.16's set, scripts/prepare-sglang-wheels.sh; N = 0..3,
+#                  carried one per call) to /tmp/ws; N=0 also prints nvcc, ninja, gcc, lzma and the card
+#   install-sglang join the kernel wheel's parts, install the set into /tmp/site-sglang (after `install`: it
+#                  sits in front of /tmp/site, for SGLang runs only) and import sglang and sgl_kernel
+#   sglang REV MODEL..
+#                  --sampler sglang per model (smollm2-bf16-path or a config): hf clean, hf skip-sync, megatron
+#                  clean, then hf against vllm-server (the vLLM set alone) for the wall times; receipts into $OUT
+#                  (MODEL.fault-skip-sync__hf__sglang__h200.json, ...), each run's verdict, failed checks, A/B/C
+#                  and seconds printed; a run that ends otherwise than expected (clean: pass, skip-sync: fail)
+#                  leaves its stderr's and its servers' logs' last 200 lines in $OUT/MODEL.sglang-logs.txt.
+#                  One model per call (8 files come back): the runs share BUDGET s (default 500); those left
+#                  out are printed with the call that runs them (RUNS="megatron vllm-server" ...)
+#   sglang-selftest REV
+#                  selftest --sampler sglang --seeds 2 on SmolLM2-135M bf16 by path, per-target coverage off,
+#                  in the background like pseeds (its servers' logs kept in /tmp/st/sglang-server-logs):
+#                  follow with `collect [WAIT]`. Not beside another sglang or pseeds step: they share the GPU
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
 # torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. The megatron-core wheel (pure Python,
@@ -86,6 +102,38 @@ rows = [f"{k.split('.')[0]} mean {c['mean_abs']:.3g} max {c['max_abs']:.3g} equa
 failed = [c["id"] for c in r.get("checks", []) if c["status"] == "fail"]
 print(r.get("verdict"), "failed:", failed[:12], "|", "; ".join(rows), "| error:", (r.get("error") or "")[:200])
 PY
+}
+
+# The SGLang set's environment (scripts/prepare-sglang-wheels.sh): its transformers, tokenizers and
+# apache-tvm-ffi in front of the vLLM set's and the image's; its ninja on PATH (SGLang's JIT kernels)
+sglang_env=(PYTHONPATH="/tmp/site-sglang:/tmp/site:$PWD" PATH="/tmp/site-sglang/bin:$PATH")
+
+# watch_logs PID DIR [GLOB]: while PID runs, hard-link into DIR each server log lora-parity writes
+# (ServerProcess: $TMPDIR/lora-parity-<server>-*.log, deleted when the server stops), so that it outlives it
+watch_logs() {
+  local tmp=${TMPDIR:-/tmp} f d
+  mkdir -p "$2" && touch "$2/.since"
+  while kill -0 "$1" 2>/dev/null; do
+    { find "$tmp" -maxdepth 1 -name "${3:-lora-parity-*.log}" -newer "$2/.since" 2>/dev/null || true; } \
+      | while read -r f; do
+          d="$2/${f##*/}"
+          if [ ! -e "$d" ]; then ln "$f" "$d" 2>/dev/null || cp "$f" "$d" 2>/dev/null || true
+          elif [ ! "$d" -ef "$f" ]; then cp "$f" "$d" 2>/dev/null || true; fi  # another file system: copied
+        done
+    sleep 1
+  done
+}
+
+# orphans: stop the server process groups (leaders: pid = pgid) whose run was killed (their parent is no
+# lora_parity process any more) and say so
+orphans() {
+  local pg pp
+  for pg in $(ps -eo pid=,pgid=,args= | awk '$1 == $2 && /sglang\.launch_server|vllm\.entrypoints|vllm serve/ {print $1}'); do
+    pp=$(ps -o ppid= -p "$pg" | tr -d ' ')
+    ps -o args= -p "${pp:-1}" 2>/dev/null | grep -q lora_parity && continue
+    echo "   stopping the orphaned server group $pg: $(ps -o args= -p "$pg" | cut -c1-120)"
+    kill -- "-$pg" 2>/dev/null || true; sleep 5; kill -9 -- "-$pg" 2>/dev/null || true
+  done
 }
 
 case "$step" in
@@ -306,5 +354,104 @@ SH
       python3 scripts/bench.py --model "$m" --runs "$runs" --probes default,default-x10 --per-target \
         --keep "$out/bench-not-passing"
     done 2>&1 | tee "$out/bench.txt" ;;
+  stash-sglang)
+    mkdir -p /tmp/ws && cp ".gpu-wheels-sglang/c${2:?chunk}"/* /tmp/ws/ && ls /tmp/ws | wc -l
+    if [ "$2" = 0 ]; then  # what SGLang's JIT kernels and pip's LZMA members need, and the card
+      for c in nvcc ninja gcc; do echo "$c: $(command -v "$c" || echo missing)"; done
+      echo "cuda folders: $(ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null | tr '\n' ' ')CUDA_HOME=${CUDA_HOME:-unset}"
+      { nvcc --version 2>/dev/null || true; } | tail -1
+      python3 -c "import lzma; print('lzma: ok')" || echo "lzma: missing (pip cannot read the LZMA-compressed sglang-kernel wheel)"
+      nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+    fi ;;
+  install-sglang)
+    [ -d /tmp/site/vllm ] || echo "note: /tmp/site holds no vLLM set yet (install first): SGLang runs read both"
+    (
+      cd /tmp/ws
+      for w in $(ls ./*.part00 2>/dev/null | sed 's#^\./##; s/\.part00$//'); do
+        n=$(ls "$w".part* | wc -l); last=$(ls "$w".part* | tail -1); last=$((10#${last##*.part}))
+        [ "$n" = $((last + 1)) ] || { echo "$w: $n parts, the last is part $last: stash-sglang 0..3 first" >&2; exit 2; }
+        cat "$w".part* > "$w" && rm "$w".part*
+      done
+      ls sglang-*.whl >/dev/null || { echo "no sglang wheel in /tmp/ws: stash-sglang 3 first" >&2; exit 2; }
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-sglang /tmp/ws/*.whl
+    )
+    env "${sglang_env[@]}" python3 -c "import sglang, sgl_kernel; print(sglang.__version__)"
+    env "${sglang_env[@]}" python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" || true
+    echo "ninja: $(env "${sglang_env[@]}" bash -c 'command -v ninja' || echo missing)" ;;
+  sglang)
+    # sglang REV MODEL..: see the header. RUNS (default "hf hf.skip-sync megatron vllm-server") picks the runs:
+    # TRAINER[.FAULT] against the sglang sampler, vllm-server: hf against the vllm-server sampler
+    rev=${2:?revision}; shift 2; mkdir -p /tmp/gpu-logs
+    [ -d /tmp/site-sglang/sglang ] || { echo "no SGLang in /tmp/site-sglang: stash-sglang 0..3 and install-sglang first" >&2; exit 2; }
+    deadline=$(( $(date +%s) + ${BUDGET:-500} ))
+    declare -A wall=()
+    for m in "$@"; do
+      cfg=$m; [ "$m" = smollm2-bf16-path ] && cfg=smollm2-135m-bf16
+      ck=$(checkpoint "$cfg")  # built once under the vLLM set's Python (SGLang's transformers never writes it)
+      model=$m; [ "$m" = smollm2-bf16-path ] && model=$ck
+      wall=(); skipped=""
+      for r in ${RUNS:-hf hf.skip-sync megatron vllm-server}; do
+        trainer=${r%%.*}; fault=none; [ "$r" = "$trainer" ] || fault=${r#*.}
+        sampler=sglang; [ "$trainer" = vllm-server ] && { sampler=vllm-server; trainer=hf; }
+        name="$m$([ "$fault" = none ] || echo ".fault-$fault")__${trainer}__${sampler}__$device"
+        left=$(( deadline - $(date +%s) ))
+        if [ "$left" -lt 90 ]; then skipped="$skipped $r"; echo "== $name skipped: ${left}s left"; continue; fi
+        inject=(); [ "$fault" = none ] || inject=(--inject "$fault")
+        if [ "$sampler" = sglang ]; then  # the server gives up before the call's end: an error receipt, its log's tail
+          envs=("${sglang_env[@]}" LORA_PARITY_SGLANG_START_TIMEOUT=$((left - 45)))
+        else
+          envs=(LORA_PARITY_VLLM_SERVER_START_TIMEOUT=$((left - 45)))
+        fi
+        rm -rf "/tmp/gpu-logs/$name.server"
+        SECONDS=0
+        env "${envs[@]}" timeout -k 15 "$left" python3 -m lora_parity run --model "$model" --trainer "$trainer" \
+          --sampler "$sampler" "${inject[@]}" --revision "$rev" --out "$out/$name.json" --json \
+          > "/tmp/gpu-logs/$name.json" 2> "/tmp/gpu-logs/$name.err" &
+        pid=$!
+        watch_logs "$pid" "/tmp/gpu-logs/$name.server" &
+        wpid=$!
+        wait "$pid" && rc=0 || rc=$?
+        wait "$wpid" || true
+        wall[$r]=$SECONDS
+        echo "== $name rc=$rc ${SECONDS}s: $(brief "$out/$name.json" 2>&1 | head -c 900)"
+        python3 -c "import json,sys; t=json.load(open(sys.argv[1])).get('timings', {}); print('   timings:', {k: round(v, 1) for k, v in t.items() if k.startswith(('sampler.', 'trainer.', 'model.')) or k == 'total'}, 'http', round(sum(v for k, v in t.items() if k.startswith('http.')), 1))" \
+          "$out/$name.json" 2>/dev/null || true
+        tail -2 "/tmp/gpu-logs/$name.err" | cut -c1-400
+        case $rc in 124|137) orphans ;; esac
+        if [ "$rc" != "$([ "$fault" = none ] && echo 0 || echo 1)" ]; then  # not the expected outcome: the logs
+          {
+            echo "===== $name rc=$rc ${SECONDS}s: stderr, last 200 lines"
+            tail -200 "/tmp/gpu-logs/$name.err"
+            for f in "/tmp/gpu-logs/$name.server"/*.log; do
+              [ -e "$f" ] || continue
+              echo "===== $name: server log ${f##*/}, last 200 lines"; tail -200 "$f"
+            done
+          } >> "$out/$m.sglang-logs.txt"
+          echo "   logs: $out/$m.sglang-logs.txt ($(ls "/tmp/gpu-logs/$name.server" | wc -l) server logs)"
+        fi
+      done
+      echo "wall $m: sglang hf clean ${wall[hf]:-?}s, vllm-server hf clean ${wall[vllm-server]:-?}s"
+      [ -z "$skipped" ] || echo "left out: RUNS=\"${skipped# }\" scripts/gpu-evidence.sh sglang $rev $m"
+    done
+    ls -la "$out" ;;
+  sglang-selftest)
+    # sglang-selftest REV: see the header; its exit and the server logs (trimmed to 200 lines at its end) in /tmp/st
+    rev=${2:?revision}; mkdir -p /tmp/st
+    [ -d /tmp/site-sglang/sglang ] || { echo "no SGLang in /tmp/site-sglang: stash-sglang 0..3 and install-sglang first" >&2; exit 2; }
+    ck=$(checkpoint smollm2-135m-bf16)
+    rm -rf /tmp/st/sglang /tmp/st/sglang-server-logs /tmp/st/sglang.json /tmp/st/sglang.err
+    cat > /tmp/st/sglang.sh <<SH
+cd "$PWD"; export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD PATH=/tmp/site-sglang/bin:\$PATH OMP_NUM_THREADS=2
+$(declare -f watch_logs)
+timeout -k 15 ${WINDOW:-1500} python3 -m lora_parity selftest --model "$ck" --sampler sglang --no-per-target \\
+  --seeds 2 --revision "$rev" --out-dir /tmp/st/sglang --json > /tmp/st/sglang.json 2>> /tmp/st/sglang.err &
+pid=\$!
+watch_logs \$pid /tmp/st/sglang-server-logs 'lora-parity-sglang-*.log'
+wait \$pid; echo "exit \$? at \$(date +%s)" >> /tmp/st/sglang.err
+for f in /tmp/st/sglang-server-logs/*.log; do [ -e "\$f" ] && tail -200 "\$f" > "\$f.t" && mv "\$f.t" "\$f"; done
+SH
+    setsid nohup bash /tmp/st/sglang.sh > /dev/null 2>&1 < /dev/null &
+    for _ in $(seq 12); do sleep 5; ls /tmp/st/sglang/clean.json /tmp/st/sglang/seed-*/clean.json >/dev/null 2>&1 && break; done
+    echo "started at $(date +%s) (window ${WINDOW:-1500} s); after ${SECONDS}s: $(tail -2 /tmp/st/sglang.err 2>/dev/null | cut -c1-300 | tr '\n' ' ')" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

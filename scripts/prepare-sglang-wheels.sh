@@ -13,6 +13,8 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-sglang /tmp/ws/*.whl
 #   export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD PATH=/tmp/site-sglang/bin:$PATH   # for SGLang runs only
 # (a folder of its own: transformers, tokenizers and apache-tvm-ffi there replace the image's and the vLLM set's).
+# scripts/gpu-evidence.sh does this: `stash-sglang N` per folder (N = 0..3, .gpu-wheels-sglang/cN carried), then
+# `install-sglang`; its `sglang` and `sglang-selftest` steps run under that PYTHONPATH and PATH.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: prepare-sglang-wheels.sh OUT_DIR}
