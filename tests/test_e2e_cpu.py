@@ -151,6 +151,22 @@ def test_trainer_packs_sequences_by_tokens_and_keeps_moe_models_one_per_forward(
     assert clean.sampler.settings["scoring"].startswith("one request per sequence")  # vLLM-CPU: not invariant
 
 
+def test_the_cpu_sampler_turns_torchdynamo_off_only_in_eager_mode_and_a_users_setting_wins(
+        matrix, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._dynamo
+
+    from lora_parity.backends.vllm import _eager_token_ranks
+
+    clean = load(Path(next(r for r in matrix.rows if r.fault.startswith("none")).receipt))[0]
+    assert clean.sampler.settings["torch_compile"].startswith("off")
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert _eager_token_ranks(True) == "as the user set it (TORCHDYNAMO_DISABLE=0)"
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    assert _eager_token_ranks(False).startswith("on") and torch._dynamo.config.disable is False
+    assert _eager_token_ranks(True).startswith("off") and torch._dynamo.config.disable is True
+
+
 def test_the_vllm_sampler_packs_only_with_batch_invariant_kernels_and_never_an_moe_model(tmp_path: Path) -> None:
     from lora_parity.backends.vllm import packing
     from lora_parity.models.config import load as load_config
