@@ -5,9 +5,9 @@ the logprob of each given prompt token, aligned by the rule in backends/base.py 
 entry 0, None, is dropped). Batching several prompt_logprobs requests changes numbers
 on the GPU (every phase scores the same way, so comparisons never mix groupings): on CUDA with
 batch-invariant kernels (the repeat is then exact) one generate call takes up to `scoring.pack_tokens`
-tokens of requests, else `scoring.batch_size` requests (default 1). vLLM's CPU
-build crashed on batched prompt_logprobs with LoRA enabled for all modules; with
-`lora_target_modules` restricted to the adapter's own targets, as here, it does not.
+tokens of requests, else `scoring.batch_size` requests (default 1). vLLM's CPU build crashed on batched
+prompt_logprobs with LoRA enabled for all modules; with `lora_target_modules` restricted to the adapter's
+own targets, as here, it does not.
 """
 
 from __future__ import annotations

@@ -95,20 +95,17 @@ def sequence_growth(scores: Mapping[str, ScoreArray]) -> Growth | None:
     return len(ref), (stats.quantile(maxima, 0.75) - stats.quantile(maxima, 0.25)) / GUMBEL_IQR
 
 
-def one_token_ceiling(budgets: Budgets, growth: Growth | None) -> Threshold | None:
-    """The one-token ceiling (`a_triangulation.max`), grown for N sequences where the rule says so
-    (`NoiseRule.max_growth_from`): + β ln(N / max_growth_from). None without a_triangulation."""
+def grown_ceiling(budgets: Budgets, growth: Growth | None) -> Threshold | None:
+    """The one-token ceiling (`a_triangulation.max`) grown for N sequences where the rule says so
+    (`NoiseRule.max_growth_from`): + β ln(N / max_growth_from); None where the fixed ceiling applies."""
     tri = budgets.a_triangulation
-    if tri is None:
-        return None
     start = budgets.noise.max_growth_from if budgets.noise is not None else None
-    if start is None or growth is None or growth[0] <= start:
-        return Threshold(tri.max, "the fp32-triangulated max ceiling")
+    if tri is None or start is None or growth is None or growth[0] <= start:
+        return None
     n, beta = growth
-    extra = beta * math.log(n / start)
-    return Threshold(tri.max + extra, f"the fp32-triangulated max ceiling {tri.max:g} + β {beta:.4g} x ln({n} / "
-                                      f"{start}) for {n} sequences (β: the Gumbel scale of the per-sequence maxima "
-                                      f"of both sides' distance from fp32)")
+    return Threshold(tri.max + beta * math.log(n / start),
+                     f"the fp32-triangulated max ceiling {tri.max:g} + β {beta:.4g} x ln({n} / {start}) for {n} "
+                     f"sequences (β: the Gumbel scale of the per-sequence maxima of both sides' distance from fp32)")
 
 
 def predicted_max(noise: NoiseModel | Tail, n: int, alpha: float) -> float:
@@ -201,11 +198,11 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     tails = tails or {}
     get = comparisons.get
     a = get("A.trainer_vs_sampler")
-    ceiling = one_token_ceiling(budgets, growth)
+    grown = grown_ceiling(budgets, growth)
     triangulated = check_rules.a_parity_thresholds(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
-    if triangulated is not None and ceiling is not None:
-        triangulated["max"] = ceiling
-    out = _start_point(budgets, triangulated, ceiling)
+    if triangulated is not None and grown is not None:
+        triangulated["max"] = grown
+    out = _start_point(budgets, triangulated, grown)
     balance = _fp32_balance(budgets, get("R.trainer_vs_fp32"), get("R.sampler_vs_fp32"))
     if balance is not None:
         out["A.fp32.balance"] = balance
@@ -234,9 +231,9 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
 
 
 def _start_point(budgets: Budgets, a_thresholds: dict[str, Threshold] | None,
-                 ceiling: Threshold | None = None) -> dict[str, Threshold]:
+                 grown: Threshold | None = None) -> dict[str, Threshold]:
     """A's parity (`a_thresholds`: against the fp32 reference where scored, else the absolute budgets), the
-    fp32 ceilings (the max: `ceiling`, where it grew for the run's sequences), and the repeat bounds."""
+    fp32 ceilings (the max: `grown`, where it grew for the run's sequences), and the repeat bounds."""
     out: dict[str, Threshold] = {}
     for short, _ in STATS:
         out[f"A.parity.{short}"] = (a_thresholds or _absolute(budgets))[short]
@@ -244,8 +241,8 @@ def _start_point(budgets: Budgets, a_thresholds: dict[str, Threshold] | None,
         for side in ("trainer", "sampler"):
             for short, _ in STATS:
                 out[f"A.fp32.{side}.{short}"] = Threshold(float(getattr(budgets.a_triangulation, short)))
-            if ceiling is not None and ceiling.budget != budgets.a_triangulation.max:
-                out[f"A.fp32.{side}.max"] = ceiling
+            if grown is not None:
+                out[f"A.fp32.{side}.max"] = grown
     for key in ("A.noise.sampler_repeat", "A.noise.trainer_repeat", "C.noise.sampler_repeat"):
         out[key] = Threshold(budgets.repeat_max)
     return out
