@@ -158,6 +158,9 @@ def test_the_server_gets_the_runs_lora_settings_and_deterministic_inference(monk
     assert targets == list(cfg.adapter.targets)
     assert {"--enable-lora", "--skip-tokenizer-init", "--enable-deterministic-inference"} <= set(argv)
     assert "--disable-radix-cache" not in argv  # served as rollouts are: the cached phases read it
+    assert cfg.sampler.enforce_eager and "--disable-cuda-graph" in argv  # eager, as vLLM's enforce_eager
+    compiled = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"enforce_eager": False})})
+    assert "--disable-cuda-graph" not in sglang_server.server_argv(compiled, Path("c"), 1)
     assert "--enable-deterministic-inference" not in sglang_server.server_argv(cfg, Path("c"), 1, deterministic=False)
     monkeypatch.setenv("LORA_PARITY_SGLANG_ARGS", "--log-level warning")
     assert sglang_server.server_argv(cfg, Path("c"), 1)[-2:] == ["--log-level", "warning"]

@@ -55,7 +55,7 @@ RELOAD_GETS_FRESH_CACHE = ("keys its radix cache by a lora_id minted at every lo
                            "unload and load under the same name and path reads none of the old adapter's blocks")
 SERVER_ARGS_RECORDED = ("enable_deterministic_inference", "attention_backend", "sampling_backend", "lora_backend",
                         "disable_radix_cache", "dtype", "max_lora_rank", "max_loras_per_batch", "tp_size",
-                        "random_seed", "mem_fraction_static", "chunked_prefill_size")
+                        "random_seed", "mem_fraction_static", "chunked_prefill_size", "disable_cuda_graph")
 """The attached or started server's settings that change numbers, read back from `/get_server_info`
 into the receipt as `server.<name>` (only these: that answer also holds the server's API key)."""
 

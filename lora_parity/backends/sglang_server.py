@@ -5,9 +5,10 @@ server's own process); whether it is installed is read from the import system al
 The flags are `ServerArgs` fields of SGLang's `python/sglang/srt/server_args.py` (each field's flag is
 its name with dashes): `--model-path`, `--host`, `--port`, `--dtype`, `--enable-lora`,
 `--max-lora-rank`, `--lora-target-modules`, `--skip-tokenizer-init`, `--context-length`,
-`--random-seed`, `--mem-fraction-static`, `--load-format`, `--trust-remote-code`, `--tp-size` and
-`--enable-deterministic-inference`. The radix (prefix) cache stays on, as rollouts are served: SGLang
-never reads it for a request whose logprobs start at 0, and `score_cached` reads it as a rollout does.
+`--random-seed`, `--mem-fraction-static`, `--load-format`, `--trust-remote-code`, `--tp-size`,
+`--enable-deterministic-inference` and `--disable-cuda-graph` (`sampler.enforce_eager`, as for vLLM).
+The radix (prefix) cache stays on, as rollouts are served: SGLang never reads it for a request whose
+logprobs start at 0, and `score_cached` reads it as a rollout does.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, deterministic: boo
         argv += ["--tp-size", str(cfg.sampler.tensor_parallel_size)]
     if deterministic and cfg.sampler.batch_invariant:
         argv.append("--enable-deterministic-inference")
+    if cfg.sampler.enforce_eager:  # as vLLM's enforce_eager: no CUDA graph capture at start (decode runs eager)
+        argv.append("--disable-cuda-graph")
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
     extra = os.environ.get("LORA_PARITY_SGLANG_ARGS")
