@@ -42,7 +42,8 @@
 #                  sits in front of /tmp/site, for SGLang runs only) and import sglang and sgl_kernel
 #   sglang REV MODEL..
 #                  --sampler sglang per model (smollm2-bf16-path or a config): hf clean, hf skip-sync, megatron
-#                  clean, then hf against vllm-server (the vLLM set alone) for the wall times; receipts into $OUT
+#                  clean, hf with --sync tensors (hf+tensors), then hf against vllm-server (the vLLM set alone) for
+#                  the wall times; receipts into $OUT
 #                  (MODEL.fault-skip-sync__hf__sglang__h200.json, ...), each run's verdict, failed checks, A/B/C
 #                  and seconds printed; a run that ends otherwise than expected (clean: pass, skip-sync: fail)
 #                  leaves its stderr's and its servers' logs' last 200 lines in $OUT/MODEL.sglang-logs.txt.
@@ -379,8 +380,8 @@ SH
     env "${sglang_env[@]}" python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" || true
     echo "ninja: $(env "${sglang_env[@]}" bash -c 'command -v ninja' || echo missing)" ;;
   sglang)
-    # sglang REV MODEL..: see the header. RUNS (default "hf hf.skip-sync megatron vllm-server") picks the runs:
-    # TRAINER[.FAULT] against the sglang sampler, vllm-server: hf against the vllm-server sampler
+    # sglang REV MODEL..: see the header. RUNS (default "hf hf.skip-sync megatron hf+tensors vllm-server") picks the runs:
+    # TRAINER[+SYNC][.FAULT] against the sglang sampler (SYNC: --sync, default new-id), vllm-server: hf against vllm-server
     rev=${2:?revision}; shift 2; mkdir -p /tmp/gpu-logs
     [ -d /tmp/site-sglang/sglang ] || { echo "no SGLang in /tmp/site-sglang: stash-sglang 0..3 and install-sglang first" >&2; exit 2; }
     deadline=$(( $(date +%s) + ${BUDGET:-500} ))
@@ -390,10 +391,11 @@ SH
       ck=$(checkpoint "$cfg")  # built once under the vLLM set's Python (SGLang's transformers never writes it)
       model=$m; [ "$m" = smollm2-bf16-path ] && model=$ck
       wall=(); skipped=""
-      for r in ${RUNS:-hf hf.skip-sync megatron vllm-server}; do
+      for r in ${RUNS:-hf hf.skip-sync megatron hf+tensors vllm-server}; do
         trainer=${r%%.*}; fault=none; [ "$r" = "$trainer" ] || fault=${r#*.}
+        sync=new-id; [ "$trainer" = "${trainer%+*}" ] || { sync=${trainer#*+}; trainer=${trainer%+*}; }
         sampler=sglang; [ "$trainer" = vllm-server ] && { sampler=vllm-server; trainer=hf; }
-        name="$m$([ "$fault" = none ] || echo ".fault-$fault")__${trainer}__${sampler}__$device"
+        name="$m$([ "$sync" = new-id ] || echo ".sync-$sync")$([ "$fault" = none ] || echo ".fault-$fault")__${trainer}__${sampler}__$device"
         left=$(( deadline - $(date +%s) ))
         if [ "$left" -lt 90 ]; then skipped="$skipped $r"; echo "== $name skipped: ${left}s left"; continue; fi
         inject=(); [ "$fault" = none ] || inject=(--inject "$fault")
@@ -405,7 +407,7 @@ SH
         rm -rf "/tmp/gpu-logs/$name.server"
         SECONDS=0
         env "${envs[@]}" timeout -k 15 "$left" python3 -m lora_parity run --model "$model" --trainer "$trainer" \
-          --sampler "$sampler" "${inject[@]}" --revision "$rev" --out "$out/$name.json" --json \
+          --sampler "$sampler" --sync "$sync" "${inject[@]}" --revision "$rev" --out "$out/$name.json" --json \
           > "/tmp/gpu-logs/$name.json" 2> "/tmp/gpu-logs/$name.err" &
         pid=$!
         watch_logs "$pid" "/tmp/gpu-logs/$name.server" &

@@ -1,12 +1,16 @@
 """A stand-in SGLang server for the `sglang` sampler's CPU tests: SGLang's native HTTP API on loopback
 (`/health`, `/get_model_info`, `/get_server_info`, `/generate`, `/load_lora_adapter`,
-`/unload_lora_adapter`), serving the fake model of `lora_parity.backends.fake` with the adapters it
-loads from PEFT folders, so that a fake trainer and this server agree exactly, as a correct sync does.
+`/load_lora_adapter_from_tensors`, `/unload_lora_adapter`), serving the fake model of
+`lora_parity.backends.fake` with the adapters it loads from PEFT folders or tensors, so that a fake
+trainer and this server agree exactly, as a correct sync does.
 
 It behaves as SGLang's source says SGLang does (python/sglang/srt/...):
 - a load under a name already loaded is refused with 400 (`lora_manager.validate_new_adapter`); a path
   already loaded under another name is loaded again, with only a warning (sgl-project/sglang#13771);
 - every load mints a new `lora_id`, the radix cache's namespace (sgl-project/sglang#8261);
+- a load from tensors unpickles `serialized_tensors` (base64) admitting torch's and collections' classes only
+  (`utils.common.SafeUnpickler`), checks `expected_checksums` against each tensor's bytes and records the
+  path `__tensor__` (`io_struct.LoadLoRAAdapterFromTensorsReqInput`, `managers/tp_worker.py`);
 - unloading a name it does not have is 400, "does not exist" (`lora_registry.unregister`);
 - a request naming an adapter it does not have is 400 (`lora_registry.acquire`);
 - `input_token_logprobs` has one `[logprob, token_id, text]` per input token from `logprob_start_len`,
@@ -20,8 +24,12 @@ a process, as lora-parity would start SGLang's.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.server
+import io
 import json
+import pickle
 import random
 import sys
 import threading
@@ -32,6 +40,18 @@ from typing import Any
 from lora_parity.backends import fake
 from lora_parity.models import adapter_files as af
 from lora_parity.models import config
+
+_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64"}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang's `SafeUnpickler`, narrowed to what a tensor dict needs: torch's and collections' classes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.split(".")[0] in ("torch", "collections") or (module, name) == ("builtins", "dict"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+
 
 Override = Callable[[http.server.BaseHTTPRequestHandler, dict[str, Any]], bool]
 """Answers a request in the test's way and returns True, or returns False to let the stand-in answer."""
@@ -108,6 +128,8 @@ class StandIn:
         with self.lock:
             if path == "/load_lora_adapter":
                 return self._load(body)
+            if path == "/load_lora_adapter_from_tensors":
+                return self._load_tensors(body)
             if path == "/unload_lora_adapter":
                 name = body.get("lora_name")
                 if name not in self.registry:
@@ -133,6 +155,28 @@ class StandIn:
                                      f"loaded with name: {name}")
         cfg, tensors = af.read_adapter(path)
         self.registry[str(name)] = (uuid.uuid4().hex, str(path), fake._coefficients(cfg, tensors))
+        return 200, {"success": True, "loaded_adapters": self._loaded()}
+
+    def _load_tensors(self, body: dict[str, Any]) -> tuple[int, Any]:
+        name = body.get("lora_name")
+        if name in self.registry:
+            return 400, {"success": False, "error_message": f"Failed to load LoRA adapter {name} because it is "
+                                                            "already loaded", "loaded_adapters": self._loaded()}
+        try:
+            tensors = _SafeUnpickler(io.BytesIO(base64.b64decode(body["serialized_tensors"], validate=True))).load()
+        except Exception as e:  # SGLang answers a payload it cannot read with an error
+            return 400, {"success": False, "error_message": f"cannot deserialize the tensors: {e}"}
+        import torch
+
+        raw = {k: af.Tensor(_DTYPES[str(t.dtype)], list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+               for k, t in tensors.items()}
+        expected = body.get("expected_checksums")
+        if expected is not None:
+            bad = sorted(k for k in set(expected) | set(raw)
+                         if k not in raw or hashlib.sha256(raw[k].data).hexdigest() != expected.get(k))
+            if bad:
+                return 500, {"success": False, "error_message": f"[LORA-CHECK] adapter sync MISMATCH: {bad[:5]}"}
+        self.registry[str(name)] = (uuid.uuid4().hex, "__tensor__", fake._coefficients(body["config_dict"], raw))
         return 200, {"success": True, "loaded_adapters": self._loaded()}
 
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:

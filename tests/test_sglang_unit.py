@@ -5,6 +5,7 @@ faults that apply to it, and the refusals before anything loads."""
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import os
@@ -28,8 +29,9 @@ from lora_parity.backends.base import (
 )
 from lora_parity.backends.fake import FakeSampler, FakeTrainer
 from lora_parity.backends.server_process import free_port
-from lora_parity.backends.sglang import SGLangSampler
+from lora_parity.backends.sglang import SGLangSampler, tensor_payload
 from lora_parity.evidence.receipt import CheckStatus, Verdict
+from lora_parity.models import adapter_files as af
 from lora_parity.models import config, synthetic
 from lora_parity.run.faults import FAULTS, faults_for
 from lora_parity.run.runner import RunOptions, execute
@@ -466,3 +468,64 @@ def test_plan_and_models_know_sglang() -> None:
         plan.preflight(glm, glm.launch.trainer.backend if glm.launch else "megatron", "sglang")
     assert sglang_support(tiny) == "one GPU" and sglang_support(glm).startswith("no")
 
+
+
+# --- --sync tensors: the adapter sent in memory --------------------------------------------------------
+
+
+def test_sync_tensors_sends_the_folders_tensors_with_checksums_and_passes(stand_in: StandIn, checkpoint: Path,
+                                                                          tmp_path: Path) -> None:
+    receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, sync="tensors",
+                                 per_target=False, out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == Verdict.PASS, receipt.error
+    assert receipt.sync_mode == "tensors" and {a.mode for a in receipt.adapters} == {"tensors"}
+    # the published versions go as tensors; only X's reference (the trainer's tensors written fresh) is loaded
+    # by path, so X compares what the tensors delivered with what the server reads from a folder
+    assert [b["lora_name"].split("-")[2] for b in stand_in.posted("/load_lora_adapter")] == ["fresh"]
+    bodies = stand_in.posted("/load_lora_adapter_from_tensors")
+    assert len(bodies) >= 2 and all(b["config_dict"]["r"] == config.load(None).adapter.rank for b in bodies)
+    assert all(set(b["expected_checksums"]) and len(next(iter(b["expected_checksums"].values()))) == 64 for b in bodies)
+    assert stand_in.registry == {}
+
+
+def test_tensor_payload_is_the_folders_bytes(tmp_path: Path) -> None:
+    folder, _ = exported(tmp_path, "v1")
+    payload = tensor_payload(folder)
+    config_file, tensors = af.read_adapter(folder)
+    assert payload["config_dict"] == config_file
+    assert payload["expected_checksums"] == {k: hashlib.sha256(t.data).hexdigest() for k, t in tensors.items()}
+    stand_in = StandIn()
+    try:  # a payload whose checksums do not match what it carries is refused, as SGLang's [LORA-CHECK] does
+        status, _ = stand_in.answer("POST", "/load_lora_adapter_from_tensors", {"lora_name": "a", **payload})
+        assert status == 200 and stand_in.registry["a"][1] == "__tensor__"
+        first = next(iter(payload["expected_checksums"]))
+        forged = {**payload, "expected_checksums": {**payload["expected_checksums"], first: "0" * 64}}
+        status, answer = stand_in.answer("POST", "/load_lora_adapter_from_tensors", {"lora_name": "b", **forged})
+        assert status == 500 and first in answer["error_message"] and "b" not in stand_in.registry
+    finally:
+        stand_in.close()
+
+
+@pytest.mark.parametrize("fault, verdict, caught", [
+    ("skip-sync", Verdict.FAIL, "C.parity.mean"),
+    ("stale-folder", Verdict.FAIL, "C.parity.mean"),
+    ("wrong-direction", Verdict.FAIL, "C.delta.cosine"),
+    ("leak", Verdict.FAIL, "B.withheld"),
+    ("unload-before-score", Verdict.ERROR, None),
+])
+def test_faults_fire_through_sync_tensors(stand_in: StandIn, checkpoint: Path, fault: str, verdict: Verdict,
+                                          caught: str | None, tmp_path: Path) -> None:
+    receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, inject=fault,
+                                 sync="tensors", per_target=False, out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == verdict, (receipt.error, [c.id for c in receipt.checks if c.status == CheckStatus.FAIL])
+    if caught is not None:
+        assert {c.id: c.status for c in receipt.checks}[caught] == CheckStatus.FAIL
+    assert all("fresh" in b["lora_name"] for b in stand_in.posted("/load_lora_adapter"))
+    assert stand_in.registry == {}
+
+
+def test_sync_tensors_needs_a_sampler_that_loads_tensors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--sync tensors needs a sampler that loads adapters from tensors"):
+        execute(RunOptions(trainer="fake", sampler="fake", sync="tensors", out=tmp_path / "r.json"))
+    assert {"skip-sync", "stale-folder", "wrong-direction", "drop-target"} <= set(faults_for("tensors",
+                                                                                          SGLangSampler.traits))

@@ -255,6 +255,17 @@ class BaseReloadingSampler(Protocol):
 
 
 @runtime_checkable
+class TensorAdapterSampler(Protocol):
+    """A sampler that loads an adapter from tensors sent in memory (`--sync tensors`) rather than from a
+    folder it reads itself."""
+
+    def publish_tensors(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
+        """Send the PEFT folder's tensors and config under `name` (as `Sampler.publish`, without the
+        sampler reading the folder); with `inplace`, replace what it serves under that name."""
+        ...
+
+
+@runtime_checkable
 class CachedScoringSampler(Protocol):
     """A sampler that can also score the way rollouts read its prefix cache (the sequence then adds
     the phases stale_cached and updated_cached)."""

@@ -3,7 +3,8 @@ rollouts. GPU only (SGLang has no CPU build); CI tests this client against a sta
 
 lora-parity starts `python -m sglang.launch_server` itself (`sglang_server`) or attaches to a server
 the user runs (`--sampler-url`; nothing is started or stopped). Adapters are loaded with
-`/load_lora_adapter` (`lora_name`, `lora_path`; a new name per version) and unloaded with
+`/load_lora_adapter` (`lora_name`, `lora_path`; a new name per version), or with `--sync tensors` sent
+in memory to `/load_lora_adapter_from_tensors` (the server never reads the folder), and unloaded with
 `/unload_lora_adapter` (`lora_name`). SGLang has no in-place reload: `--sync inplace` unloads the name
 and loads it again, which mints a new `lora_id` and with it a radix-cache namespace of its own.
 
@@ -19,9 +20,12 @@ it may come from the cache) and the next token's logprob asked for with `token_i
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import math
 import os
+import pickle
 import tempfile
 import threading
 import time
@@ -42,6 +46,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess
 from lora_parity.evidence.receipt import BackendInfo
+from lora_parity.models import adapter_files
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
@@ -58,6 +63,24 @@ SERVER_ARGS_RECORDED = ("enable_deterministic_inference", "attention_backend", "
                         "random_seed", "mem_fraction_static", "chunked_prefill_size", "disable_cuda_graph")
 """The attached or started server's settings that change numbers, read back from `/get_server_info`
 into the receipt as `server.<name>` (only these: that answer also holds the server's API key)."""
+
+
+def tensor_payload(folder: Path) -> dict[str, Any]:
+    """The body of `/load_lora_adapter_from_tensors` for a PEFT folder: `config_dict` (its
+    adapter_config.json), `serialized_tensors` (the tensors by name, pickled as torch CPU tensors and
+    base64-encoded: SGLang's `MultiprocessingSerializer.deserialize` reads them through its
+    `SafeUnpickler`, which admits torch's rebuild functions) and `expected_checksums` (the sha256 of each
+    tensor's bytes, as SGLang computes it to check what it received). Built here from the folder's own
+    safetensors file; nothing is unpickled on this side."""
+    import torch
+
+    config, tensors = adapter_files.read_adapter(folder)
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+    named = {k: torch.frombuffer(bytearray(t.data), dtype=dtypes[t.dtype]).reshape(t.shape) if t.data
+             else torch.empty(t.shape, dtype=dtypes[t.dtype]) for k, t in tensors.items()}
+    return {"config_dict": config,
+            "serialized_tensors": base64.b64encode(pickle.dumps(named, protocol=4)).decode("ascii"),
+            "expected_checksums": {k: hashlib.sha256(t.data).hexdigest() for k, t in tensors.items()}}
 
 
 class ServerError(ScoreError):
@@ -288,6 +311,21 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         self.loaded.add(served)
         return AdapterHandle(served, adapter_id, path)
 
+    def publish_tensors(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
+        """`--sync tensors`: send the PEFT folder's tensors and config to `/load_lora_adapter_from_tensors`
+        under `name` (with this sampler's suffix), the server never reading the folder: what an RL stack
+        that holds the adapter in memory does. With `inplace`, a name this sampler has loaded is unloaded
+        first. Each tensor's sha256 goes along (`expected_checksums`): the server checks what it received."""
+        served = name if name.endswith(self.suffix) else name + self.suffix
+        label = name.removesuffix(self.suffix)
+        body = tensor_payload(Path(directory))
+        if inplace and served in self.loaded:
+            self.retire(AdapterHandle(served, adapter_id, Path(directory)))
+        self._call("/load_lora_adapter_from_tensors", {"lora_name": served, **body},
+                   f"load_lora_adapter_from_tensors.{label}")
+        self.loaded.add(served)
+        return AdapterHandle(served, adapter_id, Path(directory))  # the folder the tensors were read from
+
     def retire(self, handle: AdapterHandle) -> None:
         """Unload `handle` from the server; a name the server no longer has is already retired."""
         try:
@@ -319,7 +357,8 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
             "scoring": "/generate with input_ids, one request per "
                        + ("sequence" if self.cfg.scoring.batch_size == 1 else f"{self.cfg.scoring.batch_size} "
                           "sequences") + ", logprob_start_len=0; cached: one request per prefix, token_ids_logprob",
-            "sync": "/load_lora_adapter, /unload_lora_adapter (inplace: unload, then load under the same name)",
+            "sync": "/load_lora_adapter or /load_lora_adapter_from_tensors (--sync tensors), /unload_lora_adapter "
+                    "(inplace: unload, then load under the same name)",
             **{f"server.{k}": v for k, v in recorded["args"].items()},
         }
         if self.server is not None:

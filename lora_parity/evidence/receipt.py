@@ -256,7 +256,7 @@ class PhaseRecord(Strict):
     """Its innermost frames, 'path:line function' (see `ErrorDetail.frames`), when the phase failed."""
 
 
-SyncModeName = Literal["new-id", "inplace", "merged", "memory"]
+SyncModeName = Literal["new-id", "inplace", "merged", "memory", "tensors"]
 """The `--sync` modes (`lora_parity.run.sync`)."""
 
 

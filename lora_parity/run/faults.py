@@ -76,7 +76,7 @@ class FaultSpec:
     not for a sampler whose every load gets a cache namespace of its own (`traits.reload_gets_fresh_cache`)."""
 
 
-ADAPTER_MODES = ("new-id", "inplace")
+ADAPTER_MODES = ("new-id", "inplace", "tensors")
 
 
 class SkipSync(SyncWrapper):

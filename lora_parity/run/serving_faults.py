@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import shutil
 
-from lora_parity.run.sync import AdapterSync, SyncContext, SyncWrapper
+from lora_parity.run.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper
 from lora_parity.util.errors import ScoreError
+
+
+def adapter_mode(mode: SyncMode) -> AdapterSync:
+    """The adapter sync mode a serving-layer fault wraps (each applies to those modes only)."""
+    assert isinstance(mode, AdapterSync), mode
+    return mode
 
 
 class SameNameNoInplace(SyncWrapper):
@@ -18,7 +24,7 @@ class SameNameNoInplace(SyncWrapper):
         assert ctx.handle is not None
         folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
         try:
-            ctx.sampler.publish(folder, ctx.handle.name, ctx.handle.adapter_id, inplace=False)
+            adapter_mode(self.inner).load(ctx, folder, ctx.handle.name, ctx.handle.adapter_id, False)
         except ScoreError:
             pass  # the reply is what this fault does not read
 
@@ -33,7 +39,7 @@ class WarmPrefixCache(SyncWrapper):
         folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
         published = ctx.workdir / "adapter-v0"
         shutil.copytree(folder, published, dirs_exist_ok=True)
-        ctx.sampler.publish(published, ctx.handle.name, ctx.handle.adapter_id, inplace=True)
+        adapter_mode(self.inner).load(ctx, published, ctx.handle.name, ctx.handle.adapter_id, True)
 
 
 class StaleFolder(SyncWrapper):
@@ -51,7 +57,7 @@ class StaleFolder(SyncWrapper):
         else:
             adapter_id = ctx.first_adapter_id + 1
             name = f"lora-parity-{adapter_id}-v1"
-        handle = ctx.sampler.publish(ctx.workdir / "adapter-v0", name, adapter_id, inplace=self.inner.load_inplace)
+        handle = self.inner.load(ctx, ctx.workdir / "adapter-v0", name, adapter_id, self.inner.load_inplace)
         previous, ctx.handle = ctx.handle, handle
         if previous.adapter_id != handle.adapter_id:
             ctx.sampler.retire(previous)

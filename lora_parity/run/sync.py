@@ -18,6 +18,7 @@ from lora_parity.backends.base import (
     BaseReloadingSampler,
     MergingTrainer,
     Sampler,
+    TensorAdapterSampler,
     Trainer,
 )
 from lora_parity.evidence.receipt import AdapterVersion, SyncModeName
@@ -84,13 +85,28 @@ def _record(ctx: SyncContext, version: int, name: str, adapter_id: int, mode: st
 @dataclass(frozen=True)
 class AdapterSync(SyncMode):
     """Export a PEFT folder and load it on the sampler: under a new name and id per version
-    (`new-id`; the old one is retired), or the same ones reloaded in place (`inplace`)."""
+    (`new-id`; the old one is retired), the same ones reloaded in place (`inplace`), or a new name
+    per version with the folder's tensors sent in memory rather than read by the sampler (`tensors`)."""
 
     name: str = "new-id"
     same_id: bool = False
     """Republish under the name and id of the version the sampler has."""
     load_inplace: bool = False
     """Ask the sampler to replace what it has under that id."""
+    from_tensors: bool = False
+    """Send the folder's tensors to the sampler (`TensorAdapterSampler`) instead of its path."""
+
+    def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
+        """`tensors`: a sampler that loads adapters from tensors."""
+        if self.from_tensors and not issubclass(sampler_cls, TensorAdapterSampler):
+            raise ConfigError(f"--sync {self.name} needs a sampler that loads adapters from tensors in memory "
+                              f"(sglang); {sampler!r} cannot")
+
+    def load(self, ctx: SyncContext, folder: Path, name: str, adapter_id: int, inplace: bool) -> AdapterHandle:
+        """Put the adapter folder on the sampler under `name` the way this mode does (path or tensors)."""
+        if self.from_tensors:
+            return tensor_loading(ctx.sampler).publish_tensors(folder, name, adapter_id, inplace=inplace)
+        return ctx.sampler.publish(folder, name, adapter_id, inplace=inplace)
 
     def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
         """Export to `adapter-v{version}{label}` and load it; retire the previous id if it changed."""
@@ -102,7 +118,7 @@ class AdapterSync(SyncMode):
         else:
             adapter_id = ctx.first_adapter_id + version
             name = f"lora-parity-{adapter_id}-v{version}"
-        handle = ctx.sampler.publish(folder, name, adapter_id, inplace=self.load_inplace)
+        handle = self.load(ctx, folder, name, adapter_id, self.load_inplace)
         _record(ctx, version, name, adapter_id, self.name, start)
         previous, ctx.handle = ctx.handle, handle
         if previous is not None and previous.adapter_id != handle.adapter_id:
@@ -112,7 +128,7 @@ class AdapterSync(SyncMode):
         """Reload the current adapter's id in place with the trainer's current weights."""
         assert ctx.handle is not None
         folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-leak")
-        ctx.sampler.publish(folder, ctx.handle.name, ctx.handle.adapter_id, inplace=True)
+        self.load(ctx, folder, ctx.handle.name, ctx.handle.adapter_id, True)
 
 
 def merging(trainer: object) -> MergingTrainer:
@@ -120,6 +136,13 @@ def merging(trainer: object) -> MergingTrainer:
     if not isinstance(trainer, MergingTrainer):
         raise ConfigError(f"{type(trainer).__name__} cannot merge its adapter")
     return trainer
+
+
+def tensor_loading(sampler: object) -> TensorAdapterSampler:
+    """`sampler` as a `TensorAdapterSampler` (preflight checked it; this guards direct callers)."""
+    if not isinstance(sampler, TensorAdapterSampler):
+        raise ConfigError(f"{type(sampler).__name__} cannot load adapters from tensors")
+    return sampler
 
 
 def reloading(sampler: object) -> BaseReloadingSampler:
@@ -173,6 +196,7 @@ MODES: dict[str, SyncMode] = {
     "inplace": AdapterSync("inplace", same_id=True, load_inplace=True),
     "merged": MergedSync("merged"),
     "memory": MergedSync("memory", in_memory=True),
+    "tensors": AdapterSync("tensors", from_tensors=True),
 }
 
 

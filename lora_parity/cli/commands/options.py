@@ -37,7 +37,8 @@ ProbesOpt = Annotated[str, typer.Option(
          "completes at the start of the run; also checks its generation path after sync), or FILE.jsonl "
          "({\"tokens\": [ids]} or {\"text\": ...} per line).")]
 SeedOpt = Annotated[int, typer.Option(help="Run seed: LoRA A init and the perturbation.")]
-SyncOpt = Annotated[str, typer.Option(help="How adapters reach the sampler: new-id, inplace, merged or memory.")]
+SyncOpt = Annotated[str, typer.Option(
+    help="How adapters reach the sampler: new-id, inplace, merged, memory or tensors.")]
 UpdateOpt = Annotated[str | None, typer.Option(
     "--update", help="The trainer's update: noise (seeded noise on LoRA B) or step (one AdamW step on A and B from "
                      "a seeded warm start, its learning rate searched); default: the config's perturbation.update.")]
