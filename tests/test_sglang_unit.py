@@ -484,7 +484,7 @@ def test_sync_tensors_sends_the_folders_tensors_with_checksums_and_passes(stand_
     assert [b["lora_name"].split("-")[2] for b in stand_in.posted("/load_lora_adapter")] == ["fresh"]
     bodies = stand_in.posted("/load_lora_adapter_from_tensors")
     assert len(bodies) >= 2 and all(b["config_dict"]["r"] == config.load(None).adapter.rank for b in bodies)
-    assert all(set(b["expected_checksums"]) and len(next(iter(b["expected_checksums"].values()))) == 64 for b in bodies)
+    assert all("expected_checksums" not in b for b in bodies)  # sglang 0.5.16's scheduler dies checking them
     assert stand_in.registry == {}
 
 
@@ -493,13 +493,14 @@ def test_tensor_payload_is_the_folders_bytes(tmp_path: Path) -> None:
     payload = tensor_payload(folder)
     config_file, tensors = af.read_adapter(folder)
     assert payload["config_dict"] == config_file
-    assert payload["expected_checksums"] == {k: hashlib.sha256(t.data).hexdigest() for k, t in tensors.items()}
     stand_in = StandIn()
-    try:  # a payload whose checksums do not match what it carries is refused, as SGLang's [LORA-CHECK] does
-        status, _ = stand_in.answer("POST", "/load_lora_adapter_from_tensors", {"lora_name": "a", **payload})
+    try:  # the server reads back the folder's bytes (checked by sha256, as SGLang's [LORA-CHECK] does)
+        checksums = {k: hashlib.sha256(t.data).hexdigest() for k, t in tensors.items()}
+        status, _ = stand_in.answer("POST", "/load_lora_adapter_from_tensors",
+                                    {"lora_name": "a", **payload, "expected_checksums": checksums})
         assert status == 200 and stand_in.registry["a"][1] == "__tensor__"
-        first = next(iter(payload["expected_checksums"]))
-        forged = {**payload, "expected_checksums": {**payload["expected_checksums"], first: "0" * 64}}
+        first = next(iter(checksums))
+        forged = {**payload, "expected_checksums": {**checksums, first: "0" * 64}}
         status, answer = stand_in.answer("POST", "/load_lora_adapter_from_tensors", {"lora_name": "b", **forged})
         assert status == 500 and first in answer["error_message"] and "b" not in stand_in.registry
     finally:

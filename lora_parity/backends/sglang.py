@@ -21,7 +21,6 @@ it may come from the cache) and the next token's logprob asked for with `token_i
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import math
 import os
@@ -69,9 +68,10 @@ def tensor_payload(folder: Path) -> dict[str, Any]:
     """The body of `/load_lora_adapter_from_tensors` for a PEFT folder: `config_dict` (its
     adapter_config.json), `serialized_tensors` (the tensors by name, pickled as torch CPU tensors and
     base64-encoded: SGLang's `MultiprocessingSerializer.deserialize` reads them through its
-    `SafeUnpickler`, which admits torch's rebuild functions) and `expected_checksums` (the sha256 of each
-    tensor's bytes, as SGLang computes it to check what it received). Built here from the folder's own
-    safetensors file; nothing is unpickled on this side."""
+    `SafeUnpickler`, which admits torch's rebuild functions). Built here from the folder's own
+    safetensors file; nothing is unpickled on this side. No `expected_checksums`: sglang 0.5.16 checks
+    them, then its scheduler dies logging the match (`TpModelWorker` has no `tp_rank`; seen on the H200,
+    benchmarks/gpu-sglang-09560bc.tar.xz), taking the server down."""
     import torch
 
     config, tensors = adapter_files.read_adapter(folder)
@@ -79,8 +79,7 @@ def tensor_payload(folder: Path) -> dict[str, Any]:
     named = {k: torch.frombuffer(bytearray(t.data), dtype=dtypes[t.dtype]).reshape(t.shape) if t.data
              else torch.empty(t.shape, dtype=dtypes[t.dtype]) for k, t in tensors.items()}
     return {"config_dict": config,
-            "serialized_tensors": base64.b64encode(pickle.dumps(named, protocol=4)).decode("ascii"),
-            "expected_checksums": {k: hashlib.sha256(t.data).hexdigest() for k, t in tensors.items()}}
+            "serialized_tensors": base64.b64encode(pickle.dumps(named, protocol=4)).decode("ascii")}
 
 
 class ServerError(ScoreError):
@@ -315,7 +314,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         """`--sync tensors`: send the PEFT folder's tensors and config to `/load_lora_adapter_from_tensors`
         under `name` (with this sampler's suffix), the server never reading the folder: what an RL stack
         that holds the adapter in memory does. With `inplace`, a name this sampler has loaded is unloaded
-        first. Each tensor's sha256 goes along (`expected_checksums`): the server checks what it received."""
+        first."""
         served = name if name.endswith(self.suffix) else name + self.suffix
         label = name.removesuffix(self.suffix)
         body = tensor_payload(Path(directory))
