@@ -302,28 +302,27 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         """Load the PEFT folder under `name` (with this sampler's suffix). With `inplace`, a name this
         sampler has loaded is unloaded first: SGLang has no in-place reload."""
         path = self._served_path(directory)
-        served = name if name.endswith(self.suffix) else name + self.suffix
-        label = name.removesuffix(self.suffix)
-        if inplace and served in self.loaded:
-            self.retire(AdapterHandle(served, adapter_id, path))
-        self._call("/load_lora_adapter", {"lora_name": served, "lora_path": str(path)}, f"load_lora_adapter.{label}")
-        self.loaded.add(served)
-        return AdapterHandle(served, adapter_id, path)
+        return self._load("/load_lora_adapter", {"lora_path": str(path)}, name, adapter_id, path, inplace)
 
     def publish_tensors(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         """`--sync tensors`: send the PEFT folder's tensors and config to `/load_lora_adapter_from_tensors`
         under `name` (with this sampler's suffix), the server never reading the folder: what an RL stack
         that holds the adapter in memory does. With `inplace`, a name this sampler has loaded is unloaded
         first."""
+        # The handle's path is the folder the tensors were read from (the changed-on-disk check reads it).
+        return self._load("/load_lora_adapter_from_tensors", tensor_payload(Path(directory)), name, adapter_id,
+                          Path(directory), inplace)
+
+    def _load(self, endpoint: str, body: dict[str, Any], name: str, adapter_id: int, path: Path,
+              inplace: bool) -> AdapterHandle:
+        """POST `body` to `endpoint` under `name` with this sampler's suffix; with `inplace`, a name this
+        sampler has loaded is unloaded first (SGLang has no in-place reload)."""
         served = name if name.endswith(self.suffix) else name + self.suffix
-        label = name.removesuffix(self.suffix)
-        body = tensor_payload(Path(directory))
         if inplace and served in self.loaded:
-            self.retire(AdapterHandle(served, adapter_id, Path(directory)))
-        self._call("/load_lora_adapter_from_tensors", {"lora_name": served, **body},
-                   f"load_lora_adapter_from_tensors.{label}")
+            self.retire(AdapterHandle(served, adapter_id, path))
+        self._call(endpoint, {"lora_name": served, **body}, f"{endpoint.lstrip('/')}.{name.removesuffix(self.suffix)}")
         self.loaded.add(served)
-        return AdapterHandle(served, adapter_id, Path(directory))  # the folder the tensors were read from
+        return AdapterHandle(served, adapter_id, path)
 
     def retire(self, handle: AdapterHandle) -> None:
         """Unload `handle` from the server; a name the server no longer has is already retired."""
