@@ -49,10 +49,13 @@
 #                  leaves its stderr's and its servers' logs' last 200 lines in $OUT/MODEL.sglang-logs.txt.
 #                  One model per call (8 files come back): the runs share BUDGET s (default 500); those left
 #                  out are printed with the call that runs them (RUNS="megatron vllm-server" ...)
-#   sglang-selftest REV
-#                  selftest --sampler sglang --seeds 2 on SmolLM2-135M bf16 by path, per-target coverage off,
-#                  in the background like pseeds (its servers' logs kept in /tmp/st/sglang-server-logs):
-#                  follow with `collect [WAIT]`. Not beside another sglang or pseeds step: they share the GPU
+#   sglang-selftest REV [MODEL[:TRAINER[:SEEDS]]..]
+#                  selftest --sampler sglang per spec (default smollm2-bf16-path:hf:2; MODEL as for `sglang`),
+#                  per-target coverage off, one after another in the background like pseeds, each into
+#                  /tmp/st/sglang-MODEL-TRAINER (.json, .err, and -server-logs: its servers' logs, a restarted one's
+#                  too). A spec `runs` puts the `sglang` step's RUNS on smollm2-bf16-path at that place in the
+#                  chain (receipts in /tmp/st/runs). Follow with `collect [WAIT]`. Not beside another sglang or
+#                  pseeds step: they share the GPU
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
 # torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. The megatron-core wheel (pure Python,
@@ -304,14 +307,14 @@ SH
     }
     while :; do
       pack
-      busy=$(pgrep -fc "lora_parity selftest" || true)
+      busy=$(pgrep -fc "lora_parity (selftest|run)|gpu-evidence.sh sglang" || true)
       [ "$busy" -gt 0 ] && [ "$(date +%s)" -lt "$end" ] || break
       sleep 60
     done
     for f in /tmp/st/*.err; do
       n=${f%.err}; echo "== $(basename "$n"): $(ls "$n"/seed-*/*.json "$n"/*.json 2>/dev/null | wc -l) receipts, $(ls -d "$n"/seed-* 2>/dev/null | wc -l) seeds; $(grep -E '^(selftest|exit)' "$f" | tail -2 | tr '\n' ' ' | cut -c1-300)"
     done
-    echo "busy: $(pgrep -fc 'lora_parity selftest' || true); $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
+    echo "busy: $(pgrep -fc 'lora_parity (selftest|run)' || true); $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
     ls -la "$out" ;;
   exact)
     # exact REV MODEL..: the exact trainer against the vllm sampler with --budgets exact, per model
@@ -437,23 +440,37 @@ SH
     done
     ls -la "$out" ;;
   sglang-selftest)
-    # sglang-selftest REV: see the header; its exit and the server logs (trimmed to 200 lines at its end) in /tmp/st
-    rev=${2:?revision}; mkdir -p /tmp/st
+    # sglang-selftest REV [MODEL[:TRAINER[:SEEDS]]..]: see the header; per spec its exit and its servers' logs
+    # (trimmed to 200 lines at their end) in /tmp/st
+    rev=${2:?revision}; shift 2; mkdir -p /tmp/st
     [ -d /tmp/site-sglang/sglang ] || { echo "no SGLang in /tmp/site-sglang: stash-sglang 0..3 and install-sglang first" >&2; exit 2; }
-    ck=$(checkpoint smollm2-135m-bf16)
-    rm -rf /tmp/st/sglang /tmp/st/sglang-server-logs /tmp/st/sglang.json /tmp/st/sglang.err
-    cat > /tmp/st/sglang.sh <<SH
-cd "$PWD"; export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD PATH=/tmp/site-sglang/bin:\$PATH OMP_NUM_THREADS=2
-$(declare -f watch_logs)
-timeout -k 15 ${WINDOW:-1500} python3 -m lora_parity selftest --model "$ck" --sampler sglang --no-per-target \\
-  --seeds 2 --revision "$rev" --out-dir /tmp/st/sglang --json > /tmp/st/sglang.json 2>> /tmp/st/sglang.err &
-pid=\$!
-watch_logs \$pid /tmp/st/sglang-server-logs 'lora-parity-sglang-*.log'
-wait \$pid; echo "exit \$? at \$(date +%s)" >> /tmp/st/sglang.err
-for f in /tmp/st/sglang-server-logs/*.log; do [ -e "\$f" ] && tail -200 "\$f" > "\$f.t" && mv "\$f.t" "\$f"; done
-SH
-    setsid nohup bash /tmp/st/sglang.sh > /dev/null 2>&1 < /dev/null &
-    for _ in $(seq 12); do sleep 5; ls /tmp/st/sglang/clean.json /tmp/st/sglang/seed-*/clean.json >/dev/null 2>&1 && break; done
-    echo "started at $(date +%s) (window ${WINDOW:-1500} s); after ${SECONDS}s: $(tail -2 /tmp/st/sglang.err 2>/dev/null | cut -c1-300 | tr '\n' ' ')" ;;
+    [ $# -gt 0 ] || set -- smollm2-bf16-path:hf:2
+    rm -rf /tmp/st/sglang* /tmp/st/runs*
+    {
+      echo "cd \"$PWD\"; export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD PATH=/tmp/site-sglang/bin:\$PATH OMP_NUM_THREADS=2"
+      declare -f watch_logs
+      for spec in "$@"; do
+        if [ "$spec" = runs ]; then
+          echo "OUT=/tmp/st/runs RUNS='${RUNS:?runs needs RUNS}' BUDGET=${BUDGET:-500} bash scripts/gpu-evidence.sh sglang $rev smollm2-bf16-path > /tmp/st/runs.err 2>&1"
+          echo "cp /tmp/gpu-logs/*tensors*.err /tmp/st/runs/ 2>/dev/null || true"
+          continue
+        fi
+        m=${spec%%:*}; rest=${spec#"$m"}; rest=${rest#:}; trainer=${rest%%:*}; trainer=${trainer:-hf}
+        seeds=${rest#"$trainer"}; seeds=${seeds#:}; seeds=${seeds:-2}
+        cfg=$m; [ "$m" = smollm2-bf16-path ] && cfg=smollm2-135m-bf16
+        ck=$(checkpoint "$cfg")  # built here under the vLLM set's Python (SGLang's transformers never writes it)
+        model=$m; [ "$m" = smollm2-bf16-path ] && model=$ck
+        tag=sglang-$m-$trainer
+        echo "timeout -k 15 ${WINDOW:-1500} python3 -m lora_parity selftest --model '$model' --trainer $trainer \\"
+        echo "  --sampler sglang --no-per-target --seeds $seeds --revision $rev --out-dir /tmp/st/$tag --json \\"
+        echo "  > /tmp/st/$tag.json 2>> /tmp/st/$tag.err &"
+        echo "pid=\$!; watch_logs \$pid /tmp/st/$tag-server-logs 'lora-parity-sglang-*.log'"
+        echo "wait \$pid; echo \"exit \$? at \$(date +%s)\" >> /tmp/st/$tag.err"
+        echo "for f in /tmp/st/$tag-server-logs/*.log; do [ -e \"\$f\" ] && tail -200 \"\$f\" > \"\$f.t\" && mv \"\$f.t\" \"\$f\"; done"
+      done
+    } > /tmp/st/sglang.sh
+    setsid nohup bash /tmp/st/sglang.sh > /tmp/st/sglang-chain.log 2>&1 < /dev/null &
+    for _ in $(seq 12); do sleep 5; ls /tmp/st/sglang-*/clean.json /tmp/st/sglang-*/seed-*/clean.json >/dev/null 2>&1 && break; done
+    echo "started at $(date +%s) (window ${WINDOW:-1500} s each); after ${SECONDS}s: $(tail -2 /tmp/st/sglang-*.err 2>/dev/null | cut -c1-300 | tr '\n' ' ')" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

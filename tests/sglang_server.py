@@ -13,6 +13,10 @@ It behaves as SGLang's source says SGLang does (python/sglang/srt/...):
   path `__tensor__` (`io_struct.LoadLoRAAdapterFromTensorsReqInput`, `managers/tp_worker.py`);
 - unloading a name it does not have is 400, "does not exist" (`lora_registry.unregister`);
 - a request naming an adapter it does not have is 400 (`lora_registry.acquire`);
+- an adapter whose layer has k_proj or v_proj but no q_proj, or up_proj but no gate_proj, is loaded with
+  200, and the first request that uses it kills the server (`lora/lora.py` leaves them unstacked, then
+  `mem_pool.load_lora_weight_to_buffer` raises in the scheduler; seen on the H200 with sglang 0.5.16):
+  as a process it exits with code 1, on a thread it stops answering;
 - `input_token_logprobs` has one `[logprob, token_id, text]` per input token from `logprob_start_len`,
   the first null, ids >= vocab_size - 1 reported as 0; `token_ids_logprob` answers in
   `output_token_ids_logprobs[0]`, the position after the prompt; a request whose logprobs start
@@ -29,6 +33,7 @@ import hashlib
 import http.server
 import io
 import json
+import os
 import pickle
 import random
 import sys
@@ -72,6 +77,10 @@ class StandIn:
         self.cache: dict[tuple[str, tuple[int, ...]], dict[str, float]] = {}
         """(lora_id or '', prefix) -> the coefficients its KV was computed with (the radix cache)."""
         self.overrides: dict[str, Override] = {}
+        self.unstacked: dict[str, str] = {}
+        """Loaded names SGLang would fail to serve -> the tensor its scheduler would name."""
+        self.die: Callable[[], None] = lambda: threading.Thread(target=self.close, daemon=True).start()
+        """What the first request with such an adapter does: stop answering (as a process: exit)."""
         self.server_args = {"version": "0.5.16-standin", "enable_deterministic_inference": True,
                             "attention_backend": "fa3", "disable_radix_cache": False, "api_key": None,
                             **(server_args or {})}
@@ -141,6 +150,21 @@ class StandIn:
                 return self._generate(body)
         return 404, {"detail": "Not Found"}
 
+    def _note_unstacked(self, name: str, tensors: list[str]) -> None:
+        """Remember an adapter SGLang would leave unstacked (k/v without q, up without gate)."""
+        layers: dict[str, set[str]] = {}
+        for t in tensors:
+            parts = t.split(".")
+            at = parts.index("lora_A") if "lora_A" in parts else parts.index("lora_B") if "lora_B" in parts else -1
+            if at > 1:
+                layers.setdefault(".".join(parts[:at - 1]), set()).add(parts[at - 1])
+        for layer, kinds in sorted(layers.items()):
+            orphan: str | None = next((k for k in ("k_proj", "v_proj") if k in kinds and "q_proj" not in kinds), None)
+            orphan = orphan or ("up_proj" if "up_proj" in kinds and "gate_proj" not in kinds else None)
+            if orphan is not None:
+                self.unstacked[name] = f"{layer}.{orphan}.lora_A.weight"
+                return
+
     def _loaded(self) -> dict[str, str]:
         return {name: entry[1] for name, entry in self.registry.items()}
 
@@ -154,6 +178,7 @@ class StandIn:
                 self.warnings.append(f"{path} is already loaded with name: {other}, but another copy is being "
                                      f"loaded with name: {name}")
         cfg, tensors = af.read_adapter(path)
+        self._note_unstacked(str(name), list(tensors))
         self.registry[str(name)] = (uuid.uuid4().hex, str(path), fake._coefficients(cfg, tensors))
         return 200, {"success": True, "loaded_adapters": self._loaded()}
 
@@ -176,6 +201,7 @@ class StandIn:
                          if k not in raw or hashlib.sha256(raw[k].data).hexdigest() != expected.get(k))
             if bad:
                 return 500, {"success": False, "error_message": f"[LORA-CHECK] adapter sync MISMATCH: {bad[:5]}"}
+        self._note_unstacked(str(name), list(raw))
         self.registry[str(name)] = (uuid.uuid4().hex, "__tensor__", fake._coefficients(body["config_dict"], raw))
         return 200, {"success": True, "loaded_adapters": self._loaded()}
 
@@ -188,6 +214,11 @@ class StandIn:
         missing = [n for n in names if n is not None and n not in self.registry]
         if missing:
             return 400, {"error": {"message": f"The following requested LoRA adapters are not loaded: {missing[0]}"}}
+        fatal = next((self.unstacked[n] for n in names if n in self.unstacked), None)
+        if fatal is not None:
+            print(f"Scheduler hit an exception: ValueError: Cannot find target module name for {fatal}", flush=True)
+            self.die()
+            return 500, {}
         out = [self._one(list(seq), self.registry[n] if n is not None else None, body)
                for seq, n in zip(batch, names, strict=True)]
         return 200, out[0] if single else out
@@ -230,6 +261,7 @@ class StandIn:
 def main(argv: list[str]) -> None:
     """`python tests/sglang_server.py PORT`: serve on PORT until killed."""
     server = StandIn(port=int(argv[0]))
+    server.die = lambda: os._exit(1)
     server.thread.join()
 
 

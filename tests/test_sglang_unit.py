@@ -530,3 +530,81 @@ def test_sync_tensors_needs_a_sampler_that_loads_tensors(tmp_path: Path) -> None
         execute(RunOptions(trainer="fake", sampler="fake", sync="tensors", out=tmp_path / "r.json"))
     assert {"skip-sync", "stale-folder", "wrong-direction", "drop-target"} <= set(faults_for("tensors",
                                                                                           SGLangSampler.traits))
+
+
+# --- an adapter SGLang cannot serve; a server a fault killed ---------------------------------------------
+
+
+def test_unpaired_targets_are_the_ones_sglang_leaves_unstacked() -> None:
+    from lora_parity.backends.sglang import ADAPTER_NEEDS
+    from lora_parity.models.lora_targets import unpaired_target
+
+    def names(*kinds: str, layer: int = 0) -> list[str]:
+        block = {k: "mlp" if k in ("gate_proj", "up_proj", "down_proj") else "self_attn" for k in kinds}
+        return [f"base_model.model.model.layers.{layer}.{block[k]}.{k}.lora_{ab}.weight" for k in kinds for ab in "AB"]
+
+    assert unpaired_target(names("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), ADAPTER_NEEDS) is None
+    assert unpaired_target(names("q_proj", "v_proj", "gate_proj"), ADAPTER_NEEDS) is None  # k, up: zero-filled
+    assert unpaired_target(names("k_proj", "v_proj"), ADAPTER_NEEDS) == ("base_model.model.model.layers.0.self_attn",
+                                                                         "k_proj", "q_proj")
+    assert unpaired_target(names("q_proj", "k_proj"), ADAPTER_NEEDS)[1:] == ("q_proj", "v_proj")
+    assert unpaired_target(names("up_proj", "down_proj"), ADAPTER_NEEDS)[1:] == ("up_proj", "gate_proj")
+    # per layer: one whole layer does not excuse another
+    assert unpaired_target(names("q_proj", "v_proj") + names("v_proj", layer=1), ADAPTER_NEEDS)[0].endswith("layers.1"
+                                                                                                          ".self_attn")
+
+
+@pytest.mark.parametrize("sync", ["new-id", "tensors"])
+def test_drop_target_is_refused_before_the_server_sees_it(stand_in: StandIn, checkpoint: Path, sync: str,
+                                                          tmp_path: Path) -> None:
+    from lora_parity.run.selftest import judge
+
+    receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url, inject="drop-target",
+                                 sync=sync, per_target=False, out=tmp_path / "r.json")).receipt
+    assert receipt.verdict == Verdict.ERROR
+    assert "SGLang cannot serve an adapter with k_proj but no q_proj" in (receipt.error or "")
+    loads = stand_in.posted("/load_lora_adapter") + stand_in.posted("/load_lora_adapter_from_tensors")
+    assert not any("-v0-" in b["lora_name"] or "-v1-" in b["lora_name"] for b in loads)  # never sent
+    assert stand_in.unstacked == {} and stand_in.answer("GET", "/health", {})[0] == 200
+    targets = list(config.load(None).adapter.targets)
+    n = receipt.probes.num_scored_positions
+    sglang_says = judge("drop-target", receipt, set(), set(), targets, n, SGLangSampler.traits)
+    assert sglang_says.caught and sglang_says.expected == "error: error recorded"
+    assert not judge("drop-target", receipt, set(), set(), targets, n, None).caught  # elsewhere it must fail T.*
+    # a sampler that needs nothing of the dropped target (q_proj dropped; only up needs gate): the usual check
+    assert not judge("drop-target", receipt, set(), set(), targets, n,
+                     BackendTraits(adapter_needs=(("up_proj", "gate_proj"),))).caught
+
+
+def test_an_expected_error_is_caught_by_the_faults_own_error_only(stand_in: StandIn, checkpoint: Path,
+                                                                  tmp_path: Path) -> None:
+    from lora_parity.run.selftest import judge
+
+    receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=stand_in.url,
+                                 inject="unload-before-score", per_target=False, out=tmp_path / "r.json")).receipt
+    targets = list(config.load(None).adapter.targets)
+    n = receipt.probes.num_scored_positions
+    assert judge("unload-before-score", receipt, set(), set(), targets, n, SGLangSampler.traits).caught
+    refused = receipt.model_copy(update={"error": "phase base: SGLang server: /generate: Connection refused"})
+    for fault in ("unload-before-score", "nan", "adapter-changed", "drop-target"):
+        assert not judge(fault, refused, set(), set(), targets, n, SGLangSampler.traits).caught, fault
+
+
+def test_the_selftest_starts_again_a_server_a_fault_killed(monkeypatch: pytest.MonkeyPatch, checkpoint: Path,
+                                                         tmp_path: Path) -> None:
+    from lora_parity.backends import sglang
+
+    pids = _stand_in_process(monkeypatch)
+    monkeypatch.setattr(sglang, "require_servable", lambda folder: None)  # as before the refusal: SGLang gets it
+    result = selftest(RunOptions(trainer="fake", sampler="sglang", per_target=False), tmp_path,
+                      faults=["drop-target", "skip-sync", "unload-before-score"])
+    rows = {r.fault: r for r in result.rows}
+    dropped = rows["drop-target"]
+    assert not dropped.caught  # the server's death is not the refusal the selftest expects of sglang
+    assert "exited with code 1" in dropped.observed and "Cannot find target module name" in dropped.observed
+    assert dropped.restarted is not None and dropped.restarted.startswith("sglang.launch_server had exited with code 1")
+    assert rows["skip-sync"].caught and rows["unload-before-score"].caught, [r.observed for r in result.rows]
+    assert rows["none"].restarted is None and rows["skip-sync"].restarted is None
+    assert len(pids) == 1 and not _group_alive(pids[0])  # the first server is gone ...
+    from lora_parity.backends.server_process import _RUNNING
+    assert not _RUNNING  # ... and so is the one started again, at the selftest's end

@@ -74,6 +74,10 @@ class AdapterHandle:
     path: Path
 
 
+UNSERVABLE = "cannot serve an adapter with"
+"""The words a sampler's refusal of an adapter its `adapter_needs` rules out carries."""
+
+
 @dataclass(frozen=True)
 class BackendTraits:
     """What a backend can do and needs, stated once per class (an instance may refine it when what
@@ -116,6 +120,10 @@ class BackendTraits:
     """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here
     (each load gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache)
     does not apply; or None."""
+    adapter_needs: tuple[tuple[str, str], ...] = ()
+    """(kind, needed kind): this sampler cannot serve an adapter whose module path has a LoRA on the first
+    kind but none on the second (SGLang stacks q/k/v and gate/up itself); such an adapter is refused
+    before it is loaded, with an error that says `UNSERVABLE` (`lora_targets.unpaired_target`)."""
 
 
 @dataclass(frozen=True)

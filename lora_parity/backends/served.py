@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess
 
 
+EXITED_WAIT_S = 15.0
+"""How long a failed call waits to learn whether the server it went to is exiting (sglang 0.5.16 takes
+5 s from its scheduler's death to its exit)."""
+EXITED_LINES, EXITED_LINE_CHARS = 6, 300
+"""How much of a dead server's log its sampler's error quotes: the last lines, each cut to so many characters."""
 PREFLIGHT_TIMEOUT_S = 5.0
 """How long an attached server's `/health` may take to answer at preflight."""
 
@@ -59,6 +64,33 @@ class ServedAdapters:
 
     def retire(self, handle: AdapterHandle) -> None:
         raise NotImplementedError
+
+    def revive(self) -> str | None:
+        """Start again a server this sampler started that has exited since (`ServerProcess.restart`):
+        it then holds no adapter. Returns what was done, or None where the server runs or is the user's
+        (attached by URL: never started here)."""
+        server = self.server
+        if server is None or server.healthy_at is None or server.healthy():
+            return None
+        code = server.returncode(EXITED_WAIT_S)  # SGLang takes seconds to exit once its scheduler died
+        if code is None:
+            return None
+        server.restart()
+        self.loaded.clear()
+        return f"{server.name} had exited with code {code}; started again"
+
+    def exited(self, what: str) -> str:
+        """`what` (a call's transport error), with the exit code and the log's last lines where the server
+        this sampler started has exited: the cause, not only the refused connection."""
+        server = self.server
+        if server is None or server.proc is None or server.healthy():
+            return what
+        code = server.returncode(EXITED_WAIT_S)
+        if code is None:
+            return what
+        tail = " | ".join(line.strip()[:EXITED_LINE_CHARS] for line in server.log_tail(EXITED_LINES).splitlines()
+                          if line.strip())
+        return f"{what} ({server.name} exited with code {code}; last lines of its log: {tail})"
 
     def _served_path(self, directory: Path) -> Path:
         """Where the server reads the adapter in `directory`: a copy in `shared_dir`, else the folder."""

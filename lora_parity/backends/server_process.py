@@ -39,8 +39,10 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
-    """Whether nothing listens on 127.0.0.1:`port` right now."""
+    """Whether nothing listens on 127.0.0.1:`port` right now (the connections of a server that exited,
+    left in TIME_WAIT, do not count: servers bind with SO_REUSEADDR, and so does this probe)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -85,14 +87,37 @@ class ServerProcess:
         self.name = name
         """What the server is, in its error messages (`vllm serve`, `sglang.launch_server`)."""
         self.url = f"http://127.0.0.1:{port}"
-        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-        self.log_path = Path(tempfile.mkstemp(prefix=f"lora-parity-{slug}-", suffix=".log")[1])
+        self.log_path = self._new_log()
         self.proc: subprocess.Popen[bytes] | None = None
         self.launched_at: float | None = None
         """When `launch` started the process (`time.perf_counter()`)."""
         self.healthy_at: float | None = None
         """When `/health` first answered (`time.perf_counter()`)."""
         self._port_was_free = True
+
+    def _new_log(self) -> Path:
+        slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+        return Path(tempfile.mkstemp(prefix=f"lora-parity-{slug}-", suffix=".log")[1])
+
+    def returncode(self, wait_s: float = 0.0) -> int | None:
+        """The exit code of a launched server that has exited since, waiting up to `wait_s` for it to
+        (a server dying as a call fails closes its socket a moment before it has exited); None: it
+        runs, or was never launched, or was stopped."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(wait_s) if wait_s > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+
+    def restart(self) -> None:
+        """Launch the same command again on the same port after the server exited (a fault, or an
+        adapter it was given, killed it): what is left of its process group is stopped first, and a
+        new log started. Returns at once; `wait_healthy` (or the sampler's next call) waits for it."""
+        self.stop()
+        self.log_path = self._new_log()
+        self.healthy_at = None
+        self.launch()
 
     @property
     def pid(self) -> int | None:
@@ -137,12 +162,13 @@ class ServerProcess:
             if proc.poll() is not None:
                 taken = "" if port_was_free else f" (port {self.port} was taken)"
                 self._fail(f"exited with code {proc.returncode} before it was ready{taken}")
-            if port_was_free and self._healthy():
+            if port_was_free and self.healthy():
                 return
             time.sleep(0.5)
         self._fail(f"not healthy within {self.start_timeout_s:g} s")
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
+        """Whether `/health` answers 200 now (within 2 s)."""
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:  # loopback http only
                 return bool(r.status == 200)

@@ -34,6 +34,7 @@ from typing import Any, Self
 
 from lora_parity.backends import bounded_http, sglang_server
 from lora_parity.backends.base import (
+    UNSERVABLE,
     AdapterHandle,
     BackendOptions,
     BackendTraits,
@@ -45,7 +46,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess
 from lora_parity.evidence.receipt import BackendInfo
-from lora_parity.models import adapter_files
+from lora_parity.models import adapter_files, lora_targets
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
@@ -57,6 +58,13 @@ SAME_NAME_RELOAD_REFUSED = ("refuses a load under a loaded name (SGLang answers 
                             "receipt, not a silent keep of the old adapter)")
 RELOAD_GETS_FRESH_CACHE = ("keys its radix cache by a lora_id minted at every load (sgl-project/sglang#8261), so an "
                            "unload and load under the same name and path reads none of the old adapter's blocks")
+ADAPTER_NEEDS = (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("q_proj", "v_proj"), ("up_proj", "gate_proj"))
+"""What sglang 0.5.16 needs of an adapter's module paths (srt/lora/lora.py, `normalize_qkv_proj`,
+`normalize_gate_up_proj`): it stacks k_proj and v_proj into qkv_proj only beside q_proj, q_proj only with
+v_proj (a missing k_proj is zero), and up_proj into gate_up_proj only beside gate_proj (a missing up_proj
+is zero). Left unstacked, k/v or up match none of the model's LoRA modules: the load answers 200, then the
+scheduler dies at the first request that uses the adapter, taking the server down (seen on the H200 with
+an adapter lacking q_proj: benchmarks/gpu-sglang-09560bc.tar.xz); q_proj without v_proj fails the load."""
 SERVER_ARGS_RECORDED = ("enable_deterministic_inference", "attention_backend", "sampling_backend", "lora_backend",
                         "disable_radix_cache", "dtype", "max_lora_rank", "max_loras_per_batch", "tp_size",
                         "random_seed", "mem_fraction_static", "chunked_prefill_size", "disable_cuda_graph")
@@ -80,6 +88,17 @@ def tensor_payload(folder: Path) -> dict[str, Any]:
              else torch.empty(t.shape, dtype=dtypes[t.dtype]) for k, t in tensors.items()}
     return {"config_dict": config,
             "serialized_tensors": base64.b64encode(pickle.dumps(named, protocol=4)).decode("ascii")}
+
+
+def require_servable(folder: Path) -> None:
+    """Refuse (`ScoreError`) an adapter that `ADAPTER_NEEDS` rules out, before the server sees it: loaded,
+    it would take the server down at its first use, a user's attached server too."""
+    unpaired = lora_targets.unpaired_target(lora_targets.tensor_names(folder), ADAPTER_NEEDS)
+    if unpaired is not None:
+        path, kind, needed = unpaired
+        raise ScoreError(f"SGLang {UNSERVABLE} {kind} but no {needed} in {path} (sglang stacks {kind} with "
+                         f"{needed}; without it the load fails or the server dies at the first request): "
+                         f"{folder.name} not loaded")
 
 
 class ServerError(ScoreError):
@@ -124,7 +143,8 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
     the radix cache too (`score_cached`: a `CachedScoringSampler`) and generates (`GeneratingSampler`)."""
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
-                           reload_gets_fresh_cache=RELOAD_GETS_FRESH_CACHE, at_checkpoint_precision=True)
+                           reload_gets_fresh_cache=RELOAD_GETS_FRESH_CACHE, at_checkpoint_precision=True,
+                           adapter_needs=ADAPTER_NEEDS)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:
@@ -209,7 +229,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
             answer = bounded_http.request(self.url + path, data, headers, timeout_s=sglang_server.REQUEST_TIMEOUT_S,
                                           deadline_s=sglang_server.REQUEST_DEADLINE_S)
         except bounded_http.HTTPCallError as e:
-            raise ServerError(self._redact(f"SGLang server: {path}: {e}")) from None
+            raise ServerError(self._redact(self.exited(f"SGLang server: {path}: {e}"))) from None
         finally:
             key = f"http.{label}"
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
@@ -301,6 +321,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         """Load the PEFT folder under `name` (with this sampler's suffix). With `inplace`, a name this
         sampler has loaded is unloaded first: SGLang has no in-place reload."""
+        require_servable(Path(directory))
         path = self._served_path(directory)
         return self._load("/load_lora_adapter", {"lora_path": str(path)}, name, adapter_id, path, inplace)
 
@@ -309,6 +330,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         under `name` (with this sampler's suffix), the server never reading the folder: what an RL stack
         that holds the adapter in memory does. With `inplace`, a name this sampler has loaded is unloaded
         first."""
+        require_servable(Path(directory))
         # The handle's path is the folder the tensors were read from (the changed-on-disk check reads it).
         return self._load("/load_lora_adapter_from_tensors", tensor_payload(Path(directory)), name, adapter_id,
                           Path(directory), inplace)

@@ -289,7 +289,7 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
             answer = bounded_http.request(self.url + path, data, headers, timeout_s=REQUEST_TIMEOUT_S,
                                           deadline_s=REQUEST_DEADLINE_S)
         except bounded_http.HTTPCallError as e:
-            raise ServerError(self._redact(f"vLLM server: {path}: {e}")) from None
+            raise ServerError(self._redact(self.exited(f"vLLM server: {path}: {e}"))) from None
         finally:
             key = f"http.{label}"
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start

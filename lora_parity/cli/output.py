@@ -216,6 +216,8 @@ def selftest_row(row: Any, with_seed: bool = False) -> str:
         observed = "expected error: " + observed.removeprefix("error: ")
     elif not row.caught:
         observed += f" (expected {row.expected})"
+    if row.restarted:
+        observed += f"; {row.restarted}"
     seed = f"seed {row.seed:<3} " if with_seed else ""
     return f"  {mark} {seed}{escape(f'{row.fault:<20}')} {escape(observed)} [dim]{row.seconds:.1f} s[/]"
 

@@ -49,3 +49,20 @@ def projection_targets(names: list[str]) -> tuple[list[str], list[str]]:
             found.add(kind)
     ordered = [k for k in _ORDER if k in found] + sorted(found - set(_ORDER))
     return ordered, sorted(notes)
+
+
+def unpaired_target(names: list[str], needs: tuple[tuple[str, str], ...]) -> tuple[str, str, str] | None:
+    """The first (module path, kind, needed kind) where a module path holds LoRA tensors on `kind` but
+    none on the kind it needs, for each (kind, needed kind) of `needs`; None where every pair is whole.
+    Names are PEFT's (`...layers.0.self_attn.k_proj.lora_A.weight`: path `...layers.0.self_attn`)."""
+    kinds: dict[str, set[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts) if part in ("lora_A", "lora_B") and i > 1), None)
+        if at is not None:
+            kinds.setdefault(".".join(parts[:at - 1]), set()).add(parts[at - 1])
+    for path in sorted(kinds):
+        for kind, needed in needs:
+            if kind in kinds[path] and needed not in kinds[path]:
+                return path, kind, needed
+    return None

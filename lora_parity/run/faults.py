@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lora_parity.backends.base import AdapterHandle, BackendTraits, Scores
+from lora_parity.backends.base import UNSERVABLE, AdapterHandle, BackendTraits, Scores
 from lora_parity.evidence.receipt import Budgets, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.perturb import is_lora_b, target_kind
@@ -71,6 +72,9 @@ class FaultSpec:
     """Why the noise update cannot reveal the fault (the selftest runs it with `--update step` only), or None."""
     needs_targets: tuple[str, ...] = ()
     """Target kinds the adapter must have for the fault to exist (e.g. gate_proj and up_proj)."""
+    error_says: str = ""
+    """For a fault that must end the run in an error: a regular expression the receipt's error must match,
+    so that the fault's own error catches it, not any (a server that died refuses every call)."""
     reads_reloaded_cache: bool = False
     """Counts on a reload under the same name and path reading the old adapter's prefix-cache blocks:
     not for a sampler whose every load gets a cache namespace of its own (`traits.reload_gets_fresh_cache`)."""
@@ -180,7 +184,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     # A's triangulated mean budget widens with it (A.fp32.sampler.* fail instead); the max ceiling
     # is absolute in every profile (seen on the H200 selftest of SmolLM2-135M bf16).
     FaultSpec("misalign", "sampler scores shifted by one position", ("A.parity.max",), "fail"),
-    FaultSpec("nan", "the sampler returns NaN at one position", (), "error"),
+    FaultSpec("nan", "the sampler returns NaN at one position", (), "error", error_says="non-finite"),
     # The faults only an update of A and B can reveal (`--update step`, docs/faults.md): under the noise
     # update A never changes, so stale-a publishes the very same files.
     FaultSpec("stale-a", "the published adapter carries the new B with the previous version's A",
@@ -218,10 +222,12 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               "only a logged warning (sgl-project/sglang#13771)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
               sync=StaleFolder, serving_layer=True),
     FaultSpec("unload-before-score", "sync unloads the adapter about to be scored instead of the old one",
-              (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True),
-    FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error"),
+              (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True,
+              error_says=r"^phase updated: .* answered 4\d\d"),
+    FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error",
+              error_says="injected crash"),
     FaultSpec("adapter-changed", "the published adapter's files change on disk before the sampler scores with it",
-              (), "error", modes=ADAPTER_MODES),
+              (), "error", modes=ADAPTER_MODES, error_says="changed on disk after it was published"),
     FaultSpec("gen-no-adapter", "after sync the sampler generates without the adapter (prompt scoring has it)",
               ("G.updated.parity.mean", "G.trainer.parity.mean"), "fail", modes=ADAPTER_MODES, needs_sampled=True),
     FaultSpec("prompt-no-adapter", "after sync the sampler scores the generated tokens without the adapter "
@@ -332,6 +338,7 @@ class Faults:
             if (name == "crash-at") != bool(arg):
                 raise ConfigError("crash-at needs a phase (crash-at=PHASE); other faults take no argument")
             self.name, self.crash_phase = name, arg or None
+        self.targets = list(targets)
         self.dropped_target = targets[0]
         # Off by 9 nats as in the seed's review, or less where the mean budget is tighter, so that
         # the mean stays within budget (with room for the backends' own disagreement) and only the
@@ -340,12 +347,20 @@ class Faults:
         # bf16 on the H200, --update step seed 2: 2.4 nats off, 1.94 apart against the 2.0 ceiling).
         self.one_token_offset = min(9.0, max(0.25 * mean_budget * num_positions, 2.0 * max_ceiling))
 
-    def expected(self) -> FaultSpec:
-        """What must catch this fault."""
+    def expected(self, sampler: BackendTraits | None = None) -> FaultSpec:
+        """What must catch this fault (on a sampler with these traits)."""
         assert self.name is not None
         spec = FAULTS[self.name]
+        if self.is_("drop-target") and sampler is not None and self.unservable(sampler):
+            return replace(spec, caught_by=(), verdict="error", must_pass=(), error_says=re.escape(UNSERVABLE))
         caught_by = spec.caught_by_step if self.nonzero_start and spec.caught_by_step is not None else spec.caught_by
         return replace(spec, caught_by=tuple(c.format(target=self.dropped_target) for c in caught_by))
+
+    def unservable(self, sampler: BackendTraits) -> bool:
+        """drop-target leaves an adapter this sampler refuses (`traits.adapter_needs`): another target
+        needs the dropped one beside it."""
+        return any(needed == self.dropped_target and kind in self.targets and kind != needed
+                   for kind, needed in sampler.adapter_needs)
 
     def is_(self, name: str) -> bool:
         """Whether `name` is the injected fault."""
