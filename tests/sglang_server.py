@@ -12,7 +12,9 @@ It behaves as SGLang's source says SGLang does (python/sglang/srt/...):
   (`utils.common.SafeUnpickler`), checks `expected_checksums` against each tensor's bytes and records the
   path `__tensor__` (`io_struct.LoadLoRAAdapterFromTensorsReqInput`, `managers/tp_worker.py`);
 - unloading a name it does not have is 400, "does not exist" (`lora_registry.unregister`);
-- a request naming an adapter it does not have is 400 (`lora_registry.acquire`);
+- a request naming an adapter it unloaded loads it again from the path it was loaded from, as it reads
+  now (`TokenizerManager.lora_ref_cache`, `_resolve_lora_path`: "Reloading evicted adapter"; seen on the
+  H200); one loaded from tensors (path `__tensor__`) cannot be, and one never loaded neither: 400;
 - an adapter whose layer has k_proj or v_proj but no q_proj, or up_proj but no gate_proj, is loaded with
   200, and the first request that uses it kills the server (`lora/lora.py` leaves them unstacked, then
   `mem_pool.load_lora_weight_to_buffer` raises in the scheduler; seen on the H200 with sglang 0.5.16):
@@ -77,6 +79,8 @@ class StandIn:
         self.cache: dict[tuple[str, tuple[int, ...]], dict[str, float]] = {}
         """(lora_id or '', prefix) -> the coefficients its KV was computed with (the radix cache)."""
         self.overrides: dict[str, Override] = {}
+        self.ref_cache: dict[str, str] = {}
+        """Every name loaded, with its path (kept after an unload, as SGLang's `lora_ref_cache`)."""
         self.unstacked: dict[str, str] = {}
         """Loaded names SGLang would fail to serve -> the tensor its scheduler would name."""
         self.die: Callable[[], None] = lambda: threading.Thread(target=self.close, daemon=True).start()
@@ -180,6 +184,7 @@ class StandIn:
         cfg, tensors = af.read_adapter(path)
         self._note_unstacked(str(name), list(tensors))
         self.registry[str(name)] = (uuid.uuid4().hex, str(path), fake._coefficients(cfg, tensors))
+        self.ref_cache[str(name)] = str(path)
         return 200, {"success": True, "loaded_adapters": self._loaded()}
 
     def _load_tensors(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -203,6 +208,7 @@ class StandIn:
                 return 500, {"success": False, "error_message": f"[LORA-CHECK] adapter sync MISMATCH: {bad[:5]}"}
         self._note_unstacked(str(name), list(raw))
         self.registry[str(name)] = (uuid.uuid4().hex, "__tensor__", fake._coefficients(body["config_dict"], raw))
+        self.ref_cache[str(name)] = "__tensor__"
         return 200, {"success": True, "loaded_adapters": self._loaded()}
 
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -211,9 +217,14 @@ class StandIn:
         batch = [ids] if single else ids
         names = body.get("lora_path")
         names = [names] * len(batch) if single or not isinstance(names, list) else names
-        missing = [n for n in names if n is not None and n not in self.registry]
-        if missing:
-            return 400, {"error": {"message": f"The following requested LoRA adapters are not loaded: {missing[0]}"}}
+        for name in dict.fromkeys(n for n in names if n is not None and n not in self.registry):
+            if name not in self.ref_cache:
+                return 400, {"error": {"message": f"Got LoRA adapter that has never been loaded: {name}"}}
+            if self.ref_cache[name] == "__tensor__":
+                return 400, {"error": {"message": f"Failed to implicitly load LoRA adapter {name}: cannot read "
+                                                  "__tensor__"}}
+            self.warnings.append(f"Reloading evicted adapter: {name}")
+            self._load({"lora_name": name, "lora_path": self.ref_cache[name]})
         fatal = next((self.unstacked[n] for n in names if n in self.unstacked), None)
         if fatal is not None:
             print(f"Scheduler hit an exception: ValueError: Cannot find target module name for {fatal}", flush=True)

@@ -120,6 +120,9 @@ class BackendTraits:
     """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here
     (each load gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache)
     does not apply; or None."""
+    unload_reloads: str | None = None
+    """Why a request naming an adapter this sampler unloaded does not fail here (the server loads it again
+    from its path), so the fault that counts on that failure (unload-before-score) does not apply; or None."""
     adapter_needs: tuple[tuple[str, str], ...] = ()
     """(kind, needed kind): this sampler cannot serve an adapter whose module path has a LoRA on the first
     kind but none on the second (SGLang stacks q/k/v and gate/up itself); such an adapter is refused

@@ -58,6 +58,10 @@ SAME_NAME_RELOAD_REFUSED = ("refuses a load under a loaded name (SGLang answers 
                             "receipt, not a silent keep of the old adapter)")
 RELOAD_GETS_FRESH_CACHE = ("keys its radix cache by a lora_id minted at every load (sgl-project/sglang#8261), so an "
                            "unload and load under the same name and path reads none of the old adapter's blocks")
+UNLOAD_RELOADS = ("loads an unloaded adapter again from its path when a request names it (sglang 0.5.16 keeps every "
+                  "name it loaded, TokenizerManager.lora_ref_cache, and _resolve_lora_path reloads it: 'Reloading "
+                  "evicted adapter'), so a score after the unload reads the adapter the name was loaded from: no "
+                  "error (seen on the H200)")
 ADAPTER_NEEDS = (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("q_proj", "v_proj"), ("up_proj", "gate_proj"))
 """What sglang 0.5.16 needs of an adapter's module paths (srt/lora/lora.py, `normalize_qkv_proj`,
 `normalize_gate_up_proj`): it stacks k_proj and v_proj into qkv_proj only beside q_proj, q_proj only with
@@ -144,7 +148,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
                            reload_gets_fresh_cache=RELOAD_GETS_FRESH_CACHE, at_checkpoint_precision=True,
-                           adapter_needs=ADAPTER_NEEDS)
+                           unload_reloads=UNLOAD_RELOADS, adapter_needs=ADAPTER_NEEDS)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:

@@ -72,6 +72,9 @@ class FaultSpec:
     """Why the noise update cannot reveal the fault (the selftest runs it with `--update step` only), or None."""
     needs_targets: tuple[str, ...] = ()
     """Target kinds the adapter must have for the fault to exist (e.g. gate_proj and up_proj)."""
+    counts_on_unload: bool = False
+    """Counts on a request that names an unloaded adapter failing: not for a sampler that loads it again
+    from its path (`traits.unload_reloads`)."""
     error_says: str = ""
     """For a fault that must end the run in an error: a regular expression the receipt's error must match,
     so that the fault's own error catches it, not any (a server that died refuses every call)."""
@@ -222,7 +225,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               "only a logged warning (sgl-project/sglang#13771)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
               sync=StaleFolder, serving_layer=True),
     FaultSpec("unload-before-score", "sync unloads the adapter about to be scored instead of the old one",
-              (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True,
+              (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True, counts_on_unload=True,
               error_says=r"^phase updated: .* answered 4\d\d"),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error",
               error_says="injected crash"),
@@ -261,6 +264,8 @@ def not_applicable(name: str, sampler: BackendTraits) -> str | None:
         return f"this sampler {sampler.same_name_reload_refused}"
     if spec.reads_reloaded_cache and sampler.reload_gets_fresh_cache:
         return f"this sampler {sampler.reload_gets_fresh_cache}"
+    if spec.counts_on_unload and sampler.unload_reloads:
+        return f"this sampler {sampler.unload_reloads}"
     return None
 
 
