@@ -6,7 +6,9 @@ the user runs (`--sampler-url`; nothing is started or stopped). Adapters are loa
 `/load_lora_adapter` (`lora_name`, `lora_path`; a new name per version), or with `--sync tensors` sent
 in memory to `/load_lora_adapter_from_tensors` (the server never reads the folder), and unloaded with
 `/unload_lora_adapter` (`lora_name`). SGLang has no in-place reload: `--sync inplace` unloads the name
-and loads it again, which mints a new `lora_id` and with it a radix-cache namespace of its own.
+and loads it again, which mints a new `lora_id` and with it a radix-cache namespace of its own. An
+adapter SGLang cannot serve (`ADAPTER_NEEDS`: it would kill the server at its first use) is refused before
+it is sent; an unloaded name is not final there (`UNLOAD_RELOADS`).
 
 Scoring follows the alignment rule in `backends/base.py`: `/generate` with `input_ids`,
 `return_logprob: true`, `logprob_start_len: 0` and the adapter's name as `lora_path` (none: the base

@@ -3,6 +3,8 @@ with `seeds`, all of it once per seed, and the rates over the seeds.
 
 All runs share one load of the trainer and the sampler (the model is loaded once, for every seed);
 each run starts from zero-init B and uses adapter ids no earlier run used, so runs cannot see each other.
+A server the sampler started that a run left dead is started again before the next run (`Row.restarted`),
+and a fault that must end in an error is caught only by its own error (`FaultSpec.error_says`).
 
 A seed changes both what is scored and the update (`plan_for_seed`): seed i (0, 1, ...) runs with
 run seed `--seed` + i (the perturbation, and the sampled probes' generation) and each probe set's
