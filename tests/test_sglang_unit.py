@@ -600,6 +600,7 @@ def test_the_selftest_starts_again_a_server_a_fault_killed(monkeypatch: pytest.M
     dropped = rows["drop-target"]
     assert not dropped.caught  # the server's death is not the refusal the selftest expects of sglang
     assert "exited with code 1" in dropped.observed and "Cannot find target module name" in dropped.observed
+    assert dropped.observed.startswith("error: phase ") and "(unloading its adapter failed too)" in dropped.observed
     assert dropped.restarted is not None and dropped.restarted.startswith("sglang.launch_server had exited with code 1")
     assert rows["skip-sync"].caught and rows["nan"].caught, [r.observed for r in result.rows]
     assert rows["none"].restarted is None and rows["skip-sync"].restarted is None

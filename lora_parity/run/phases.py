@@ -43,7 +43,7 @@ from lora_parity.run import calibrate_trainer, generation
 from lora_parity.run.faults import Faults
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
-from lora_parity.util.errors import ScoreError
+from lora_parity.util.errors import LoraParityError, ScoreError
 from lora_parity.verdict import calibrate, stats
 
 T = TypeVar("T")
@@ -376,8 +376,14 @@ class Run:
 
     def retire(self) -> None:
         """Unload the adapter this run left on the sampler; in the merged modes, give the sampler its
-        original base weights back."""
-        self.mode.retire(self)
+        original base weights back. A failure here after the run failed (a server that died in a phase
+        refuses the unload too) follows the run's own error instead of replacing it."""
+        try:
+            self.mode.retire(self)
+        except LoraParityError:
+            if self.error is None:
+                raise
+            self.error += " (unloading its adapter failed too)"
 
     def target_coverage(self, kind: str) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides. With std auto

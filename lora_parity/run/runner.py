@@ -26,7 +26,6 @@ from lora_parity.backends.base import (
     Trainer,
     TrainerBackend,
 )
-from lora_parity.backends.served import ServedAdapters
 from lora_parity.evidence import outpath, tracebacks
 from lora_parity.evidence.receipt import (
     SCHEMA_VERSION,
@@ -251,11 +250,6 @@ class Backends:
             self.interrupted = e
             self.error = f"setup: {interrupt.describe(e)}"
 
-    def revive(self) -> str | None:
-        """Start again the server of a served sampler that exited since it started (`ServedAdapters.revive`),
-        so that the selftest's next run meets a live server, not the one a fault killed; what was done, or None."""
-        return self.sampler.revive() if isinstance(self.sampler, ServedAdapters) else None
-
     def close(self, process_exiting: bool = False) -> None:
         """Free both backends. When the process is about to exit, a backend that holds nothing but
         this process's own memory (`traits.releases_nothing_at_exit`) is left to the exit: tearing
@@ -293,13 +287,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     loaded.next_adapter_id = run.next_adapter_id
     _stop_if_interrupted(run, loaded)
     if loaded.interrupted is None:
-        try:
-            run.retire()
-        except LoraParityError:
-            if run.error is None:
-                raise
-            # the run's own error stands (a server that died in a phase refuses the unload too)
-            run.error += " (unloading its adapter failed too)"
+        run.retire()
     return run, router
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lora_parity.backends.base import BackendTraits
+from lora_parity.backends.served import ServedAdapters
 from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
 from lora_parity.run import preflight
 from lora_parity.run import probes as probe_sources
@@ -61,7 +62,7 @@ class Row:
     """The check that margin belongs to."""
     restarted: str | None = None
     """The sampler's server had exited at the end of this run and was started again for the next (what
-    `Backends.revive` said), or None."""
+    `_revive` said), or None."""
 
     @property
     def expected_error(self) -> bool:
@@ -331,6 +332,12 @@ def pick_faults(only: tuple[str, ...], applicable: list[str]) -> list[str]:
     return [name for name in applicable if name in wanted]
 
 
+def _revive(loaded: Backends) -> str | None:
+    """Start again the server of a served sampler that exited since it started (`ServedAdapters.revive`),
+    so that the next run meets a live server, not the one a fault killed; what was done, or None."""
+    return loaded.sampler.revive() if isinstance(loaded.sampler, ServedAdapters) else None
+
+
 def _one_seed(plan: Plan, loaded: Backends, folder: Path, result: SelftestResult, fault_names: list[str],
               targets: list[str], tell: Watch, say: Callable[[str, str, float], None]) -> None:
     """The clean runs and every fault on one seed's plan; rows appended to `result`."""
@@ -345,7 +352,7 @@ def _one_seed(plan: Plan, loaded: Backends, folder: Path, result: SelftestResult
         receipt = run_once(plan, loaded, None, path, True, say).receipt
         j = judge(None, receipt, set(), set(), targets, n, sampler)
         result.rows.append(Row(name, j.expected, j.observed, j.caught, str(path), time.perf_counter() - t0,
-                               seed, j.margin, j.margin_check, loaded.revive()))
+                               seed, j.margin, j.margin_check, _revive(loaded)))
         tell(name, result.rows[-1])
         if first_scores is None:
             first_scores = receipt.scores
@@ -361,5 +368,5 @@ def _one_seed(plan: Plan, loaded: Backends, folder: Path, result: SelftestResult
         after = {p.name for p in folder.iterdir()}
         j = judge(fault, receipt, before, after, targets, n, sampler)
         result.rows.append(Row(fault, j.expected, j.observed, j.caught, str(path), time.perf_counter() - t0,
-                               seed, j.margin, j.margin_check, loaded.revive()))
+                               seed, j.margin, j.margin_check, _revive(loaded)))
         tell(fault, result.rows[-1])
