@@ -1,5 +1,5 @@
 """A stand-in SGLang server for the `sglang` sampler's CPU tests: SGLang's native HTTP API on loopback
-(`/health`, `/get_model_info`, `/get_server_info`, `/generate`, `/load_lora_adapter`,
+(`/health`, `/model_info`, `/server_info` and their deprecated `/get_` names, `/generate`, `/load_lora_adapter`,
 `/load_lora_adapter_from_tensors`, `/unload_lora_adapter`), serving the fake model of
 `lora_parity.backends.fake` with the adapters it loads from PEFT folders or tensors, so that a fake
 trainer and this server agree exactly, as a correct sync does.
@@ -134,9 +134,9 @@ class StandIn:
         """SGLang's status and JSON answer to a request."""
         if method == "GET" and path == "/health":
             return 200, {}
-        if method == "GET" and path == "/get_model_info":
+        if method == "GET" and path in ("/model_info", "/get_model_info"):
             return 200, {"model_path": "/models/tiny-qwen3", "is_generation": True}
-        if method == "GET" and path == "/get_server_info":
+        if method == "GET" and path in ("/server_info", "/get_server_info"):
             return 200, dict(self.server_args)
         with self.lock:
             if path == "/load_lora_adapter":

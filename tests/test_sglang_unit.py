@@ -279,7 +279,7 @@ def test_loads_unloads_and_what_is_left_on_an_attached_server(stand_in: StandIn,
 
 def test_error_answers_are_one_line_and_never_hold_the_key(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORA_PARITY_TEST_KEY", SECRET)
-    stand_in.server_args["api_key"] = SECRET  # /get_server_info holds it, as SGLang's does
+    stand_in.server_args["api_key"] = SECRET  # /server_info holds it, as SGLang's does
 
     def echo(h: http.server.BaseHTTPRequestHandler, _: dict[str, Any]) -> bool:
         return answer_with(500, f"Traceback (most recent call last):\n  boom\nauth: {h.headers['Authorization']}\n"
@@ -625,3 +625,23 @@ def test_sglang_loads_an_unloaded_adapter_again_when_a_request_names_it(stand_in
     finally:
         sampler.close()
     assert "unload-before-score" not in faults_for("new-id", SGLangSampler.traits)
+
+
+def test_server_and_model_info_use_the_current_names_and_fall_back_on_an_older_release(stand_in: StandIn) -> None:
+    sampler = attach(stand_in.url)
+    try:
+        assert sampler.info().settings["server.attention_backend"] == "fa3"
+    finally:
+        sampler.close()
+    gets = [p for m, p, _, _ in stand_in.requests if m == "GET"]
+    assert "/model_info" in gets and "/server_info" in gets and not any(p.startswith("/get_") for p in gets)
+    older = StandIn()  # a release before /model_info and /server_info: 404 there, the /get_ names answer
+    older.overrides = {path: answer_with(404, b'{"detail":"Not Found"}') for path in ("/model_info", "/server_info")}
+    try:
+        sampler = attach(older.url)
+        assert sampler.info().settings["server.attention_backend"] == "fa3"
+        sampler.close()
+        gets = [p for m, p, _, _ in older.requests if m == "GET"]
+        assert gets.index("/get_model_info") > gets.index("/model_info") and "/get_server_info" in gets
+    finally:
+        older.close()

@@ -74,7 +74,7 @@ an adapter lacking q_proj: benchmarks/gpu-sglang-09560bc.tar.xz); q_proj without
 SERVER_ARGS_RECORDED = ("enable_deterministic_inference", "attention_backend", "sampling_backend", "lora_backend",
                         "disable_radix_cache", "dtype", "max_lora_rank", "max_loras_per_batch", "tp_size",
                         "random_seed", "mem_fraction_static", "chunked_prefill_size", "disable_cuda_graph")
-"""The attached or started server's settings that change numbers, read back from `/get_server_info`
+"""The attached or started server's settings that change numbers, read back from `/server_info`
 into the receipt as `server.<name>` (only these: that answer also holds the server's API key)."""
 
 
@@ -191,7 +191,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         self.url = redact(url) if url else self._launch(model_dir, launched)
         if self.server is None:  # attached: the server answers now, or the run stops here
             try:
-                self._call("/get_model_info", None, "model_info")
+                self._info("model_info")
             except BaseException:
                 self.close()
                 raise
@@ -251,6 +251,16 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         if isinstance(out, dict) and out.get("success") is False:
             raise ServerError(self._redact(f"SGLang server: {path} answered success false: {text[:500]}"))
         return out
+
+    def _info(self, name: str) -> Any:
+        """GET `/model_info` or `/server_info`; a release before 0.5 has only `/get_<name>` (0.5.16 serves
+        both, the old one deprecated), asked where the new one answers 404."""
+        try:
+            return self._call(f"/{name}", None, name)
+        except ServerError as e:
+            if f"/{name} answered 404" not in str(e):
+                raise
+        return self._call(f"/get_{name}", None, name)
 
     def _redact(self, text: str) -> str:
         return " ".join(redact_secrets(text, self.api_key).split())
@@ -363,10 +373,10 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         self.loaded.discard(handle.name)
 
     def _recorded_server_args(self) -> dict[str, Any]:
-        """`SERVER_ARGS_RECORDED` and the version from `/get_server_info`, asked once."""
+        """`SERVER_ARGS_RECORDED` and the version from `/server_info`, asked once."""
         if self._server_info is None:
             try:
-                answer = self._call("/get_server_info", None, "server_info")
+                answer = self._info("server_info")
             except ScoreError:
                 answer = {}
             answer = answer if isinstance(answer, dict) else {}
