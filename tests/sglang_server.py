@@ -46,7 +46,7 @@ from typing import Any
 
 from lora_parity.backends import fake
 from lora_parity.models import adapter_files as af
-from lora_parity.models import config
+from lora_parity.models import config, lora_targets
 
 _DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64"}
 
@@ -156,18 +156,11 @@ class StandIn:
 
     def _note_unstacked(self, name: str, tensors: list[str]) -> None:
         """Remember an adapter SGLang would leave unstacked (k/v without q, up without gate)."""
-        layers: dict[str, set[str]] = {}
-        for t in tensors:
-            parts = t.split(".")
-            at = parts.index("lora_A") if "lora_A" in parts else parts.index("lora_B") if "lora_B" in parts else -1
-            if at > 1:
-                layers.setdefault(".".join(parts[:at - 1]), set()).add(parts[at - 1])
-        for layer, kinds in sorted(layers.items()):
-            orphan: str | None = next((k for k in ("k_proj", "v_proj") if k in kinds and "q_proj" not in kinds), None)
-            orphan = orphan or ("up_proj" if "up_proj" in kinds and "gate_proj" not in kinds else None)
-            if orphan is not None:
-                self.unstacked[name] = f"{layer}.{orphan}.lora_A.weight"
-                return
+        unpaired = lora_targets.unpaired_target(tensors, (("k_proj", "q_proj"), ("v_proj", "q_proj"),
+                                                          ("up_proj", "gate_proj")))
+        if unpaired is not None:
+            path, kind, _ = unpaired
+            self.unstacked[name] = f"{path}.{kind}.lora_A.weight"
 
     def _loaded(self) -> dict[str, str]:
         return {name: entry[1] for name, entry in self.registry.items()}

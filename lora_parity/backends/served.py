@@ -70,10 +70,8 @@ class ServedAdapters:
         it then holds no adapter. Returns what was done, or None where the server runs or is the user's
         (attached by URL: never started here)."""
         server = self.server
-        if server is None or server.healthy_at is None or server.healthy():
-            return None
-        code = server.returncode(EXITED_WAIT_S)  # SGLang takes seconds to exit once its scheduler died
-        if code is None:
+        code = self._exit_code() if server is not None and server.healthy_at is not None else None
+        if server is None or code is None:
             return None
         server.restart()
         self.loaded.clear()
@@ -82,15 +80,20 @@ class ServedAdapters:
     def exited(self, what: str) -> str:
         """`what` (a call's transport error), with the exit code and the log's last lines where the server
         this sampler started has exited: the cause, not only the refused connection."""
-        server = self.server
-        if server is None or server.proc is None or server.healthy():
-            return what
-        code = server.returncode(EXITED_WAIT_S)
-        if code is None:
+        server, code = self.server, self._exit_code()
+        if server is None or code is None:
             return what
         tail = " | ".join(line.strip()[:EXITED_LINE_CHARS] for line in server.log_tail(EXITED_LINES).splitlines()
                           if line.strip())
         return f"{what} ({server.name} exited with code {code}; last lines of its log: {tail})"
+
+    def _exit_code(self) -> int | None:
+        """The exit code of the server this sampler started, where it no longer answers and has exited
+        (waiting `EXITED_WAIT_S` for that: SGLang takes seconds to exit once its scheduler died); else None."""
+        server = self.server
+        if server is None or server.proc is None or server.healthy():
+            return None
+        return server.returncode(EXITED_WAIT_S)
 
     def _served_path(self, directory: Path) -> Path:
         """Where the server reads the adapter in `directory`: a copy in `shared_dir`, else the folder."""
