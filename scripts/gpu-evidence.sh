@@ -384,7 +384,8 @@ SH
     echo "ninja: $(env "${sglang_env[@]}" bash -c 'command -v ninja' || echo missing)" ;;
   sglang)
     # sglang REV MODEL..: see the header. RUNS (default "hf hf.skip-sync megatron hf+tensors vllm-server") picks the runs:
-    # TRAINER[+SYNC][.FAULT] against the sglang sampler (SYNC: --sync, default new-id), vllm-server: hf against vllm-server
+    # TRAINER[+SYNC][@PROBES][.FAULT] against the sglang sampler (SYNC: --sync, default new-id; PROBES: --probes, e.g.
+    # sampled), vllm-server: hf against vllm-server
     rev=${2:?revision}; shift 2; mkdir -p /tmp/gpu-logs
     [ -d /tmp/site-sglang/sglang ] || { echo "no SGLang in /tmp/site-sglang: stash-sglang 0..3 and install-sglang first" >&2; exit 2; }
     deadline=$(( $(date +%s) + ${BUDGET:-500} ))
@@ -396,9 +397,10 @@ SH
       wall=(); skipped=""
       for r in ${RUNS:-hf hf.skip-sync megatron hf+tensors vllm-server}; do
         trainer=${r%%.*}; fault=none; [ "$r" = "$trainer" ] || fault=${r#*.}
+        probes=default; [ "$trainer" = "${trainer%@*}" ] || { probes=${trainer#*@}; trainer=${trainer%@*}; }
         sync=new-id; [ "$trainer" = "${trainer%+*}" ] || { sync=${trainer#*+}; trainer=${trainer%+*}; }
         sampler=sglang; [ "$trainer" = vllm-server ] && { sampler=vllm-server; trainer=hf; }
-        name="$m$([ "$sync" = new-id ] || echo ".sync-$sync")$([ "$fault" = none ] || echo ".fault-$fault")__${trainer}__${sampler}__$device"
+        name="$m$([ "$probes" = default ] || echo ".probes-$probes")$([ "$sync" = new-id ] || echo ".sync-$sync")$([ "$fault" = none ] || echo ".fault-$fault")__${trainer}__${sampler}__$device"
         left=$(( deadline - $(date +%s) ))
         if [ "$left" -lt 90 ]; then skipped="$skipped $r"; echo "== $name skipped: ${left}s left"; continue; fi
         inject=(); [ "$fault" = none ] || inject=(--inject "$fault")
@@ -410,7 +412,7 @@ SH
         rm -rf "/tmp/gpu-logs/$name.server"
         SECONDS=0
         env "${envs[@]}" timeout -k 15 "$left" python3 -m lora_parity run --model "$model" --trainer "$trainer" \
-          --sampler "$sampler" --sync "$sync" "${inject[@]}" --revision "$rev" --out "$out/$name.json" --json \
+          --sampler "$sampler" --sync "$sync" --probes "$probes" "${inject[@]}" --revision "$rev" --out "$out/$name.json" --json \
           > "/tmp/gpu-logs/$name.json" 2> "/tmp/gpu-logs/$name.err" &
         pid=$!
         watch_logs "$pid" "/tmp/gpu-logs/$name.server" &
