@@ -130,7 +130,7 @@ def test_junit_of_a_receipt_with_control_characters_parses(runs: dict[str, Path]
     text = junit_xml(verify(hostile).receipt, "ctl.json")
     suite = ET.fromstring(text)
     assert not set(CONTROL) & set(text)
-    assert suite.get("failures") == "8" and "<img" in suite.get("name", "")  # escaped by XML, kept as text
+    assert suite.get("failures") == "9" and "<img" in suite.get("name", "")  # escaped by XML, kept as text
 
 
 # --- issue 23 item 9: the signature -------------------------------------------------------------------------
@@ -192,8 +192,8 @@ def test_report_shows_the_two_verdicts_and_the_failing_reasons(runs: dict[str, P
     receipt = verify(runs["skip-sync"]).receipt
     assert receipt.verdicts is not None
     md = rp.report_markdown(receipt, "r.json")
-    assert "sync (the LoRA path: B, C, per-target): **fail**, decided by `C.parity.mean`" in md
-    assert "numerics (the agreement at the start: A, the fp32 reference): **pass**" in md
+    assert "sync (delivery: B, C's movement, X, per-target movement): **fail**, decided by `C.parity.mean`" in md
+    assert "numerics (computation: A, the fp32 reference; C, T and G where X proved delivery): **pass**" in md
     failing = md.split("### Checks that did not pass")[1].split("###")[0]
     for check in receipt.checks:
         if check.status.value == "fail":

@@ -19,7 +19,7 @@ from lora_parity.evidence.receipt import Receipt
 from lora_parity.util import escape as esc
 from lora_parity.util.errors import ConfigError
 from lora_parity.util.escape import rich as escape
-from lora_parity.verdict import explain
+from lora_parity.verdict import explain, findings
 from lora_parity.verdict.checks import not_passing
 
 err = Console(stderr=True, highlight=False, emoji=False)
@@ -177,8 +177,8 @@ def _verdicts_line(receipt: Receipt) -> str | None:
         shown = ", ".join(ids[:3]) + (f" (+{len(ids) - 3} more)" if len(ids) > 3 else "")
         failing = group.verdict.value != "pass" and shown
         parts.append(f"{name}: {group.verdict.value}" + (f" ({shown})" if failing else ""))
-    return (" · ".join(parts) + " - sync judges the LoRA path (B, C, per-target), numerics the zero-init "
-            "agreement (A, the fp32 reference)")
+    return (" · ".join(parts) + " - sync judges delivery (did the trainer's tensors reach the engine, after and "
+            "only after the sync), numerics the computation (A; and C, T, G where X proved the delivery)")
 
 
 def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log: str | None = None,
@@ -190,7 +190,8 @@ def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log
         return
     if not quiet:
         out.print(checks_table(receipt))
-        notes = [n for n in (_fault_line(receipt), _verdicts_line(receipt)) if n] + explanations(receipt)
+        notes = [n for n in (_fault_line(receipt), _verdicts_line(receipt)) if n] + findings.of_receipt(receipt) \
+            + explanations(receipt)
         if receipt.error:
             notes.append(f"error: {receipt.error}")
         for note in notes:

@@ -246,6 +246,21 @@ class NoiseRule(Strict):
     alone) and in receipts made before it: on the H200 (SmolLM2-135M bf16,
     Megatron, --update step, seed 2) a start adapter published with other B put the sampler 0.225 from fp32
     against the trainer's 0.057, while every A check passed."""
+    slope_k: float | None = Field(default=None, gt=0)
+    """C.slope: the sampler's share of the trainer's change pooled over C and every per-target run (against the
+    fp32 reference's change where scored) is 1 within this many jackknife standard errors + `slope_floor`
+    (`deltas.update_slopes`). None in receipts made before it: no C.slope check."""
+    slope_floor: float = Field(default=0.0, ge=0)
+    """What C.slope allows beyond k standard errors: the smallest scale error the run claims to resolve."""
+    x_proves_delivery: bool = False
+    """Where the exact check passed (X.sync.identical: the engine served the trainer's tensors bit for bit)
+    and the sampler moved only after the sync, the checks that compare what the two sides compute with those
+    tensors (C.parity, C.delta, C.slope, T.* direction and scale, G.trainer) judge the computation (the
+    numerics verdict), never the delivery (the sync verdict). False in receipts made before it."""
+    updated_reference: bool = False
+    """C's parity and the deltas also allow the noise the fp32 reference measures at the updated and per-target
+    points (`reference_fp32_updated`, `target.K.reference`; `thresholds.updated_noise`). False in receipts
+    made before it."""
 
 
 class Budgets(Strict):

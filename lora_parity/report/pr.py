@@ -51,7 +51,7 @@ from lora_parity.report.facts import (
 )
 from lora_parity.verdict import breakdown as breakdown_mod
 from lora_parity.verdict import checks as checks_mod
-from lora_parity.verdict import explain
+from lora_parity.verdict import explain, findings
 
 REPORT_FORMATS = ("md", "text", "json", "html")
 _KEY_TIMINGS = {
@@ -94,8 +94,8 @@ def _verdicts_line(receipt: Receipt) -> str | None:
     if receipt.verdicts is None:
         return None
     parts = []
-    for name, what, group in (("sync", "the LoRA path: B, C, per-target", receipt.verdicts.sync),
-                              ("numerics", "the agreement at the start: A, the fp32 reference",
+    for name, what, group in (("sync", "delivery: B, C's movement, X, per-target movement", receipt.verdicts.sync),
+                              ("numerics", "computation: A, the fp32 reference; C, T and G where X proved delivery",
                                receipt.verdicts.numerics)):
         ids = group.decided_by
         by = "" if group.verdict == Verdict.PASS or not ids else (
@@ -262,6 +262,7 @@ def _head_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None, s
         Heading(_title(receipt), 2),
         Para(_verdict_line(receipt)),
         *([Para(verdicts)] if verdicts else []),
+        *([Bullets(found)] if (found := findings.of_receipt(receipt)) else []),
         Para(f"Receipt {code(path)}: **{signature_note(signature)}**, sha256 {code(receipt.digest[:12])}; "
              f"revision {_revision(receipt, 12)}, lora-parity {code(receipt.tool_version)}, "
              f"created {code(receipt.created_at)}."),

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -38,13 +38,17 @@ from lora_parity.evidence.receipt import (
 )
 from lora_parity.models import fresh_adapter, update_step
 from lora_parity.models.config import ModelConfig
+from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import RECIPE
-from lora_parity.run import calibrate_trainer, generation
+from lora_parity.run import calibrate_trainer, generation, reference_points
 from lora_parity.run.faults import Faults
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import LoraParityError, ScoreError
 from lora_parity.verdict import calibrate, stats
+
+if TYPE_CHECKING:
+    from lora_parity.backends import fp32_points
 
 T = TypeVar("T")
 
@@ -83,8 +87,15 @@ def run_sequence(run: Run) -> None:
         # The old sampling client again, now that a newer one was used: does the trainer keep its update?
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
         run.step("trainer_after_stale", lambda: run.trainer_score("trainer_after_stale"))
+    _coverage_and_reference(run)
+
+
+def _coverage_and_reference(run: Run) -> None:
+    """Per-target coverage, then the fp32 reference at every point the trainer moved to (one load)."""
     for kind in run.covered_targets:
         run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
+    if run.reference_states:
+        run.step("reference_updated", functools.partial(reference_points.score, run))
 
 
 def _base_and_publish_zero(run: Run) -> None:
@@ -138,6 +149,10 @@ class Run:
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
     reference: Callable[[list[list[int]]], Scores] | None = None
     """Scores the base model in fp32 (`--reference fp32`): what both sides approximate at zero-init."""
+    reference_points: fp32_points.PointScorer | None = None
+    """Scores the fp32 model with given LoRA tensors (`reference_points`): the updated and per-target points."""
+    reference_states: dict[str, dict[str, RawTensor]] = field(default_factory=dict)
+    """The trainer's tensors kept for `reference_points`, by the score key they go to."""
     sampled: bool = False
     """`--probes sampled`: each sequence's first `generation.prompt_length` tokens are a prompt, and
     the rest is sampled from the zero-init adapter in the `sample` phase (`generation` module)."""
@@ -360,6 +375,7 @@ class Run:
         if update is not None and self.calibration is not None:
             update = update.model_copy(update={"calibration": self.calibration})
         self.perturbation = update
+        reference_points.snapshot(self, reference_points.UPDATED)
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
@@ -400,6 +416,7 @@ class Run:
             else:
                 self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
             self.trainer_score(f"target.{kind}.trainer")
+        reference_points.snapshot(self, f"target.{kind}.reference")
         self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
         self.sampler_score(f"target.{kind}.sampler", self.handle)
 
@@ -417,25 +434,3 @@ class Run:
             self.perturbation = self.perturbation.model_copy(
                 update={"target_calibrations": dict(self.target_calibrations)})
         return found[1]
-
-
-class _PhaseLister:
-    """Stands in for a `Run` to list the phase names `run_sequence` can step through: every optional
-    phase is taken (unknown attributes read as a callable, which is true), and no action runs."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg, self.names = cfg, list[str]()
-        self.covered_targets = list(cfg.adapter.targets)
-
-    def step(self, name: str, action: Callable[[], object]) -> None:
-        self.names.append(name)
-
-    def __getattr__(self, name: str) -> object:
-        return lambda *args, **kwargs: None
-
-
-def phase_names(cfg: ModelConfig) -> list[str]:
-    """Every phase `run_sequence` may run for `cfg`, in order (optional phases included)."""
-    lister = _PhaseLister(cfg)
-    run_sequence(lister)  # type: ignore[arg-type]
-    return lister.names

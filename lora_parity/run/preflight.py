@@ -15,7 +15,7 @@ from lora_parity.run import generation, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, check_crash_phase, require_applies
 from lora_parity.run.options import RunOptions
-from lora_parity.run.phases import phase_names
+from lora_parity.run.phase_list import phase_names
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import ConfigError

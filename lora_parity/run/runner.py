@@ -38,13 +38,12 @@ from lora_parity.evidence.receipt import (
     Revision,
     RouterAgreement,
     seal,
-    sha256_json,
     write_atomic,
 )
 from lora_parity.models import config, realmodel, synthetic
 from lora_parity.models.checkpoint import Checkpoint, weights_digest
 from lora_parity.models.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
-from lora_parity.run import early_launch, generation, preflight, start_adapter
+from lora_parity.run import early_launch, generation, preflight, reference_points, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, one_token_ceiling, rewrites_files
 from lora_parity.run.options import RunOptions
@@ -275,7 +274,9 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
               per_target=plan.opts.per_target is not False, per_target_only=plan.opts.per_target_only, progress=say,
-              first_adapter_id=loaded.next_adapter_id, reference=_reference(plan, loaded, workdir),
+              first_adapter_id=loaded.next_adapter_id,
+              reference=reference_points.start_scorer(plan, loaded, workdir / WARM_FOLDER if warms(plan) else None),
+              reference_points=reference_points.points_scorer(plan, loaded),
               sampled=plan.sampled, start_adapter=plan.opts.adapter is not None or warms(plan),
               warm_start=warms(plan) and plan.opts.adapter is None)
     try:
@@ -391,37 +392,6 @@ def warms(plan: Plan) -> bool:
     """`--update step` with a trainer that can start from an adapter: the run starts from the seeded warm
     adapter (`update_step`), unless the user gave one (`--adapter`, which is then the start)."""
     return plan.cfg.perturbation.update == "step" and plan.trainer_cls.traits.start_adapter_unavailable is None
-
-
-def _reference(plan: Plan, loaded: Backends, workdir: Path) -> Callable[[list[list[int]]], Any] | None:
-    """The fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`); it
-    carries the start adapter: the user's, or the warm start the sequence writes (`Run.warm_folder`)."""
-    model_dir = loaded.model_dir
-
-    def measure() -> tuple[int, int]:
-        from lora_parity.backends.hf import fp32_reference_memory
-
-        assert model_dir is not None
-        return fp32_reference_memory(model_dir)
-
-    loaded.reference = preflight.reference_decision(plan.opts.reference, model_dir is not None,
-                                                    plan.cfg.model.dtype, measure)
-    if loaded.reference.status != "scored" or model_dir is None:
-        return None
-    from lora_parity.backends.hf import fp32_reference
-
-    adapter = plan.opts.adapter or (workdir / WARM_FOLDER if warms(plan) else None)
-    score = fp32_reference(plan.cfg, model_dir, adapter)
-
-    def once_per_probe_set(sequences: list[list[int]]) -> Any:
-        # The reference depends on the checkpoint, the start adapter and the tokens only: every run of a
-        # selftest on one load scores each probe set from each start point once (it loads the fp32 model).
-        key = sha256_json([sequences, start_adapter.digest(adapter) if adapter is not None else None])
-        if key not in loaded.reference_scores:
-            loaded.reference_scores[key] = score(sequences)
-        return loaded.reference_scores[key]
-
-    return once_per_probe_set
 
 
 def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None = None,

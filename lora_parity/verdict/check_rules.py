@@ -68,6 +68,27 @@ def tails_in_numerics(checks: Sequence[Check]) -> frozenset[str]:
     return frozenset()
 
 
+DELIVERY_EVIDENCE = ("X.sync.identical", "B.withheld", "C.moved.sampler")
+"""Delivery proven (`NoiseRule.x_proves_delivery`): the engine served the trainer's tensors bit for bit after
+the sync (X), not before it (B.withheld), and its scores moved (C.moved.sampler)."""
+COMPUTATION_PREFIXES = ("C.parity.", "C.delta.", "C.slope", "G.trainer.")
+COMPUTATION_SUFFIXES = (".cosine", ".scale", ".rel_l2")
+"""What the two sides compute with the same tensors: C's parity, direction, scale and slope, the trainer against
+the rollout logprobs, and each target's direction and scale (T.K.cosine, .scale)."""
+
+
+def delivered(checks: Sequence[Check]) -> bool:
+    """Every check of `DELIVERY_EVIDENCE` ran and passed."""
+    status = {c.id: c.status for c in checks}
+    return all(status.get(i) == CheckStatus.PASS for i in DELIVERY_EVIDENCE)
+
+
+def computation_checks(checks: Sequence[Check]) -> frozenset[str]:
+    """Where delivery is proven (`delivered`), the checks that judge the computation (the numerics verdict)."""
+    return frozenset(c.id for c in checks if c.id.startswith(COMPUTATION_PREFIXES)
+                     or (c.id.startswith("T.") and c.id.endswith(COMPUTATION_SUFFIXES)))
+
+
 def group_verdicts(checks: Sequence[Check], errored: bool, numerics_tails: frozenset[str] = frozenset()) -> Verdicts:
     """The sync and numerics verdicts of `checks` (`group_of` splits them; the ids in `numerics_tails`
     are numerics, `tails_in_numerics`)."""

@@ -41,6 +41,11 @@ from lora_parity.evidence.receipt import (
 )
 from lora_parity.verdict import check_rules, stats
 from lora_parity.verdict import thresholds as _thresholds
+from lora_parity.verdict.deltas import DELTAS as DELTAS  # re-exported: the delta specs live in deltas
+from lora_parity.verdict.deltas import TARGET_PREFIX as TARGET_PREFIX
+from lora_parity.verdict.deltas import delta_specs, reference_at, update_slopes
+from lora_parity.verdict.deltas import target_delta_spec as target_delta_spec
+from lora_parity.verdict.deltas import target_kinds as target_kinds
 
 # name -> (a, b): statistics of scores[b] - scores[a].
 COMPARISONS: dict[str, tuple[str, str]] = {
@@ -59,6 +64,9 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "S.stale_after_sync_vs_zero": ("zero", "stale_after_sync"),
     "R.trainer_vs_fp32": ("reference_fp32", "trainer_zero"),
     "R.sampler_vs_fp32": ("reference_fp32", "zero"),
+    # The fp32 reference at the updated point (the trainer's updated tensors in fp32): each side's distance.
+    "R.trainer_updated_vs_fp32": ("reference_fp32_updated", "trainer_updated"),
+    "R.sampler_updated_vs_fp32": ("reference_fp32_updated", "updated"),
     "P.stale_cached_vs_stale": ("stale", "stale_cached"),
     "P.trainer_vs_cached": ("updated_cached", "trainer_updated"),
     # Sampled tokens and the generation path after sync (`generation_checks`).
@@ -70,29 +78,6 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     # The exact sync check: the synced adapter against the trainer's tensors loaded fresh.
     "X.synced_vs_fresh": ("fresh", "updated"),
 }
-# name -> (sampler_from, sampler_to, trainer_from, trainer_to)
-DELTAS: dict[str, tuple[str, str, str, str]] = {
-    "C.delta": ("zero", "updated", "trainer_zero", "trainer_updated"),
-}
-TARGET_PREFIX = "target."
-
-
-def target_kinds(scores: Mapping[str, object]) -> list[str]:
-    """Target kinds with both per-target score arrays present, in first-seen order."""
-    kinds: list[str] = []
-    for key in scores:
-        if key.startswith(TARGET_PREFIX) and key.endswith(".sampler"):
-            kind = key[len(TARGET_PREFIX) : -len(".sampler")]
-            if f"{TARGET_PREFIX}{kind}.trainer" in scores and kind not in kinds:
-                kinds.append(kind)
-    return kinds
-
-
-def target_delta_spec(kind: str) -> tuple[str, str, str, str]:
-    """Delta definition of one target kind's coverage run: both sides from zero-init to that kind perturbed."""
-    return ("zero", f"{TARGET_PREFIX}{kind}.sampler", "trainer_zero", f"{TARGET_PREFIX}{kind}.trainer")
-
-
 @dataclass(frozen=True)
 class Evaluation:
     """Everything derived from scores and budgets."""
@@ -121,14 +106,10 @@ def compute_comparisons(
 
 def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]]) -> dict[str, DeltaStats]:
     """Delta agreement of C and of every per-target coverage run whose phases were scored."""
-    specs = dict(DELTAS)
-    for kind in target_kinds(scores):
-        specs[f"{TARGET_PREFIX}{kind}"] = target_delta_spec(kind)
     out: dict[str, DeltaStats] = {}
-    for name, (sf, st, tf, tt) in specs.items():
-        if all(p in scores for p in (sf, st, tf, tt)):
-            d = stats.delta_agreement(scores[sf], scores[st], scores[tf], scores[tt])
-            out[name] = DeltaStats(sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, **d)  # type: ignore[arg-type]
+    for name, (sf, st, tf, tt) in delta_specs(scores).items():
+        d = stats.delta_agreement(scores[sf], scores[st], scores[tf], scores[tt])
+        out[name] = DeltaStats(sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, **d)  # type: ignore[arg-type]
     return out
 
 
@@ -210,6 +191,7 @@ def _check_a_parity(c: _Checker, get: Any, th: Mapping[str, check_rules.Threshol
 def compute_checks(
     comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats], budgets: Budgets,
     thresholds: Mapping[str, check_rules.Threshold] | None = None, noise: NoiseModel | None = None,
+    slope: stats.Slope | None = None,
 ) -> list[Check]:
     """Every check, in order A, B, C, per-target, each judged by its threshold in `thresholds`
     (`lora_parity.verdict.thresholds.derive`, computed before from the start point's `noise`; derived here
@@ -258,6 +240,8 @@ def compute_checks(
               cmp.mean_abs if cmp else None, ">", th[f"C.moved.{side}"].budget, f"{side} did not move",
               reached=cmp is not None, failing=moved_failing, note=th[f"C.moved.{side}"].note)
     _delta_checks(c, "C.delta", deltas.get("C.delta"), th, moved_failing)
+    if "C.slope" in th:
+        _slope_check(c, slope, th["C.slope"], "C.delta" in deltas, moved_failing)
 
     _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th)
 
@@ -291,6 +275,22 @@ def compute_checks(
     _prefix_cache_checks(c, get("P.trainer_vs_cached"), th)
     generation_checks(c, comparisons, th)
     return c.checks
+
+
+def _slope_check(c: _Checker, slope: stats.Slope | None, t: check_rules.Threshold, reached: bool,
+                 failing: CheckStatus) -> None:
+    """C.slope: the sampler makes the trainer's whole change, pooled over C and every per-target run: |ratio − 1|
+    within k standard errors + the floor (`thresholds.slope`). Where no uncertainty could be estimated it is
+    inconclusive, never a pass."""
+    if slope is None:
+        c.add("C.slope", "the sampler makes the trainer's whole change (pooled)", None, "<=", t.budget,
+              "no slope: no change, or too few positions to estimate its uncertainty", reached=reached,
+              failing=CheckStatus.INCONCLUSIVE, note=t.note)
+        return
+    ratio, se, _ = slope
+    c.add("C.slope", "the sampler makes the trainer's whole change (pooled)", abs(ratio - 1), "<=", t.budget,
+          f"the sampler makes {ratio:.4g} ± {se:.2g} of the trainer's change", reached=reached, failing=failing,
+          note=t.note)
 
 
 def _exact_sync_check(c: _Checker, fresh: ComparisonStats | None, repeat: ComparisonStats | None,
@@ -357,11 +357,19 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     deltas = compute_deltas(scores)
     noise = _thresholds.noise_model(scores, comparisons)
     after = {k: COMPARISONS[k] for k in ("C.trainer_vs_sampler", *(key for key, _ in GENERATION_PARITY.values()))}
+    slope, _, against_reference = update_slopes(scores)
     derived = _thresholds.derive(budgets, comparisons, deltas, noise, _thresholds.own_tails(scores, after),
-                                 _thresholds.sequence_growth(scores))
-    checks = compute_checks(comparisons, deltas, budgets, derived, noise)
-    tails = check_rules.tails_in_numerics(checks) if budgets.noise is not None else frozenset()
-    verdicts = check_rules.group_verdicts(checks, errored, tails)
+                                 _thresholds.sequence_growth(scores), slope, against_reference,
+                                 _thresholds.updated_noise(scores, delta_specs(scores), reference_at))
+    checks = compute_checks(comparisons, deltas, budgets, derived, noise, slope)
+    rule = budgets.noise
+    if rule is None:
+        moved = frozenset[str]()
+    elif rule.x_proves_delivery and check_rules.delivered(checks):
+        moved = check_rules.computation_checks(checks)
+    else:
+        moved = check_rules.tails_in_numerics(checks)
+    verdicts = check_rules.group_verdicts(checks, errored, moved)
     recorded = {ch.id: ThresholdRecord(budget=derived[ch.id].budget, rule=derived[ch.id].note or "the budget",
                                        undecidable=derived[ch.id].undecidable) for ch in checks}
     return Evaluation(comparisons, deltas, checks, check_rules.combined(verdicts), verdicts, noise, recorded)

@@ -47,6 +47,9 @@ EXPLAIN: dict[str, str] = {
                      "error |scale-1|): look at lora_alpha / r (scaling), rsLoRA, or a dropped target",
     "C.delta.rel_l2": "the sampler's change differs from the trainer's: a partial or wrong adapter reached "
                       "the sampler; see the per-target checks T.* to find which module",
+    "C.slope": "the sampler makes another share of the trainer's change than 1, beyond its uncertainty (the observed "
+               "value is |slope-1|, pooled over C and every target): a scale the engine applies (lora_alpha / r, "
+               "rsLoRA, a cast of B) or part of the update not reaching it; the findings above say which",
     "T.": "target {target} alone does not reach the sampler as the trainer applies it: check that module's "
           "name mapping and tensors in the exported adapter",
     "S.trainer_kept": "querying an old sampling client changed the trainer's weights: the client shares state "
@@ -76,6 +79,7 @@ MEASURE: dict[str, str] = {
     "kept": "max |diff|",
     "balance": "farther side's mean |diff| from fp32",
     "identical": "max |synced-fresh|",
+    "slope": "|slope-1|",
 }
 
 
@@ -101,6 +105,8 @@ def meaning(check_id: str) -> str | None:
 CONSEQUENCES: dict[str, tuple[str, str]] = {
     "C.delta.": ("C.moved.sampler", "follows from C.moved.sampler: a sampler that did not move has no direction "
                                     "or size of change to compare"),
+    "C.slope": ("C.moved.sampler", "follows from C.moved.sampler: a sampler that did not move makes none of the "
+                                   "trainer's change"),
 }
 
 

@@ -171,3 +171,47 @@ def topk_agreement(trainer: Sequence[Sequence[Sequence[Sequence[int]]]],
                 same[i] += set(te) == set(se)
             total += 1
     return [n / total for n in same] if total else []
+
+
+SLOPE_BLOCK = 8
+"""Tokens per block of the slope's jackknife: neighbouring tokens of one sequence share their context, so
+their errors are not independent; blocks of this many tokens are left out together."""
+
+
+def block_ids(lengths: Sequence[int], block: int = SLOPE_BLOCK) -> tuple[list[int], int]:
+    """Each scored position's block (`block` consecutive positions of one sequence; a block never spans
+    two sequences), flattened in sequence order, and the number of blocks."""
+    ids: list[int] = []
+    first = 0
+    for length in lengths:
+        ids.extend(first + t // block for t in range(length))
+        first += -(-length // block)
+    return ids, first
+
+
+Slope = tuple[float, float, int]
+"""(ratio, its jackknife standard error, blocks) of `update_slope`."""
+
+
+def update_slope(phases: Sequence[tuple[Sequence[float], Sequence[float], Sequence[float]]],
+                 ids: Sequence[int], blocks: int) -> Slope | None:
+    """How much of the trainer's change the sampler makes, pooled over `phases` (each (Δsampler, Δtrainer,
+    Δreference), flat, one per scored position, block `ids[i]` for position i of every phase): the ratio
+    Σ Δsampler·Δreference / Σ Δtrainer·Δreference (with Δreference = Δtrainer, the through-origin slope of
+    Δsampler on Δtrainer), and its standard error by a jackknife that leaves out one block of positions
+    at a time, in every phase at once. None where it is undefined (no change, fewer than two blocks)."""
+    num = [0.0] * blocks
+    den = [0.0] * blocks
+    for ds, dt, dr in phases:
+        for i, (s, t, r) in enumerate(zip(ds, dt, dr, strict=True)):
+            num[ids[i]] += s * r
+            den[ids[i]] += t * r
+    total_num, total_den = math.fsum(num), math.fsum(den)
+    if blocks < 2 or total_den <= 0:
+        return None
+    leave_out = [(total_num - n) / (total_den - d) for n, d in zip(num, den, strict=True) if total_den - d > 0]
+    if len(leave_out) < 2:
+        return None
+    mean = math.fsum(leave_out) / len(leave_out)
+    se = math.sqrt((len(leave_out) - 1) / len(leave_out) * math.fsum((x - mean) ** 2 for x in leave_out))
+    return total_num / total_den, se, blocks

@@ -24,7 +24,7 @@ Without `budgets.noise` (receipts made before it) each check keeps the rule it w
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from lora_parity.evidence.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
 from lora_parity.verdict import check_rules, stats
@@ -189,12 +189,66 @@ def delta(budgets: Budgets, noise_l2: float | None, trainer_norm: float | None,
     return check_rules.delta_thresholds(budgets, noise_l2, trainer_norm, relative)
 
 
+def updated_noise(scores: Mapping[str, ScoreArray], specs: Mapping[str, tuple[str, str, str, str]],
+                  reference_at: Callable[[str], str]) -> dict[str, float]:
+    """Per delta (C.delta, target.K) whose end point the fp32 reference also scored: the L2 norm of the
+    trainer's own error in its change, ‖Δtrainer − Δfp32‖: the noise measured where the delta is judged."""
+    out: dict[str, float] = {}
+    for name, (_, _, tf, tt) in specs.items():
+        end = reference_at(name)
+        if "reference_fp32" in scores and end in scores:
+            dt = stats.differences(scores[tf], scores[tt])
+            dr = stats.differences(scores["reference_fp32"], scores[end])
+            out[name] = stats.l2([t - r for t, r in zip(dt, dr, strict=True)])
+    return out
+
+
+def slope(budgets: Budgets, measured: stats.Slope | None, against_reference: bool) -> Threshold | None:
+    """C.slope (`NoiseRule.slope_k`): |ratio − 1| at most k standard errors + the floor; None without the rule."""
+    rule = budgets.noise
+    if rule is None or rule.slope_k is None:
+        return None
+    if measured is None:
+        return Threshold(rule.slope_floor, "no slope could be measured")
+    _, se, blocks = measured
+    regressor = "the fp32 reference's change" if against_reference else "the trainer's change"
+    return Threshold(rule.slope_k * se + rule.slope_floor,
+                     f"{rule.slope_k:g} x its standard error {se:.3g} (jackknife over {blocks} blocks of "
+                     f"{stats.SLOPE_BLOCK} positions, against {regressor}) + floor {rule.slope_floor:g}")
+
+
+def _updated_parity(budgets: Budgets, comparisons: Mapping[str, ComparisonStats],
+                    c: dict[str, Threshold]) -> dict[str, Threshold]:
+    """C's mean and p99 at least the fp32-triangulated bound at the updated point (`NoiseRule.updated_reference`):
+    factor × √(t_u² + (s_0 g)²), t_u the trainer's distance from fp32 there, s_0 the sampler's at the start and g
+    = max(1, t_u / t_0) how the trainer's grew (the sampler's own distance after the sync is not used: a wrong
+    adapter would widen its own bound)."""
+    rule, tri = budgets.noise, budgets.a_triangulation
+    t_u, t_0, s_0 = (comparisons.get(k) for k in ("R.trainer_updated_vs_fp32", "R.trainer_vs_fp32",
+                                                   "R.sampler_vs_fp32"))
+    if rule is None or not rule.updated_reference or tri is None or t_u is None or t_0 is None or s_0 is None:
+        return c
+    out = dict(c)
+    for short, field in STATS[:2]:
+        tu, t0, s0 = (float(getattr(x, field)) for x in (t_u, t_0, s_0))
+        grow = max(1.0, tu / t0) if t0 > 0 else 1.0
+        bound = tri.factor * math.hypot(tu, s0 * grow)
+        if bound > out[short].budget:
+            out[short] = Threshold(bound, f"{tri.factor:g} x √(trainer {tu:.4g} from fp32 at the updated point² + "
+                                          f"(sampler {s0:.4g} at the start x growth {grow:.3g})²), above "
+                                          f"{out[short].budget:.4g} ({out[short].note or 'the budget'})")
+    return out
+
+
 def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats],
            noise: NoiseModel | None, tails: Mapping[str, Tail] | None = None,
-           growth: Growth | None = None) -> dict[str, Threshold]:
+           growth: Growth | None = None, measured_slope: stats.Slope | None = None,
+           against_reference: bool = False, at_updated: Mapping[str, float] | None = None) -> dict[str, Threshold]:
     """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them).
     `tails`: the after-change comparisons' own bulk tails (`own_tails`); `growth`: the start point's
-    sequences and the spread of their maxima (`sequence_growth`), for the one-token ceiling."""
+    sequences and the spread of their maxima (`sequence_growth`), for the one-token ceiling;
+    `measured_slope`: C.slope's ratio and uncertainty; `at_updated`: each delta's noise measured at its end
+    point (`updated_noise`)."""
     tails = tails or {}
     get = comparisons.get
     a = get("A.trainer_vs_sampler")
@@ -214,13 +268,15 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     start_max = triangulated["max"] if triangulated is not None else None
     c = after_change(budgets, a, noise, change, a.n if a is not None else None, tails.get("C.trainer_vs_sampler"),
                      start_max)
+    c = _updated_parity(budgets, comparisons, c)
     for short, _ in STATS:
         out[f"C.parity.{short}"] = out[f"P.parity.{short}"] = c[short]
     for prefix in GENERATION_PREFIXES:
         g = _generation(budgets, prefix, comparisons, a, noise, change, c, tails, start_max)
         for short, _ in STATS:
             out[f"{prefix}.parity.{short}"] = g[short]
-    out.update(_directions(budgets, deltas, noise, moved))
+    out.update(_directions(budgets, deltas, noise, moved, at_updated or {}))
+    out.update({"C.slope": t} if (t := slope(budgets, measured_slope, against_reference)) is not None else {})
     out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
     out["X.sync.identical"] = Threshold(0.0, "bitwise: the sampler repeated the synced adapter's scores exactly")
     if budgets.exact:
@@ -261,13 +317,19 @@ def _fp32_balance(budgets: Budgets, trainer_fp32: ComparisonStats | None,
 
 
 def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: NoiseModel | None,
-                moved: Threshold) -> dict[str, Threshold]:
-    """C.delta's and every target's direction, scale and rel_l2 thresholds, and T.*.moved."""
+                moved: Threshold, at_updated: Mapping[str, float]) -> dict[str, Threshold]:
+    """C.delta's and every target's direction, scale and rel_l2 thresholds, and T.*.moved. With
+    `NoiseRule.updated_reference`, a delta's noise is at least √2 × the trainer's own error in its change
+    (`at_updated`): the sampler's change carries an error of its own of about that size."""
     noise_l2 = noise.l2 if noise is not None else None
     fixed = delta(budgets, noise_l2, None, noise)  # C.delta's checks are made, not reached, without a C.delta
     out = {"C.delta.cosine": fixed.cosine, "C.delta.scale": fixed.scale, "C.delta.rel_l2": fixed.rel_l2}
+    use_updated = budgets.noise is not None and budgets.noise.updated_reference
     for name, d in deltas.items():
-        th = delta(budgets, noise_l2, d.trainer_norm, noise)
+        eps = noise_l2
+        if use_updated and noise_l2 is not None and name in at_updated:
+            eps = max(noise_l2, math.sqrt(2.0) * at_updated[name])
+        th = delta(budgets, eps, d.trainer_norm, noise)
         prefix = name if name == "C.delta" else f"T.{name[len(TARGET_PREFIX):]}"
         out[f"{prefix}.cosine"], out[f"{prefix}.scale"], out[f"{prefix}.rel_l2"] = th.cosine, th.scale, th.rel_l2
         if prefix.startswith("T."):

@@ -146,7 +146,8 @@ def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:
     """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs."""
     known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
     for key, scores in receipt.scores.items():
-        if key not in known and not (key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler"))):
+        per_target = key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler", ".reference"))
+        if key not in known and not per_target:
             raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
         if [len(s) for s in scores] != expected:
             raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")

@@ -1,0 +1,68 @@
+"""The fp32 reference at the points the trainer moved to: the base model in fp32 carrying the trainer's own
+LoRA tensors (upcast), scored where each judgement after a change is made (the updated point, each
+per-target point). It tells how far each half-precision side is from the true value there, and so which
+side a disagreement after the change comes from (docs/verdicts.md, "Noise where each judgement is made").
+
+The tensors come from the trainer's memory (`TensorReadingTrainer.lora_tensors`), never from a file: a
+reader that is wrong for the engine is not asked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import peft
+import torch
+
+from lora_parity.backends.base import Scores, Sequences
+from lora_parity.backends.hf import load_base, pack_tokens, pick_device, score_sequences
+from lora_parity.models.config import ModelConfig
+from lora_parity.models.fresh_adapter import RawTensor
+from lora_parity.util.errors import ConfigError
+
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+States = Sequence[Mapping[str, RawTensor]]
+PointScorer = Callable[[Sequences, States], list[Scores]]
+
+
+def from_raw(raw: RawTensor) -> torch.Tensor:
+    """The tensor of a (dtype, shape, bytes) triple, as stored."""
+    dtype, shape, data = raw
+    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)
+
+
+def fp32_points(cfg: ModelConfig, model_dir: Path) -> PointScorer:
+    """A scorer of the fp32 base model with each given set of LoRA tensors (PEFT's saved names), in one load
+    freed afterwards. A set that lacks a tensor the config's targets need, or has one of another shape, is
+    refused: the reference must carry exactly the trainer's adapter."""
+
+    def score(sequences: Sequences, states: States) -> list[Scores]:
+        device = pick_device()
+        base = load_base(cfg, model_dir, device, dtype="float32")
+        spec = cfg.adapter
+        lora = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),  # type: ignore[arg-type]
+                               lora_dropout=0.0, bias="none", init_lora_weights=True)
+        model = peft.get_peft_model(base, lora).eval()
+        params = {n.replace(".default.weight", ".weight"): p for n, p in model.named_parameters() if "lora_" in n}
+        try:
+            out = []
+            for state in states:
+                with torch.no_grad():
+                    for name, p in params.items():
+                        if name not in state:
+                            raise ConfigError(f"fp32 reference: the trainer's tensors have no {name}")
+                        value = from_raw(state[name])
+                        if list(value.shape) != list(p.shape):
+                            raise ConfigError(f"fp32 reference: {name} is {list(value.shape)}, expected "
+                                              f"{list(p.shape)}")
+                        p.copy_(value.to(device=device, dtype=torch.float32))
+                out.append(score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model)))
+            return out
+        finally:
+            del model, base
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    return score

@@ -1,0 +1,30 @@
+"""Every phase name `run_sequence` may step through, for checking a crash fault's phase before anything loads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lora_parity.models.config import ModelConfig
+from lora_parity.run.phases import run_sequence
+
+
+class _PhaseLister:
+    """Stands in for a `Run` to list the phase names `run_sequence` can step through: every optional
+    phase is taken (unknown attributes read as a callable, which is true), and no action runs."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg, self.names = cfg, list[str]()
+        self.covered_targets = list(cfg.adapter.targets)
+
+    def step(self, name: str, action: Callable[[], object]) -> None:
+        self.names.append(name)
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *args, **kwargs: None
+
+
+def phase_names(cfg: ModelConfig) -> list[str]:
+    """Every phase `run_sequence` may run for `cfg`, in order (optional phases included)."""
+    lister = _PhaseLister(cfg)
+    run_sequence(lister)  # type: ignore[arg-type]
+    return lister.names

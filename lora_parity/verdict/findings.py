@@ -1,0 +1,122 @@
+"""Findings from the evidence, for people: lines that name a mechanism and a place, computed from a receipt's
+raw scores and checks (pure; the terminal, the report and the JUnit file print them above the per-check lines).
+
+- Delivered, computes differently: the exact check proved the engine serves the trainer's tensors after the
+  sync, yet a computation check failed. Where the two computations part most (sequence, position, token),
+  each side's change there, and, where the fp32 reference was scored at the updated point, which side is
+  far from it: the engine (worth reporting upstream), the trainer, or both (precision).
+- A scale: C.slope failed and every target's own slope agrees with the pooled one: the engine applies the
+  update at that fraction in every module (lora_alpha / r, rsLoRA, a cast). Where only some targets stand
+  out, those are named.
+- A swap: exactly two targets fail their direction or scale checks and every other target passes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lora_parity.verdict import check_rules, stats
+from lora_parity.verdict.deltas import TARGET_PREFIX, update_slopes
+
+Scores = Mapping[str, Sequence[Sequence[float]]]
+SAME_SCALE_SE = 3.0
+"""A target's slope agrees with the pooled one within this many of their combined standard errors."""
+
+
+def findings(scores: Scores, checks: Sequence[Any], sequences: Sequence[Sequence[int]],
+             x_proves_delivery: bool) -> list[str]:
+    """Every finding that the evidence supports, most important first."""
+    failing = {c.id for c in checks if _status(c) == "fail"}
+    if not failing:
+        return []
+    out: list[str] = []
+    computation = check_rules.computation_checks(checks) & failing
+    if x_proves_delivery and check_rules.delivered(checks) and computation:
+        out.append(_delivered_line(scores, sequences))
+    if "C.slope" in failing:
+        out.append(_scale_line(scores, checks))
+    swap = _swap_line(failing)
+    if swap:
+        out.append(swap)
+    return out
+
+
+def _name(kind: str) -> str:
+    """A target kind as printed: a receipt is data from anyone, so only letters, digits and _ pass."""
+    return "".join(ch if ch.isascii() and (ch.isalnum() or ch == "_") else "?" for ch in kind[:40])
+
+
+def _status(check: Any) -> str:
+    return str(getattr(check.status, "value", check.status))
+
+
+def _delivered_line(scores: Scores, sequences: Sequence[Sequence[int]]) -> str:
+    head = ("delivered, computes differently: the synced adapter scores bit for bit as the trainer's own tensors "
+            "loaded fresh (X), so the sync delivered what the trainer holds; the engine computes something else "
+            "with it (or reads every adapter file the same wrong way)")
+    if not all(k in scores for k in ("updated", "trainer_updated", "zero", "trainer_zero")):
+        return head
+    diff = stats.differences(scores["trainer_updated"], scores["updated"])
+    i = max(range(len(diff)), key=lambda j: abs(diff[j]))
+    s, t = stats.locate(scores["updated"], i)
+    token = sequences[s][t + 1] if s < len(sequences) and t + 1 < len(sequences[s]) else None
+    flat = {k: stats.flatten(scores[k]) for k in ("updated", "trainer_updated", "zero", "trainer_zero")}
+    moved_t = flat["trainer_updated"][i] - flat["trainer_zero"][i]
+    moved_s = flat["updated"][i] - flat["zero"][i]
+    where = (f"; they part most at sequence {s}, position {t}" + (f" (token {token})" if token is not None else "")
+             + f": {abs(diff[i]):.3g} nats apart, the trainer moved {moved_t:+.3g}, the engine {moved_s:+.3g}")
+    if "reference_fp32_updated" not in scores:
+        return head + where + " (no fp32 reference at the updated point: the side is not named)"
+    ref = stats.flatten(scores["reference_fp32_updated"])[i]
+    off_t, off_s = abs(flat["trainer_updated"][i] - ref), abs(flat["updated"][i] - ref)
+    mean_t = _mean_abs(scores["trainer_updated"], scores["reference_fp32_updated"])
+    mean_s = _mean_abs(scores["updated"], scores["reference_fp32_updated"])
+    if off_s > 2 * off_t:
+        side = "the engine is off: an engine computation worth reporting upstream"
+    elif off_t > 2 * off_s:
+        side = "the trainer is off"
+    else:
+        side = "both are off: precision"
+    return (f"{head}{where}; there the engine is {off_s:.3g} from fp32, the trainer {off_t:.3g} ({side}; over all "
+            f"tokens the engine {mean_s:.3g}, the trainer {mean_t:.3g} on average)")
+
+
+def _mean_abs(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
+    diff = stats.differences(a, b)
+    return math.fsum(abs(d) for d in diff) / len(diff) if diff else 0.0
+
+
+def _scale_line(scores: Scores, checks: Sequence[Any]) -> str:
+    pooled, each, _ = update_slopes(scores)
+    if pooled is None:
+        return "C.slope: the sampler's share of the trainer's change could not be measured"
+    ratio, se, _ = pooled
+    targets = {_name(name[len(TARGET_PREFIX):]): s for name, s in each.items() if name.startswith(TARGET_PREFIX) and s}
+    apart = [k for k, (r, e, _) in targets.items() if abs(r - ratio) > SAME_SCALE_SE * math.hypot(e, se)]
+    if targets and not apart:
+        return (f"a scale: the engine applies the update at {ratio:.3g} ± {se:.2g} of the trainer's in every module "
+                f"({len(targets)} targets agree with it): lora_alpha / r, rsLoRA, or a cast of B on the engine's side")
+    if apart:
+        named = ", ".join(f"{k} {targets[k][0]:.3g} ± {targets[k][1]:.2g}" for k in apart)
+        return (f"the engine makes {ratio:.3g} ± {se:.2g} of the trainer's change overall; these targets stand apart "
+                f"from it: {named}")
+    return f"the engine makes {ratio:.3g} ± {se:.2g} of the trainer's change (no per-target runs to say where)"
+
+
+def _swap_line(failing: set[str]) -> str | None:
+    kinds = sorted({c.split(".")[1] for c in failing if c.startswith("T.") and c.count(".") >= 2
+                    and c.endswith((".cosine", ".scale", ".rel_l2"))})
+    if len(kinds) != 2:
+        return None
+    a, b = (_name(k) for k in kinds)
+    return (f"a swap: only {a} and {b} fail, every other target passes: their tensors are exchanged or cross-wired "
+            f"({a}'s update reaches {b} and back), in the export or in how the engine maps them")
+
+
+def of_receipt(receipt: Any) -> list[str]:
+    """`findings` of a receipt (its raw scores, checks, probes and noise rule)."""
+    rule = receipt.budgets.noise
+    return findings(receipt.scores, receipt.checks, receipt.probes.sequences,
+                    bool(rule is not None and rule.x_proves_delivery))

@@ -1,0 +1,165 @@
+"""Delivery and computation as the verdict's structure, the noise measured where each judgement is made, and
+the power of C.slope (docs/verdicts.md, "Delivery and computation"). Scores are built by hand: a base model,
+both sides' bf16-like errors, the fp32 reference at the start and at each end point, and a sampler that makes
+some fraction of the trainer's change."""
+
+import math
+import random
+
+import pytest
+
+from lora_parity.evidence.receipt import CheckStatus, Verdict
+from lora_parity.models.config import profile_budgets
+from lora_parity.verdict import checks, findings, stats
+
+BF16 = profile_budgets("bf16")
+LENGTHS = (96, 96)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _split(flat: list[float], lengths: tuple[int, ...] = LENGTHS) -> list[list[float]]:
+    out, i = [], 0
+    for n in lengths:
+        out.append(flat[i:i + n])
+        i += n
+    return out
+
+
+def scenario(seed: int = 0, scale: float = 1.0, noise: float = 0.03, swap: tuple[str, str] | None = None,
+             engine_off: int = 0, synced: bool = True, lengths: tuple[int, ...] = LENGTHS,
+             size: float = 0.4) -> dict[str, list[list[float]]]:
+    """Scores of one run: `scale` of the trainer's change reaches the sampler in every phase, each side adds
+    its own error of std `noise` at every point, `swap` exchanges two targets' changes on the sampler,
+    `engine_off` tokens of the synced sampler are 2.5 nats off, `synced` False keeps the stale sampler."""
+    rng = random.Random(seed)
+    n = sum(lengths)
+    base = [-rng.uniform(0.2, 6.0) for _ in range(n)]
+
+    def err() -> list[float]:
+        return [rng.gauss(0.0, noise) for _ in range(n)]
+
+    def change() -> list[float]:
+        return [rng.gauss(0.0, size) for _ in range(n)]
+
+    def at(d: list[float], e: list[float], k: float = 1.0) -> list[list[float]]:
+        return _split([b + k * x + y for b, x, y in zip(base, d, e, strict=True)], lengths)
+
+    zero_t, zero_s = err(), err()
+    scores = {"base": at([0.0] * n, zero_s), "reference_fp32": _split(base, lengths)}
+    scores["zero"] = scores["zero_repeat"] = at([0.0] * n, zero_s)
+    scores["trainer_zero"] = scores["trainer_zero_repeat"] = at([0.0] * n, zero_t)
+    d = change()
+    scores["trainer_updated"] = at(d, [a + b for a, b in zip(zero_t, err(), strict=True)])
+    scores["reference_fp32_updated"] = at(d, [0.0] * n)
+    scores["stale"] = scores["zero"]
+    updated = [a + b for a, b in zip(zero_s, err(), strict=True)]
+    for i in range(engine_off):
+        updated[10 + 7 * i] += 2.5
+    scores["updated"] = scores["updated_repeat"] = scores["fresh"] = at(d, updated, scale) if synced else scores["zero"]
+    if not synced:
+        scores["fresh"] = at(d, updated, scale)
+    changes = {kind: change() for kind in TARGETS}
+    for kind in TARGETS:
+        served = changes[swap[1] if swap and kind == swap[0] else swap[0] if swap and kind == swap[1] else kind]
+        scores[f"target.{kind}.trainer"] = at(changes[kind], [a + b for a, b in zip(zero_t, err(), strict=True)])
+        scores[f"target.{kind}.sampler"] = at(served, [a + b for a, b in zip(zero_s, err(), strict=True)], scale)
+        scores[f"target.{kind}.reference"] = at(changes[kind], [0.0] * n)
+    return scores
+
+
+def judged(scores: dict[str, list[list[float]]], budgets=BF16) -> tuple[checks.Evaluation, dict[str, CheckStatus]]:
+    ev = checks.evaluate(scores, budgets, errored=False)
+    return ev, {c.id: c.status for c in ev.checks}
+
+
+def sequences(lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:
+    return [list(range(n + 1)) for n in lengths]
+
+
+@pytest.mark.unit
+def test_slope_and_its_jackknife_error() -> None:
+    """A sampler that makes 0.9 of every change gives a ratio of 0.9 against the fp32 reference's change, and
+    the error comes from leaving out blocks of positions (no two sequences share a block)."""
+    ids, blocks = stats.block_ids([10, 9])
+    assert blocks == 4 and ids[:10] == [0] * 8 + [1] * 2 and ids[10:] == [2] * 8 + [3]
+    dr = [float(i % 5 - 2) for i in range(19)]
+    exact = stats.update_slope([([0.9 * x for x in dr], dr, dr)], ids, blocks)
+    assert exact is not None and exact[0] == pytest.approx(0.9) and exact[1] == pytest.approx(0.0, abs=1e-12)
+    assert stats.update_slope([([0.0] * 19, [0.0] * 19, [0.0] * 19)], ids, blocks) is None  # no change: no slope
+    assert stats.update_slope([(dr[:8], dr[:8], dr[:8])], [0] * 8, 1) is None  # one block: no uncertainty
+
+
+@pytest.mark.unit
+def test_a_ten_percent_scale_fails_a_three_percent_one_within_its_noise_passes() -> None:
+    short = (24, 24)
+    clean = judged(scenario(scale=1.0, noise=0.08, lengths=short, size=0.6))
+    scaled_scores = scenario(scale=0.9, noise=0.08, lengths=short, size=0.6)
+    scaled = judged(scaled_scores)
+    assert clean[0].verdict == Verdict.PASS
+    slope, _, against_reference = checks.update_slopes(scaled_scores)
+    assert against_reference and slope is not None and 0.005 < slope[1] < 0.02  # 0.90 ± 0.008
+    assert slope[0] == pytest.approx(0.9, abs=0.03)
+    assert scaled[1]["C.slope"] == CheckStatus.FAIL
+    # Delivered (X passed, the sampler moved only after the sync): the scale is a computation finding.
+    assert scaled[0].verdicts.sync.verdict == Verdict.PASS and scaled[0].verdicts.numerics.verdict == Verdict.FAIL
+    found = findings.findings(scaled_scores, scaled[0].checks, sequences(short), True)
+    assert any(line.startswith("a scale: the engine applies the update at 0.89") for line in found), found
+    # 0.97 ± 0.05: its uncertainty covers it.
+    loose = scenario(scale=0.97, noise=0.4, lengths=short, size=0.5)
+    slope, _, _ = checks.update_slopes(loose)
+    assert slope is not None and 0.03 < slope[1] < 0.07
+    assert judged(loose)[1]["C.slope"] == CheckStatus.PASS
+
+
+@pytest.mark.unit
+def test_slope_without_the_rule_is_not_a_check() -> None:
+    """Receipts made before C.slope (no slope_k) get no such check: they verify as recorded."""
+    old = BF16.model_copy(update={"noise": BF16.noise.model_copy(update={"slope_k": None})})
+    assert "C.slope" not in judged(scenario(scale=0.9), old)[1]
+
+
+@pytest.mark.unit
+def test_a_swap_is_named() -> None:
+    ev, status = judged(scenario(swap=("k_proj", "v_proj")))
+    failing = {i for i, s in status.items() if s == CheckStatus.FAIL}
+    assert {"T.k_proj.cosine", "T.v_proj.cosine"} <= failing
+    assert not any(i.startswith(("T.q_proj", "T.o_proj")) for i in failing)
+    found = findings.findings(scenario(swap=("k_proj", "v_proj")), ev.checks, sequences(), True)
+    assert any(line.startswith("a swap: only k_proj and v_proj fail") for line in found), found
+
+
+@pytest.mark.unit
+def test_x_passed_and_c_failing_is_computation_with_the_side_named() -> None:
+    scores = scenario(engine_off=4)
+    ev, status = judged(scores)
+    assert status["X.sync.identical"] == CheckStatus.PASS
+    computation = [i for i, s in status.items() if s == CheckStatus.FAIL]
+    assert computation and all(i.startswith(("C.parity", "C.delta", "C.slope")) for i in computation), computation
+    assert ev.verdicts.sync.verdict == Verdict.PASS and ev.verdicts.numerics.verdict == Verdict.FAIL
+    found = findings.findings(scores, ev.checks, sequences(), True)[0]
+    assert found.startswith("delivered, computes differently") and "the engine is off" in found, found
+    # The same receipt made before the rule: a sync failure, as then.
+    old = BF16.model_copy(update={"noise": BF16.noise.model_copy(update={"x_proves_delivery": False})})
+    assert judged(scores, old)[0].verdicts.sync.verdict == Verdict.FAIL
+
+
+@pytest.mark.unit
+def test_delivery_failures_stay_delivery_failures() -> None:
+    """skip-sync: the sampler never moves, X sees the trainer's tensors score differently: sync fails."""
+    ev, status = judged(scenario(synced=False))
+    assert status["X.sync.identical"] == CheckStatus.FAIL and status["C.moved.sampler"] == CheckStatus.FAIL
+    assert ev.verdicts.sync.verdict == Verdict.FAIL
+    assert not findings.findings(scenario(synced=False), ev.checks, sequences(), True)[0].startswith("delivered")
+
+
+@pytest.mark.unit
+def test_noise_at_the_updated_point_widens_c_only_by_the_trainers_distance() -> None:
+    """C's mean threshold grows with the trainer's distance from fp32 at the updated point, never with the
+    sampler's own (a wrong sampler would widen its own bound)."""
+    scores = scenario(noise=0.1)
+    base = judged(scores)[0].thresholds["C.parity.mean"].budget
+    far = dict(scores)
+    far["updated"] = [[x - 0.5 for x in row] for row in scores["updated"]]  # the sampler far from fp32
+    assert judged(far)[0].thresholds["C.parity.mean"].budget == pytest.approx(base)
+    t_u = judged(scores)[0].comparisons["R.trainer_updated_vs_fp32"].mean_abs
+    assert base >= 1.5 * t_u and math.isfinite(base)
