@@ -258,9 +258,8 @@ class NoiseRule(Strict):
     tensors (C.parity, C.delta, C.slope, T.* direction and scale, G.trainer) judge the computation (the
     numerics verdict), never the delivery (the sync verdict). False in receipts made before it."""
     updated_reference: bool = False
-    """C's parity and the deltas also allow the noise the fp32 reference measures at the updated and per-target
-    points (`reference_fp32_updated`, `target.K.reference`; `thresholds.updated_noise`). False in receipts
-    made before it."""
+    """C's mean and p99 also allow the trainer's distance from the fp32 reference at the updated point
+    (`reference_fp32_updated`; `thresholds._updated_parity`). False in receipts made before it."""
 
 
 class Budgets(Strict):

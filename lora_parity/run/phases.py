@@ -72,6 +72,7 @@ def run_sequence(run: Run) -> None:
         run.step("calibrate", run.calibrate)
     run.step("perturb", run.perturb)
     run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
+    run.step("trainer_updated_alt", run.trainer_score_alone)
     run.step("stale", run.stale)
     if run.sampler_reads_prefix_cache:  # warm the prefix cache with the old adapter
         run.step("stale_cached", lambda: run.cached_score("stale_cached", run.handle))
@@ -297,6 +298,12 @@ class Run:
         """Trainer scores of its current state, twice with `repeat`."""
         for k in (key, f"{key}_repeat") if repeat else (key,):
             self._record(k, self._timed(k, lambda: self.trainer.score(self.sequences)))
+
+    def trainer_score_alone(self) -> None:
+        """The trainer's updated state scored a second way, one sequence per call (another packing and batch
+        composition): what batching alone moves at the point C is judged (`trainer_updated_alt`)."""
+        self._record("trainer_updated_alt", self._timed("trainer_updated_alt", lambda: [
+            self.trainer.score([seq])[0] for seq in self.sequences]))
 
     def exported(self, version: int, folder: Path) -> None:
         """Adapter-file faults rewrite each exported folder before the sampler loads it."""

@@ -43,9 +43,11 @@ from lora_parity.verdict import check_rules, stats
 from lora_parity.verdict import thresholds as _thresholds
 from lora_parity.verdict.deltas import DELTAS as DELTAS  # re-exported: the delta specs live in deltas
 from lora_parity.verdict.deltas import TARGET_PREFIX as TARGET_PREFIX
-from lora_parity.verdict.deltas import delta_specs, reference_at, update_slopes
+from lora_parity.verdict.deltas import delta_specs as delta_specs
+from lora_parity.verdict.deltas import reference_at as reference_at
 from lora_parity.verdict.deltas import target_delta_spec as target_delta_spec
 from lora_parity.verdict.deltas import target_kinds as target_kinds
+from lora_parity.verdict.deltas import update_slopes
 
 # name -> (a, b): statistics of scores[b] - scores[a].
 COMPARISONS: dict[str, tuple[str, str]] = {
@@ -67,6 +69,8 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     # The fp32 reference at the updated point (the trainer's updated tensors in fp32): each side's distance.
     "R.trainer_updated_vs_fp32": ("reference_fp32_updated", "trainer_updated"),
     "R.sampler_updated_vs_fp32": ("reference_fp32_updated", "updated"),
+    # The updated trainer scored a second way (one sequence per call): what batching alone moves.
+    "C.trainer_batching": ("trainer_updated", "trainer_updated_alt"),
     "P.stale_cached_vs_stale": ("stale", "stale_cached"),
     "P.trainer_vs_cached": ("updated_cached", "trainer_updated"),
     # Sampled tokens and the generation path after sync (`generation_checks`).
@@ -360,7 +364,7 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     slope, _, against_reference = update_slopes(scores)
     derived = _thresholds.derive(budgets, comparisons, deltas, noise, _thresholds.own_tails(scores, after),
                                  _thresholds.sequence_growth(scores), slope, against_reference,
-                                 _thresholds.updated_noise(scores, delta_specs(scores), reference_at))
+                                 _thresholds.batching_l2(scores))
     checks = compute_checks(comparisons, deltas, budgets, derived, noise, slope)
     rule = budgets.noise
     if rule is None:

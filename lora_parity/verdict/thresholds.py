@@ -24,7 +24,7 @@ Without `budgets.noise` (receipts made before it) each check keeps the rule it w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from lora_parity.evidence.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
 from lora_parity.verdict import check_rules, stats
@@ -189,18 +189,12 @@ def delta(budgets: Budgets, noise_l2: float | None, trainer_norm: float | None,
     return check_rules.delta_thresholds(budgets, noise_l2, trainer_norm, relative)
 
 
-def updated_noise(scores: Mapping[str, ScoreArray], specs: Mapping[str, tuple[str, str, str, str]],
-                  reference_at: Callable[[str], str]) -> dict[str, float]:
-    """Per delta (C.delta, target.K) whose end point the fp32 reference also scored: the L2 norm of the
-    trainer's own error in its change, ‖Δtrainer − Δfp32‖: the noise measured where the delta is judged."""
-    out: dict[str, float] = {}
-    for name, (_, _, tf, tt) in specs.items():
-        end = reference_at(name)
-        if "reference_fp32" in scores and end in scores:
-            dt = stats.differences(scores[tf], scores[tt])
-            dr = stats.differences(scores["reference_fp32"], scores[end])
-            out[name] = stats.l2([t - r for t, r in zip(dt, dr, strict=True)])
-    return out
+def batching_l2(scores: Mapping[str, ScoreArray]) -> float | None:
+    """‖trainer_updated_alt − trainer_updated‖: how far the updated trainer moves when only its batching
+    changes (one sequence per call); None where it was not scored."""
+    if "trainer_updated_alt" not in scores or "trainer_updated" not in scores:
+        return None
+    return stats.l2(stats.differences(scores["trainer_updated"], scores["trainer_updated_alt"]))
 
 
 def slope(budgets: Budgets, measured: stats.Slope | None, against_reference: bool) -> Threshold | None:
@@ -243,12 +237,12 @@ def _updated_parity(budgets: Budgets, comparisons: Mapping[str, ComparisonStats]
 def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats],
            noise: NoiseModel | None, tails: Mapping[str, Tail] | None = None,
            growth: Growth | None = None, measured_slope: stats.Slope | None = None,
-           against_reference: bool = False, at_updated: Mapping[str, float] | None = None) -> dict[str, Threshold]:
+           against_reference: bool = False, batching: float | None = None) -> dict[str, Threshold]:
     """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them).
     `tails`: the after-change comparisons' own bulk tails (`own_tails`); `growth`: the start point's
     sequences and the spread of their maxima (`sequence_growth`), for the one-token ceiling;
-    `measured_slope`: C.slope's ratio and uncertainty; `at_updated`: each delta's noise measured at its end
-    point (`updated_noise`)."""
+    `measured_slope`: C.slope's ratio and uncertainty; `batching`: what batching alone moves the updated
+    trainer (`batching_l2`), with `NoiseRule.updated_reference` a floor of C.delta's noise."""
     tails = tails or {}
     get = comparisons.get
     a = get("A.trainer_vs_sampler")
@@ -275,7 +269,8 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
         g = _generation(budgets, prefix, comparisons, a, noise, change, c, tails, start_max)
         for short, _ in STATS:
             out[f"{prefix}.parity.{short}"] = g[short]
-    out.update(_directions(budgets, deltas, noise, moved, at_updated or {}))
+    use_batching = budgets.noise is not None and budgets.noise.updated_reference
+    out.update(_directions(budgets, deltas, noise, moved, batching if use_batching else None))
     out.update({"C.slope": t} if (t := slope(budgets, measured_slope, against_reference)) is not None else {})
     out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
     out["X.sync.identical"] = Threshold(0.0, "bitwise: the sampler repeated the synced adapter's scores exactly")
@@ -317,18 +312,16 @@ def _fp32_balance(budgets: Budgets, trainer_fp32: ComparisonStats | None,
 
 
 def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: NoiseModel | None,
-                moved: Threshold, at_updated: Mapping[str, float]) -> dict[str, Threshold]:
-    """C.delta's and every target's direction, scale and rel_l2 thresholds, and T.*.moved. With
-    `NoiseRule.updated_reference`, a delta's noise is at least √2 × the trainer's own error in its change
-    (`at_updated`): the sampler's change carries an error of its own of about that size."""
+                moved: Threshold, batching: float | None = None) -> dict[str, Threshold]:
+    """C.delta's and every target's direction, scale and rel_l2 thresholds, and T.*.moved; C.delta's noise at
+    least `batching` (the updated trainer's own batching noise, measured where C is judged)."""
     noise_l2 = noise.l2 if noise is not None else None
     fixed = delta(budgets, noise_l2, None, noise)  # C.delta's checks are made, not reached, without a C.delta
     out = {"C.delta.cosine": fixed.cosine, "C.delta.scale": fixed.scale, "C.delta.rel_l2": fixed.rel_l2}
-    use_updated = budgets.noise is not None and budgets.noise.updated_reference
     for name, d in deltas.items():
         eps = noise_l2
-        if use_updated and noise_l2 is not None and name in at_updated:
-            eps = max(noise_l2, math.sqrt(2.0) * at_updated[name])
+        if name == "C.delta" and batching is not None and noise_l2 is not None:
+            eps = max(noise_l2, batching)
         th = delta(budgets, eps, d.trainer_norm, noise)
         prefix = name if name == "C.delta" else f"T.{name[len(TARGET_PREFIX):]}"
         out[f"{prefix}.cosine"], out[f"{prefix}.scale"], out[f"{prefix}.rel_l2"] = th.cosine, th.scale, th.rel_l2
