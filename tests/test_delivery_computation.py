@@ -27,10 +27,12 @@ def _split(flat: list[float], lengths: tuple[int, ...] = LENGTHS) -> list[list[f
 
 def scenario(seed: int = 0, scale: float = 1.0, noise: float = 0.03, swap: tuple[str, str] | None = None,
              engine_off: int = 0, synced: bool = True, lengths: tuple[int, ...] = LENGTHS,
-             size: float = 0.4) -> dict[str, list[list[float]]]:
+             size: float = 0.4, layer_groups: dict[str, float] | None = None) -> dict[str, list[list[float]]]:
     """Scores of one run: `scale` of the trainer's change reaches the sampler in every phase, each side adds
     its own error of std `noise` at every point, `swap` exchanges two targets' changes on the sampler,
-    `engine_off` tokens of the synced sampler are 2.5 nats off, `synced` False keeps the stale sampler."""
+    `engine_off` tokens of the synced sampler are 2.5 nats off, `synced` False keeps the stale sampler,
+    `layer_groups` adds per-layer runs, each made at its given share by the sampler."""
+    layer_groups = layer_groups or {}  # per-layer runs (`kind@first-last`) and the share of each the engine makes
     rng = random.Random(seed)
     n = sum(lengths)
     base = [-rng.uniform(0.2, 6.0) for _ in range(n)]
@@ -58,11 +60,12 @@ def scenario(seed: int = 0, scale: float = 1.0, noise: float = 0.03, swap: tuple
     scores["updated"] = scores["updated_repeat"] = scores["fresh"] = at(d, updated, scale) if synced else scores["zero"]
     if not synced:
         scores["fresh"] = at(d, updated, scale)
-    changes = {kind: change() for kind in TARGETS}
-    for kind in TARGETS:
+    changes = {kind: change() for kind in (*TARGETS, *layer_groups)}
+    for kind in (*TARGETS, *layer_groups):
         served = changes[swap[1] if swap and kind == swap[0] else swap[0] if swap and kind == swap[1] else kind]
         scores[f"target.{kind}.trainer"] = at(changes[kind], [a + b for a, b in zip(zero_t, err(), strict=True)])
-        scores[f"target.{kind}.sampler"] = at(served, [a + b for a, b in zip(zero_s, err(), strict=True)], scale)
+        share = scale * layer_groups.get(kind, 1.0)
+        scores[f"target.{kind}.sampler"] = at(served, [a + b for a, b in zip(zero_s, err(), strict=True)], share)
         scores[f"target.{kind}.reference"] = at(changes[kind], [0.0] * n)
     return scores
 
@@ -163,3 +166,78 @@ def test_noise_at_the_updated_point_widens_c_only_by_the_trainers_distance() -> 
     assert judged(far)[0].thresholds["C.parity.mean"].budget == pytest.approx(base)
     t_u = judged(scores)[0].comparisons["R.trainer_updated_vs_fp32"].mean_abs
     assert base >= 1.5 * t_u and math.isfinite(base)
+
+
+@pytest.mark.cpu_e2e
+def test_the_fp32_reference_at_a_point_carries_the_trainers_own_tensors() -> None:
+    """fp32_points scores the fp32 model with the trainer's LoRA tensors taken from memory: on the fp32 tiny
+    checkpoint, after an update, it gives the trainer's own scores; a set without a tensor is refused."""
+    from lora_parity.backends.fp32_points import fp32_points
+    from lora_parity.backends.hf import HFTrainer
+    from lora_parity.models import config, synthetic
+    from lora_parity.util.errors import ConfigError
+
+    cfg = config.load(None)
+    model_dir = synthetic.materialize(cfg)
+    trainer = HFTrainer(cfg, model_dir, 0, {})
+    seqs = [[1, 5, 9, 17, 33, 2, 8], [4, 4, 7, 100, 3]]
+    zero = trainer.score(seqs)
+    trainer.perturb(0.05, 3)
+    updated, tensors = trainer.score(seqs), trainer.lora_tensors()
+    score = fp32_points(cfg, model_dir)
+    got_updated, got_zero = score(seqs, [tensors, {**tensors, **{n: (d, s, bytes(len(b))) for n, (d, s, b) in
+                                                                  tensors.items() if ".lora_B." in n}}])
+    diff = max(abs(a - b) for ra, rb in zip(got_updated, updated, strict=True) for a, b in zip(ra, rb, strict=True))
+    moved = max(abs(a - b) for ra, rb in zip(zero, updated, strict=True) for a, b in zip(ra, rb, strict=True))
+    assert diff <= 1e-5 < moved  # the updated point itself, not the base model
+    assert max(abs(a - b) for ra, rb in zip(got_zero, zero, strict=True) for a, b in zip(ra, rb, strict=True)) <= 1e-5
+    missing = dict(tensors)
+    missing.pop(next(iter(missing)))
+    with pytest.raises(ConfigError, match="fp32 reference: the trainer's tensors have no"):
+        score(seqs, [missing])
+
+
+@pytest.mark.unit
+def test_a_layer_group_the_engine_drops_part_of_is_named() -> None:
+    """Per-layer runs are judged by their own slope: a group of four layers one of which does not reach the engine
+    (0.75 of its change) fails T.K@A-B.slope, and the finding names the target and the layers; its neighbours
+    pass, and a per-layer run makes no direction or scale checks of its own."""
+    groups = {"down_proj@0-3": 1.0, "down_proj@4-7": 0.75, "down_proj@8-11": 1.0}
+    scores = scenario(layer_groups=groups)
+    ev, status = judged(scores)
+    assert status["T.down_proj@4-7.slope"] == CheckStatus.FAIL
+    assert status["T.down_proj@0-3.slope"] == status["T.down_proj@8-11.slope"] == CheckStatus.PASS
+    assert "T.down_proj@4-7.cosine" not in status and status["T.down_proj@4-7.moved"] == CheckStatus.PASS
+    assert ev.verdicts.sync.verdict == Verdict.PASS  # X passed: the engine reads what the trainer holds
+    found = findings.findings(scores, ev.checks, sequences(), True)
+    assert any(line.startswith("the update of down_proj in layers 4-7 reaches the engine at 0.7") for line in found)
+    clean = judged(scenario(layer_groups=dict.fromkeys(groups, 1.0)))
+    assert clean[0].verdict == Verdict.PASS
+
+
+@pytest.mark.unit
+def test_layer_groups_are_contiguous_and_small() -> None:
+    from lora_parity.run.layer_coverage import groups, tag
+
+    thirty = groups(list(range(30)))
+    assert len(thirty) == 10 and all(len(g) == 3 for g in thirty) and [i for g in thirty for i in g] == list(range(30))
+    eight = groups(list(range(28)))
+    assert [i for g in eight for i in g] == list(range(28)) and {len(g) for g in eight} == {2, 3}
+    assert groups([0, 1]) == [] and groups([0, 1, 2]) == []  # the per-target run covers them at that size
+    assert tag("down_proj", [12, 13, 14]) == "down_proj@12-14"
+
+
+@pytest.mark.cpu_e2e
+def test_the_hf_trainer_restricted_to_some_layers_updates_only_them() -> None:
+    from lora_parity.backends.hf import HFTrainer
+    from lora_parity.models import config, synthetic
+
+    cfg = config.load(None)
+    trainer = HFTrainer(cfg, synthetic.materialize(cfg), 0, {})
+    assert trainer.layers() == [0, 1]
+    with trainer.restricted_to([1]):
+        trainer.perturb(0.05, 3, only="q_proj")
+    moved = {n for n, p in trainer.model.named_parameters() if ".lora_B." in n and bool(p.any())}
+    assert moved and all(".layers.1.self_attn.q_proj." in n for n in moved)
+    trainer.zero_b()  # outside any restriction: every layer back to zero
+    assert not any(bool(p.any()) for n, p in trainer.model.named_parameters() if ".lora_B." in n)

@@ -45,6 +45,12 @@ def test_clean_run_passes_a_b_c_with_real_backends(matrix) -> None:
                                                                        ("q_proj", "v_proj", "down_proj")}
     exact = {c.id: c for c in receipt.checks}["X.sync.identical"]  # the fresh load, bit for bit
     assert exact.status == CheckStatus.PASS and exact.observed == 0
+    # The updated trainer scored a second way (one sequence per call), and C.slope: the fp32 trainer is its own
+    # reference, so the sampler makes the trainer's whole change within a hair.
+    assert "trainer_updated_alt" in receipt.scores and "C.trainer_batching" in receipt.comparisons
+    slope = {c.id: c for c in receipt.checks}["C.slope"]
+    assert slope.status == CheckStatus.PASS and (slope.observed or 0) < 1e-4
+    assert receipt.verdicts is not None and receipt.verdicts.sync.verdict == Verdict.PASS
 
 
 X_CATCHES = ("skip-sync", "partial-export", "wrong-scale", "drop-target", "wrong-direction", "reuse-adapter-id",

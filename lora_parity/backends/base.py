@@ -19,7 +19,8 @@ test with `isinstance`/`issubclass`, never by probing attributes. Every backend 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
@@ -329,6 +330,19 @@ class TensorReadingTrainer(Protocol):
     def lora_tensors(self) -> dict[str, RawTensor]:
         """Every LoRA A and B the model holds now, whole (gathered over ranks), in PEFT's saved names
         and the trainer's own dtype, read from the model itself, not through `export_adapter`."""
+        ...
+
+
+@runtime_checkable
+class LayerSubsetTrainer(Protocol):
+    """A trainer whose update can be restricted to some decoder layers (per-layer coverage)."""
+
+    def layers(self) -> list[int]:
+        """The decoder layers that hold LoRA tensors, ascending."""
+        ...
+
+    def restricted_to(self, layers: Collection[int]) -> AbstractContextManager[None]:
+        """Within: `perturb` (and so the calibration's) updates only those layers' tensors."""
         ...
 
 

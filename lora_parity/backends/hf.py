@@ -7,7 +7,8 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import peft
 import torch
 import transformers
 
-from lora_parity.backends import hf_step
+from lora_parity.backends import hf_step, layer_subset
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendTraits,
@@ -239,9 +240,19 @@ class HFTrainer(TrainerBackend):
         """Each token's top-k experts per MoE layer under the current adapter (None: dense model)."""
         return hf_router_topk(self.model, sequences, self.device)
 
+    layers_only: frozenset[int] | None = None
+    """Per-layer coverage: the perturbation touches these decoder layers only (`restricted_to`)."""
+
+    def layers(self) -> list[int]:
+        return layer_subset.layer_indices(n for n, _ in self._lora_b())
+
+    def restricted_to(self, layers: Collection[int]) -> AbstractContextManager[None]:
+        return layer_subset.restricted(self, layers)
+
     def _lora_b(self, only: str | None = None) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.model.named_parameters()
-                if is_lora_b(n) and (only is None or target_kind(n) == only)]
+        """Every LoRA B, or target kind `only`'s (in the layers of `restricted_to` where one is in force)."""
+        return [(n, p) for n, p in self.model.named_parameters() if is_lora_b(n) and (
+            only is None or (target_kind(n) == only and layer_subset.keeps(self.layers_only, n)))]
 
     @torch.no_grad()
     def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:

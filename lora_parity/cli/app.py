@@ -27,6 +27,7 @@ from lora_parity.cli.commands.options import (
     GithubSummaryOpt,
     JsonOpt,
     ModelOpt,
+    PerLayerOpt,
     PerTargetOpt,
     ProbesOpt,
     ReferenceOpt,
@@ -88,6 +89,7 @@ def run(
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
     per_target: PerTargetOpt = None,
+    per_layer: PerLayerOpt = True,
     tinker_url: Annotated[
         str | None,
         typer.Option(help="Tinker service URL (--trainer tinker --sampler tinker); API key from TINKER_API_KEY."),
@@ -136,6 +138,7 @@ def run(
     key = _signing().load_private_key(sign) if sign is not None else None
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, update=update, per_target=per_target,
+                      per_layer=per_layer,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,

@@ -250,6 +250,9 @@ class NoiseRule(Strict):
     """C.slope: the sampler's share of the trainer's change pooled over C and every per-target run (against the
     fp32 reference's change where scored) is 1 within this many jackknife standard errors + `slope_floor`
     (`deltas.update_slopes`). None in receipts made before it: no C.slope check."""
+    target_slope_k: float | None = Field(default=None, gt=0)
+    """T.K.slope: each per-target and per-layer run's own slope, 1 within this many standard errors +
+    `slope_floor` (more runs than C.slope's one, so a larger k). None in receipts made before it."""
     slope_floor: float = Field(default=0.0, ge=0)
     """What C.slope allows beyond k standard errors: the smallest scale error the run claims to resolve."""
     x_proves_delivery: bool = False

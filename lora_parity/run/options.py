@@ -27,6 +27,8 @@ class RunOptions:
     per_target: bool | None = None
     """`--per-target/--no-per-target`: coverage on or off whatever the config says; None: the config's
     `per_target` (`runner.prepare` resolves it, so the plan's is the one setting the sequence reads)."""
+    per_layer: bool = True
+    """`--per-layer/--no-per-layer`: per-layer coverage after per-target coverage (`run/layer_coverage.py`)."""
     per_target_only: tuple[str, ...] | None = None
     """Per-target coverage of these target kinds only (the selftest's drop-target under --no-per-target)."""
     command: tuple[str, ...] = ()

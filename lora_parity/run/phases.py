@@ -40,7 +40,7 @@ from lora_parity.models import fresh_adapter, update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import RECIPE
-from lora_parity.run import calibrate_trainer, generation, reference_points
+from lora_parity.run import calibrate_trainer, generation, layer_coverage, reference_points
 from lora_parity.run.faults import Faults
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
@@ -95,6 +95,8 @@ def _coverage_and_reference(run: Run) -> None:
     """Per-target coverage, then the fp32 reference at every point the trainer moved to (one load)."""
     for kind in run.covered_targets:
         run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
+    for kind, group in layer_coverage.groups_of(run):
+        run.step(f"target.{layer_coverage.tag(kind, group)}", functools.partial(layer_coverage.cover, run, kind, group))
     if run.reference_states:
         run.step("reference_updated", functools.partial(reference_points.score, run))
 
@@ -128,6 +130,8 @@ class Run:
     faults: Faults
     sync_mode: str = "new-id"
     per_target: bool = True
+    per_layer: bool = True
+    """Per-layer coverage after per-target coverage (`layer_coverage`)."""
     per_target_only: tuple[str, ...] | None = None
     """Per-target coverage of these target kinds only (None: every target)."""
     progress: Callable[[str, str, float], None] = lambda phase, status, seconds: None
@@ -408,35 +412,37 @@ class Run:
                 raise
             self.error += " (unloading its adapter failed too)"
 
-    def target_coverage(self, kind: str) -> None:
-        """From zero-init, perturb target kind `kind` alone, sync, and score both sides. With std auto
+    def target_coverage(self, kind: str, tag: str | None = None) -> None:
+        """From zero-init, perturb target kind `kind` alone, sync, and score both sides (under `tag`, default
+        `kind`: per-layer coverage runs it with the trainer restricted to some layers). With std auto
         the search's last forward was taken at the chosen std on exactly this state, so it is the
         trainer's score (not run again)."""
-        found = self._search_target(kind) if self.calibrates else None
+        tag = tag or kind
+        found = self._search_target(kind, tag) if self.calibrates else None
         if found is not None:
-            self._record(f"target.{kind}.trainer", found)
+            self._record(f"target.{tag}.trainer", found)
         else:
             self.trainer.zero_b()
             if isinstance(self.trainer, SteppingTrainer) and self.steps:
-                lr = self._learning_rate(self.target_calibrations.get(kind))
+                lr = self._learning_rate(self.target_calibrations.get(tag))
                 self.trainer.step(self.sequences, lr, self.seed, only=kind)
             else:
-                self.trainer.perturb(self._std(self.target_calibrations.get(kind)), self.seed, only=kind)
-            self.trainer_score(f"target.{kind}.trainer")
-        reference_points.snapshot(self, f"target.{kind}.reference")
-        self.mode.publish(self, version=len(self.adapters), label=f"-{kind}")
-        self.sampler_score(f"target.{kind}.sampler", self.handle)
+                self.trainer.perturb(self._std(self.target_calibrations.get(tag)), self.seed, only=kind)
+            self.trainer_score(f"target.{tag}.trainer")
+        reference_points.snapshot(self, f"target.{tag}.reference")
+        self.mode.publish(self, version=len(self.adapters), label=f"-{tag.replace('@', '-layers-')}")
+        self.sampler_score(f"target.{tag}.sampler", self.handle)
 
-    def _search_target(self, kind: str) -> Scores | None:
-        """Target `kind`'s std search, recorded; the trainer's scores at the chosen std, where it is
-        left (None: no search, B zero)."""
+    def _search_target(self, kind: str, tag: str) -> Scores | None:
+        """Target `kind`'s std search (recorded under `tag`); the trainer's scores at the chosen std, where it
+        is left (None: no search, B zero)."""
         first = self.cfg.perturbation.start_learning_rate if self.steps else calibrate.START_STD
         start = self.calibration.std if self.calibration is not None else first
         found = calibrate_trainer.on_trainer_kept(self.trainer, self.sequences, self.scores, self.seed, self.cfg,
                                                   kind, start, steps=self.steps)
         if found is None:
             return None
-        self.target_calibrations[kind] = found[0]
+        self.target_calibrations[tag] = found[0]
         if self.perturbation is not None:
             self.perturbation = self.perturbation.model_copy(
                 update={"target_calibrations": dict(self.target_calibrations)})

@@ -72,7 +72,7 @@ DELIVERY_EVIDENCE = ("X.sync.identical", "B.withheld", "C.moved.sampler")
 """Delivery proven (`NoiseRule.x_proves_delivery`): the engine served the trainer's tensors bit for bit after
 the sync (X), not before it (B.withheld), and its scores moved (C.moved.sampler)."""
 COMPUTATION_PREFIXES = ("C.parity.", "C.delta.", "C.slope", "G.trainer.")
-COMPUTATION_SUFFIXES = (".cosine", ".scale", ".rel_l2")
+COMPUTATION_SUFFIXES = (".cosine", ".scale", ".rel_l2", ".slope")
 """What the two sides compute with the same tensors: C's parity, direction, scale and slope, the trainer against
 the rollout logprobs, and each target's direction and scale (T.K.cosine, .scale)."""
 

@@ -195,7 +195,7 @@ def _check_a_parity(c: _Checker, get: Any, th: Mapping[str, check_rules.Threshol
 def compute_checks(
     comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats], budgets: Budgets,
     thresholds: Mapping[str, check_rules.Threshold] | None = None, noise: NoiseModel | None = None,
-    slope: stats.Slope | None = None,
+    slope: stats.Slope | None = None, target_slopes: Mapping[str, stats.Slope | None] | None = None,
 ) -> list[Check]:
     """Every check, in order A, B, C, per-target, each judged by its threshold in `thresholds`
     (`lora_parity.verdict.thresholds.derive`, computed before from the start point's `noise`; derived here
@@ -262,8 +262,12 @@ def compute_checks(
         if snr is not None and noise_l2 is not None and delta.trainer_norm < snr * noise_l2:
             why = (f"target {kind}'s own effect (‖Δtrainer‖ {delta.trainer_norm:.3g}) is below {snr:g}x the "
                    f"{start} disagreement ({noise_l2:.3g}), so its direction is lost in the noise")
-        _delta_checks(c, f"T.{kind}", delta, th, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
-                      rel_l2=False, why=why)
+        if "@" not in kind:  # a per-layer run is judged by its slope alone (`layer_coverage`)
+            _delta_checks(c, f"T.{kind}", delta, th, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
+                          rel_l2=False, why=why)
+        if f"T.{kind}.slope" in th:
+            _slope_check(c, (target_slopes or {}).get(name), th[f"T.{kind}.slope"], True, CheckStatus.FAIL,
+                         f"T.{kind}.slope", f"target {kind}")
 
     # S: querying the old sampling client again leaves the trainer's weights alone. Only where
     # those phases were scored (samplers that share the trainer's service); absent elsewhere.
@@ -282,19 +286,18 @@ def compute_checks(
 
 
 def _slope_check(c: _Checker, slope: stats.Slope | None, t: check_rules.Threshold, reached: bool,
-                 failing: CheckStatus) -> None:
-    """C.slope: the sampler makes the trainer's whole change, pooled over C and every per-target run: |ratio − 1|
-    within k standard errors + the floor (`thresholds.slope`). Where no uncertainty could be estimated it is
-    inconclusive, never a pass."""
+                 failing: CheckStatus, id: str = "C.slope", what: str = "pooled") -> None:
+    """C.slope (or a target's T.K.slope): the sampler makes the trainer's whole change, pooled over C and every
+    per-target run (or in that run): |ratio − 1| within k standard errors + the floor (`thresholds.slope`).
+    Where no uncertainty could be estimated it is inconclusive, never a pass."""
+    name = f"the sampler makes the trainer's whole change ({what})"
     if slope is None:
-        c.add("C.slope", "the sampler makes the trainer's whole change (pooled)", None, "<=", t.budget,
-              "no slope: no change, or too few positions to estimate its uncertainty", reached=reached,
-              failing=CheckStatus.INCONCLUSIVE, note=t.note)
+        c.add(id, name, None, "<=", t.budget, "no slope: no change, or too few positions to estimate its "
+              "uncertainty", reached=reached, failing=CheckStatus.INCONCLUSIVE, note=t.note)
         return
     ratio, se, _ = slope
-    c.add("C.slope", "the sampler makes the trainer's whole change (pooled)", abs(ratio - 1), "<=", t.budget,
-          f"the sampler makes {ratio:.4g} ± {se:.2g} of the trainer's change", reached=reached, failing=failing,
-          note=t.note)
+    c.add(id, name, abs(ratio - 1), "<=", t.budget, f"the sampler makes {ratio:.4g} ± {se:.2g} of the trainer's "
+          "change", reached=reached, failing=failing, note=t.note)
 
 
 def _exact_sync_check(c: _Checker, fresh: ComparisonStats | None, repeat: ComparisonStats | None,
@@ -361,11 +364,11 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     deltas = compute_deltas(scores)
     noise = _thresholds.noise_model(scores, comparisons)
     after = {k: COMPARISONS[k] for k in ("C.trainer_vs_sampler", *(key for key, _ in GENERATION_PARITY.values()))}
-    slope, _, against_reference = update_slopes(scores)
+    slope, each, against_reference = update_slopes(scores)
     derived = _thresholds.derive(budgets, comparisons, deltas, noise, _thresholds.own_tails(scores, after),
                                  _thresholds.sequence_growth(scores), slope, against_reference,
-                                 _thresholds.batching_l2(scores))
-    checks = compute_checks(comparisons, deltas, budgets, derived, noise, slope)
+                                 _thresholds.batching_l2(scores), each)
+    checks = compute_checks(comparisons, deltas, budgets, derived, noise, slope, each)
     rule = budgets.noise
     if rule is None:
         moved = frozenset[str]()

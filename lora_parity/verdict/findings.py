@@ -9,6 +9,8 @@ raw scores and checks (pure; the terminal, the report and the JUnit file print t
   update at that fraction in every module (lora_alpha / r, rsLoRA, a cast). Where only some targets stand
   out, those are named.
 - A swap: exactly two targets fail their direction or scale checks and every other target passes.
+- A target or a layer group: its own run's slope (T.K.slope, T.K@A-B.slope) failed; how much of its update
+  reaches the engine.
 """
 
 from __future__ import annotations
@@ -35,17 +37,37 @@ def findings(scores: Scores, checks: Sequence[Any], sequences: Sequence[Sequence
     computation = check_rules.computation_checks(checks) & failing
     if x_proves_delivery and check_rules.delivered(checks) and computation:
         out.append(_delivered_line(scores, sequences))
-    if "C.slope" in failing:
-        out.append(_scale_line(scores, checks))
+    scale = _scale_line(scores, checks) if "C.slope" in failing else None
+    if scale:
+        out.append(scale)
     swap = _swap_line(failing)
     if swap:
         out.append(swap)
+    if not (scale and scale.startswith("a scale")):  # one scale in every module explains every run's slope
+        out += _target_slope_lines(scores, failing)
     return out
 
 
+def _target_slope_lines(scores: Scores, failing: set[str]) -> list[str]:
+    """Each per-target or per-layer run whose own slope failed: where the update reaches the engine at another
+    share than the trainer's (a layer group: `kind@first-last`)."""
+    _, each, _ = update_slopes(scores)
+    lines = []
+    for name, s in each.items():
+        tag = name[len(TARGET_PREFIX):]
+        if not name.startswith(TARGET_PREFIX) or f"T.{tag}.slope" not in failing or s is None:
+            continue
+        kind, _, layers = tag.partition("@")
+        where = f"{_name(kind)} in layers {_name(layers)}" if layers else _name(kind)
+        lines.append(f"the update of {where} reaches the engine at {s[0]:.3g} ± {s[1]:.2g} of the trainer's"
+                     + (": none of it" if abs(s[0]) < 3 * s[1] else ""))
+    return lines
+
+
 def _name(kind: str) -> str:
-    """A target kind as printed: a receipt is data from anyone, so only letters, digits and _ pass."""
-    return "".join(ch if ch.isascii() and (ch.isalnum() or ch == "_") else "?" for ch in kind[:40])
+    """A target kind (or `kind@first-last`) as printed: a receipt is data from anyone, so only letters, digits,
+    _, @ and - pass."""
+    return "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_@-") else "?" for ch in kind[:40])
 
 
 def _status(check: Any) -> str:
@@ -96,8 +118,10 @@ def _scale_line(scores: Scores, checks: Sequence[Any]) -> str:
     targets = {_name(name[len(TARGET_PREFIX):]): s for name, s in each.items() if name.startswith(TARGET_PREFIX) and s}
     apart = [k for k, (r, e, _) in targets.items() if abs(r - ratio) > SAME_SCALE_SE * math.hypot(e, se)]
     if targets and not apart:
+        groups = sum("@" in k for k in targets)
+        runs = f"{len(targets) - groups} targets" + (f" and {groups} layer groups" if groups else "")
         return (f"a scale: the engine applies the update at {ratio:.3g} ± {se:.2g} of the trainer's in every module "
-                f"({len(targets)} targets agree with it): lora_alpha / r, rsLoRA, or a cast of B on the engine's side")
+                f"({runs} agree with it): lora_alpha / r, rsLoRA, or a cast of B on the engine's side")
     if apart:
         named = ", ".join(f"{k} {targets[k][0]:.3g} ± {targets[k][1]:.2g}" for k in apart)
         return (f"the engine makes {ratio:.3g} ± {se:.2g} of the trainer's change overall; these targets stand apart "

@@ -197,18 +197,30 @@ def batching_l2(scores: Mapping[str, ScoreArray]) -> float | None:
     return stats.l2(stats.differences(scores["trainer_updated"], scores["trainer_updated_alt"]))
 
 
-def slope(budgets: Budgets, measured: stats.Slope | None, against_reference: bool) -> Threshold | None:
-    """C.slope (`NoiseRule.slope_k`): |ratio − 1| at most k standard errors + the floor; None without the rule."""
+def slope(budgets: Budgets, measured: stats.Slope | None, against_reference: bool,
+          per_target: bool = False) -> Threshold | None:
+    """C.slope (`NoiseRule.slope_k`), or a target's T.K.slope (`per_target`, `target_slope_k`): |ratio − 1| at most
+    k standard errors + the floor; None without the rule."""
     rule = budgets.noise
-    if rule is None or rule.slope_k is None:
+    k = None if rule is None else rule.target_slope_k if per_target else rule.slope_k
+    if rule is None or k is None:
         return None
     if measured is None:
         return Threshold(rule.slope_floor, "no slope could be measured")
     _, se, blocks = measured
     regressor = "the fp32 reference's change" if against_reference else "the trainer's change"
-    return Threshold(rule.slope_k * se + rule.slope_floor,
-                     f"{rule.slope_k:g} x its standard error {se:.3g} (jackknife over {blocks} blocks of "
+    return Threshold(k * se + rule.slope_floor,
+                     f"{k:g} x its standard error {se:.3g} (jackknife over {blocks} blocks of "
                      f"{stats.SLOPE_BLOCK} positions, against {regressor}) + floor {rule.slope_floor:g}")
+
+
+def _slopes(budgets: Budgets, pooled: stats.Slope | None, against_reference: bool,
+            each: Mapping[str, stats.Slope | None]) -> dict[str, Threshold]:
+    """C.slope's threshold and every target's own (T.K.slope), where the rule has them."""
+    out = {"C.slope": slope(budgets, pooled, against_reference)}
+    out.update({f"T.{name[len(TARGET_PREFIX):]}.slope": slope(budgets, s, against_reference, per_target=True)
+                for name, s in each.items() if name.startswith(TARGET_PREFIX)})
+    return {k: t for k, t in out.items() if t is not None}
 
 
 def _updated_parity(budgets: Budgets, comparisons: Mapping[str, ComparisonStats],
@@ -237,7 +249,8 @@ def _updated_parity(budgets: Budgets, comparisons: Mapping[str, ComparisonStats]
 def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats],
            noise: NoiseModel | None, tails: Mapping[str, Tail] | None = None,
            growth: Growth | None = None, measured_slope: stats.Slope | None = None,
-           against_reference: bool = False, batching: float | None = None) -> dict[str, Threshold]:
+           against_reference: bool = False, batching: float | None = None,
+           target_slopes: Mapping[str, stats.Slope | None] | None = None) -> dict[str, Threshold]:
     """Every check's threshold by check id (the checks that may be made; `checks.compute_checks` reads them).
     `tails`: the after-change comparisons' own bulk tails (`own_tails`); `growth`: the start point's
     sequences and the spread of their maxima (`sequence_growth`), for the one-token ceiling;
@@ -271,7 +284,7 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
             out[f"{prefix}.parity.{short}"] = g[short]
     use_batching = budgets.noise is not None and budgets.noise.updated_reference
     out.update(_directions(budgets, deltas, noise, moved, batching if use_batching else None))
-    out.update({"C.slope": t} if (t := slope(budgets, measured_slope, against_reference)) is not None else {})
+    out.update(_slopes(budgets, measured_slope, against_reference, target_slopes or {}))
     out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
     out["X.sync.identical"] = Threshold(0.0, "bitwise: the sampler repeated the synced adapter's scores exactly")
     if budgets.exact:

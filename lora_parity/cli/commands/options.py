@@ -54,6 +54,9 @@ BatchInvariantOpt = Annotated[bool, typer.Option(
          "SGLang: --enable-deterministic-inference.")]
 PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
+PerLayerOpt = Annotated[bool, typer.Option(
+    "--per-layer/--no-per-layer", help="Per-layer coverage after per-target coverage: each target in each group "
+                                       "of 4 decoder layers alone, for models of more than 4 layers (default on).")]
 BudgetsOpt = Annotated[str | None, typer.Option(
     "--budgets", help="Budget profile replacing the config's budgets: seed (the original absolute table), fp32 "
                       "(absolute, tight), bf16 (C relative to A, A against the fp32 reference, noise-derived "
