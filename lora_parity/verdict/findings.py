@@ -37,7 +37,8 @@ def findings(scores: Scores, checks: Sequence[Any], sequences: Sequence[Sequence
     computation = check_rules.computation_checks(checks) & failing
     if x_proves_delivery and check_rules.delivered(checks) and computation:
         out.append(_delivered_line(scores, sequences))
-    scale = _scale_line(scores, checks) if "C.slope" in failing else None
+    # A sampler that did not move at all is the stale-scores finding of C's own lines, not a scale.
+    scale = _scale_line(scores, checks) if "C.slope" in failing and "C.moved.sampler" not in failing else None
     if scale:
         out.append(scale)
     swap = _swap_line(failing)
@@ -115,16 +116,19 @@ def _scale_line(scores: Scores, checks: Sequence[Any]) -> str:
     if pooled is None:
         return "C.slope: the sampler's share of the trainer's change could not be measured"
     ratio, se, _ = pooled
-    targets = {_name(name[len(TARGET_PREFIX):]): s for name, s in each.items() if name.startswith(TARGET_PREFIX) and s}
-    apart = [k for k, (r, e, _) in targets.items() if abs(r - ratio) > SAME_SCALE_SE * math.hypot(e, se)]
+    targets = {_name(name[len(TARGET_PREFIX):]): s for name, s in each.items()
+               if name.startswith(TARGET_PREFIX) and s is not None}
+    whole = each.get("C.delta")
+    runs = {**targets, **({"C (the whole update)": whole} if whole is not None else {})}
+    apart = [k for k, (r, e, _) in runs.items() if abs(r - ratio) > SAME_SCALE_SE * math.hypot(e, se)]
     if targets and not apart:
         groups = sum("@" in k for k in targets)
-        runs = f"{len(targets) - groups} targets" + (f" and {groups} layer groups" if groups else "")
+        counted = f"{len(targets) - groups} targets" + (f" and {groups} layer groups" if groups else "")
         return (f"a scale: the engine applies the update at {ratio:.3g} ± {se:.2g} of the trainer's in every module "
-                f"({runs} agree with it): lora_alpha / r, rsLoRA, or a cast of B on the engine's side")
+                f"({counted} agree with it): lora_alpha / r, rsLoRA, or a cast of B on the engine's side")
     if apart:
-        named = ", ".join(f"{k} {targets[k][0]:.3g} ± {targets[k][1]:.2g}" for k in apart)
-        return (f"the engine makes {ratio:.3g} ± {se:.2g} of the trainer's change overall; these targets stand apart "
+        named = ", ".join(f"{k} {runs[k][0]:.3g} ± {runs[k][1]:.2g}" for k in apart)
+        return (f"the engine makes {ratio:.3g} ± {se:.2g} of the trainer's change overall; these runs stand apart "
                 f"from it: {named}")
     return f"the engine makes {ratio:.3g} ± {se:.2g} of the trainer's change (no per-target runs to say where)"
 
