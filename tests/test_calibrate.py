@@ -382,8 +382,9 @@ def test_per_target_trainer_scores_are_not_run_twice(tmp_path: Path, monkeypatch
     p = receipt.perturbation
     assert p is not None and p.calibration is not None and p.target_calibrations is not None
     searched = len(p.calibration.steps) + sum(len(c.steps) for c in p.target_calibrations.values())
-    # trainer_zero twice, each search step once, trainer_updated once: no per-target forward after its search
-    assert forwards[0] == 2 + searched + 1
+    # trainer_zero twice, each search step once, trainer_updated once and once per sequence (trainer_updated_alt):
+    # no per-target forward after its search
+    assert forwards[0] == 2 + searched + 1 + len(receipt.probes.sequences)
     assert not any(k.startswith("score.target.") and k.endswith(".trainer") for k in receipt.timings)
     assert receipt.verdict == rc.Verdict.PASS
     verify(tmp_path / "t.json")

@@ -242,3 +242,16 @@ def test_the_hf_trainer_restricted_to_some_layers_updates_only_them() -> None:
     assert moved and all(".layers.1.self_attn.q_proj." in n for n in moved)
     trainer.zero_b()  # outside any restriction: every layer back to zero
     assert not any(bool(p.any()) for n, p in trainer.model.named_parameters() if ".lora_B." in n)
+
+
+@pytest.mark.unit
+def test_the_report_states_the_runs_detection_limit() -> None:
+    from types import SimpleNamespace
+
+    from lora_parity.report.facts import detection_limit
+
+    ev = checks.evaluate(scenario(), BF16, errored=False)
+    slope = next(c for c in ev.checks if c.id == "C.slope")
+    line = detection_limit(SimpleNamespace(checks=ev.checks))  # type: ignore[arg-type]
+    assert line is not None and f"a scale error of {100 * slope.budget:.1f} % or more" in line
+    assert detection_limit(SimpleNamespace(checks=[c for c in ev.checks if c.id != "C.slope"])) is None  # type: ignore[arg-type]

@@ -342,7 +342,7 @@ def test_an_attached_run_passes_records_the_url_without_credentials_and_leaves_n
     receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=url, sync=sync, per_target=False,
                                  out=tmp_path / "r.json")).receipt
     assert receipt.verdict == Verdict.PASS, receipt.error
-    assert [p.name for p in receipt.phases][6:12] == ["stale", "stale_cached", "sync", "updated", "fresh",
+    assert [p.name for p in receipt.phases][7:13] == ["stale", "stale_cached", "sync", "updated", "fresh",
                                                    "updated_cached"]
     assert {"P.parity.mean", "C.parity.mean"} <= {c.id for c in receipt.checks}
     assert receipt.sampler.backend == "sglang" and receipt.sampler.settings["server"] == f"attached at {stand_in.url}"

@@ -118,8 +118,8 @@ def test_selftest_on_a_served_sampler_runs_and_catches_the_serving_layer_faults(
     assert set(SERVING_LAYER_FAULTS) <= set(rows) and "reuse-adapter-id" not in rows and "no-reload-flag" not in rows
     assert result.ok, [r for r in result.rows if not r.caught]
     clean = verify(Path(rows["none"].receipt)).receipt
-    assert [p.name for p in clean.phases][5:12] == ["trainer_updated", "stale", "stale_cached", "sync", "updated",
-                                                    "fresh", "updated_cached"]
+    assert [p.name for p in clean.phases][5:13] == ["trainer_updated", "trainer_updated_alt", "stale", "stale_cached",
+                                                    "sync", "updated", "fresh", "updated_cached"]
     assert {"P.parity.mean", "P.parity.p99", "P.parity.max"} <= {c.id for c in clean.checks}
     assert clean.comparisons["P.stale_cached_vs_stale"].max_abs == 0.0
 

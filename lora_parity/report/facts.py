@@ -148,3 +148,14 @@ def outcome(receipt: Receipt) -> str:
         return f"Fails {group_of(first.id)}: {short_reason(first)} ({first.id})" if first else "Fails"
     first = next(iter(checks_mod.not_passing(receipt.checks)), None)
     return f"Inconclusive: {short_reason(first)} ({first.id})" if first else "Inconclusive"
+
+
+def detection_limit(receipt: Receipt) -> str | None:
+    """'This run would have caught a scale error of 4.3 % or more ...': C.slope's threshold, the smallest error in
+    the share of the update the engine applies that the run resolves; None for a receipt without C.slope."""
+    check = next((c for c in receipt.checks if c.id == "C.slope"), None)
+    if check is None or check.budget is None or check.status == CheckStatus.NOT_REACHED:
+        return None
+    return (f"Detection limit: this run would have caught a scale error of {100 * check.budget:.1f} % or more in the "
+            "update the engine applies (`C.slope`'s threshold: k standard errors of the sampler's share of the "
+            "trainer's change + the floor).")

@@ -41,6 +41,7 @@ from lora_parity.report.facts import (
     HEADLINE_CHECKS,
     NOT_REACHED,
     checks_by_id,
+    detection_limit,
     group_of,
     group_status,
     has_start_adapter,
@@ -263,6 +264,7 @@ def _head_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None, s
         Para(_verdict_line(receipt)),
         *([Para(verdicts)] if verdicts else []),
         *([Bullets(found)] if (found := findings.of_receipt(receipt)) else []),
+        *([Para(limit)] if (limit := detection_limit(receipt)) else []),
         Para(f"Receipt {code(path)}: **{signature_note(signature)}**, sha256 {code(receipt.digest[:12])}; "
              f"revision {_revision(receipt, 12)}, lora-parity {code(receipt.tool_version)}, "
              f"created {code(receipt.created_at)}."),

@@ -6,12 +6,24 @@ thirtieth of the target's, and its group's slope (T.K@A-B.slope) fails and names
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from lora_parity.backends.base import LayerSubsetTrainer
+from lora_parity.backends.base import LayerSubsetTrainer, Trainer
 
-if TYPE_CHECKING:
-    from lora_parity.run.phases import Run
+
+class Run(Protocol):
+    """What per-layer coverage reads of `phases.Run` and the step it runs."""
+
+    trainer: Trainer
+    per_layer: bool
+
+    @property
+    def steps(self) -> bool: ...
+
+    @property
+    def covered_targets(self) -> list[str]: ...
+
+    def target_coverage(self, kind: str, tag: str | None = None) -> None: ...
 
 GROUP_LAYERS = 3
 """Layers per group: a dropped layer is about 1/3 of its group's change, against a per-phase slope uncertainty

@@ -1,21 +1,30 @@
-"""The fp32 reference: at the start point (`start_scorer`, the base model with the start adapter), and where
-each judgement after a change is made: the trainer's tensors are kept at the updated point and at each
-per-target point (`snapshot`) and scored in fp32 in one load at the end of the run (`score`):
-`reference_fp32_updated` and `target.K.reference` (`checks.reference_at`)."""
+"""The fp32 reference where each judgement after a change is made: the trainer's tensors are kept at the updated
+point and at each per-target point (`snapshot`) and scored in fp32 in one load at the end of the run (`score`):
+`reference_fp32_updated` and `target.K.reference` (`checks.reference_at`). The scorers: `reference_scorers`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-from lora_parity.backends.base import TensorReadingTrainer
-from lora_parity.evidence.receipt import sha256_json
-from lora_parity.run import preflight, start_adapter
+from lora_parity.backends.base import TensorReadingTrainer, Trainer
+from lora_parity.models.fresh_adapter import RawTensor
 
-if TYPE_CHECKING:
-    from lora_parity.run.phases import Run
-    from lora_parity.run.runner import Backends, Plan
+T = TypeVar("T")
+
+
+class Run(Protocol):
+    """What these steps read and record of `phases.Run`."""
+
+    trainer: Trainer
+    sequences: list[list[int]]
+    reference: Callable[[list[list[int]]], Any] | None
+    reference_points: Callable[..., Any] | None
+    reference_states: dict[str, dict[str, RawTensor]]
+
+    def _timed(self, key: str, fn: Callable[[], T]) -> T: ...
+
+    def _record(self, key: str, scores: Any) -> None: ...
 
 UPDATED = "reference_fp32_updated"
 
@@ -43,43 +52,3 @@ def score(run: Run) -> None:
     for key, scores in zip(keys, scored, strict=True):
         run._record(key, scores)
     run.reference_states.clear()
-
-
-def start_scorer(plan: Plan, loaded: Backends, warm_folder: Path | None) -> Callable[[list[list[int]]], Any] | None:
-    """The start point's fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`);
-    it carries the start adapter: the user's, or the warm start the sequence writes (`warm_folder`)."""
-    model_dir = loaded.model_dir
-
-    def measure() -> tuple[int, int]:
-        from lora_parity.backends.hf import fp32_reference_memory
-
-        assert model_dir is not None
-        return fp32_reference_memory(model_dir)
-
-    loaded.reference = preflight.reference_decision(plan.opts.reference, model_dir is not None,
-                                                    plan.cfg.model.dtype, measure)
-    if loaded.reference.status != "scored" or model_dir is None:
-        return None
-    from lora_parity.backends.hf import fp32_reference
-
-    adapter = plan.opts.adapter or warm_folder
-    score = fp32_reference(plan.cfg, model_dir, adapter)
-
-    def once_per_probe_set(sequences: list[list[int]]) -> Any:
-        # The reference depends on the checkpoint, the start adapter and the tokens only: every run of a
-        # selftest on one load scores each probe set from each start point once (it loads the fp32 model).
-        key = sha256_json([sequences, start_adapter.digest(adapter) if adapter is not None else None])
-        if key not in loaded.reference_scores:
-            loaded.reference_scores[key] = score(sequences)
-        return loaded.reference_scores[key]
-
-    return once_per_probe_set
-
-
-def points_scorer(plan: Plan, loaded: Backends) -> Callable[..., Any] | None:
-    """The fp32 scorer of the trainer's tensors (`fp32_points`) wherever the start point's reference is scored."""
-    if loaded.reference is None or loaded.reference.status != "scored" or loaded.model_dir is None:
-        return None
-    from lora_parity.backends.fp32_points import fp32_points
-
-    return fp32_points(plan.cfg, loaded.model_dir)

@@ -43,7 +43,7 @@ from lora_parity.evidence.receipt import (
 from lora_parity.models import config, realmodel, synthetic
 from lora_parity.models.checkpoint import Checkpoint, weights_digest
 from lora_parity.models.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
-from lora_parity.run import early_launch, generation, preflight, reference_points, start_adapter
+from lora_parity.run import early_launch, generation, preflight, reference_scorers, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, one_token_ceiling, rewrites_files
 from lora_parity.run.options import RunOptions
@@ -276,8 +276,8 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
               per_target=plan.opts.per_target is not False, per_target_only=plan.opts.per_target_only, progress=say,
               per_layer=plan.opts.per_layer,
               first_adapter_id=loaded.next_adapter_id,
-              reference=reference_points.start_scorer(plan, loaded, workdir / WARM_FOLDER if warms(plan) else None),
-              reference_points=reference_points.points_scorer(plan, loaded),
+              reference=reference_scorers.start_scorer(plan, loaded, workdir / WARM_FOLDER if warms(plan) else None),
+              reference_points=reference_scorers.points_scorer(plan, loaded),
               sampled=plan.sampled, start_adapter=plan.opts.adapter is not None or warms(plan),
               warm_start=warms(plan) and plan.opts.adapter is None)
     try:

@@ -1,0 +1,69 @@
+"""The fp32 reference's scorers, built by the runner: the start point's (`start_scorer`: the base model with the
+start adapter, scored once per probe set and start point) and the one of the trainer's tensors at the points it
+moved to (`points_scorer`, for `reference_points`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from lora_parity.evidence.receipt import Reference, sha256_json
+from lora_parity.models.config import ModelConfig
+from lora_parity.run import preflight, start_adapter
+from lora_parity.run.options import RunOptions
+
+
+class Plan(Protocol):
+    """What the scorers read of `runner.Plan`."""
+
+    opts: RunOptions
+    cfg: ModelConfig
+
+
+class Backends(Protocol):
+    """What the scorers read and keep in `runner.Backends`."""
+
+    model_dir: Path | None
+    reference: Reference | None
+    reference_scores: dict[str, Any]
+
+
+def start_scorer(plan: Plan, loaded: Backends, warm_folder: Path | None) -> Callable[[list[list[int]]], Any] | None:
+    """The start point's fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`);
+    it carries the start adapter: the user's, or the warm start the sequence writes (`warm_folder`)."""
+    model_dir = loaded.model_dir
+
+    def measure() -> tuple[int, int]:
+        from lora_parity.backends.hf import fp32_reference_memory
+
+        assert model_dir is not None
+        return fp32_reference_memory(model_dir)
+
+    loaded.reference = preflight.reference_decision(plan.opts.reference, model_dir is not None,
+                                                    plan.cfg.model.dtype, measure)
+    if loaded.reference.status != "scored" or model_dir is None:
+        return None
+    from lora_parity.backends.hf import fp32_reference
+
+    adapter = plan.opts.adapter or warm_folder
+    score = fp32_reference(plan.cfg, model_dir, adapter)
+
+    def once_per_probe_set(sequences: list[list[int]]) -> Any:
+        # The reference depends on the checkpoint, the start adapter and the tokens only: every run of a
+        # selftest on one load scores each probe set from each start point once (it loads the fp32 model).
+        key = sha256_json([sequences, start_adapter.digest(adapter) if adapter is not None else None])
+        if key not in loaded.reference_scores:
+            loaded.reference_scores[key] = score(sequences)
+        return loaded.reference_scores[key]
+
+    return once_per_probe_set
+
+
+def points_scorer(plan: Plan, loaded: Backends) -> Callable[..., Any] | None:
+    """The fp32 scorer of the trainer's tensors (`fp32_points`) wherever the start point's reference is scored."""
+    if loaded.reference is None or loaded.reference.status != "scored" or loaded.model_dir is None:
+        return None
+    from lora_parity.backends.fp32_points import fp32_points
+
+    return fp32_points(plan.cfg, loaded.model_dir)
