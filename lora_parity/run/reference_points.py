@@ -1,6 +1,6 @@
 """The fp32 reference where each judgement after a change is made: the trainer's tensors are kept at the updated
 point and at each per-target point (`snapshot`) and scored in fp32 in one load at the end of the run (`score`):
-`reference_fp32_updated` and `target.K.reference` (`checks.reference_at`). The scorers: `reference_scorers`."""
+`reference_fp32_updated` and `target.K.reference` (`deltas.reference_at`). The scorers: `reference_scorers`."""
 
 from __future__ import annotations
 

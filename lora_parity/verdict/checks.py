@@ -43,11 +43,9 @@ from lora_parity.verdict import check_rules, stats
 from lora_parity.verdict import thresholds as _thresholds
 from lora_parity.verdict.deltas import DELTAS as DELTAS  # re-exported: the delta specs live in deltas
 from lora_parity.verdict.deltas import TARGET_PREFIX as TARGET_PREFIX
-from lora_parity.verdict.deltas import delta_specs as delta_specs
-from lora_parity.verdict.deltas import reference_at as reference_at
+from lora_parity.verdict.deltas import delta_specs, update_slopes
 from lora_parity.verdict.deltas import target_delta_spec as target_delta_spec
 from lora_parity.verdict.deltas import target_kinds as target_kinds
-from lora_parity.verdict.deltas import update_slopes
 
 # name -> (a, b): statistics of scores[b] - scores[a].
 COMPARISONS: dict[str, tuple[str, str]] = {
