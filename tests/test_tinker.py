@@ -288,7 +288,7 @@ def test_real_server_a_and_c_pass_b_withheld_and_s_trainer_kept_fail(tinker_run:
     receipt = load(out)[0]
     status = {c.id: c for c in receipt.checks}
     a_and_c = [c for c in receipt.checks if c.id.startswith(("A.", "C."))]
-    assert len(a_and_c) == 15 and all(c.status == CheckStatus.PASS for c in a_and_c), a_and_c
+    assert len(a_and_c) == 16 and all(c.status == CheckStatus.PASS for c in a_and_c), a_and_c
     assert status["B.withheld"].status == CheckStatus.FAIL
     assert status["B.withheld"].reason.startswith("unpublished update visible to the sampler")
     assert status["S.trainer_kept"].status == CheckStatus.FAIL
@@ -323,8 +323,8 @@ def test_real_server_receipt_records_the_service_and_the_update(tinker_run: dict
     assert p is not None and p.kind == "optimizer_step" and p.learning_rate == 1e-2 and p.std == 0.0
     assert p.update_tokens and len(p.update_tokens) == 64
     names = [ph.name for ph in receipt.phases]
-    assert names == ["base", "publish_zero", "zero", "trainer_zero", "perturb", "trainer_updated", "stale", "sync",
-                     "updated", "stale_after_sync", "trainer_after_stale"]
+    assert names == ["base", "publish_zero", "zero", "trainer_zero", "perturb", "trainer_updated",
+                     "trainer_updated_alt", "stale", "sync", "updated", "stale_after_sync", "trainer_after_stale"]
     assert [a.version for a in receipt.adapters] == [0, 1]
     assert receipt.comparisons["A.trainer_vs_sampler"].n == receipt.probes.num_scored_positions
 
