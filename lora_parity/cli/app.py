@@ -238,7 +238,7 @@ def selftest(
                                    "over several processes or machines; receipts in OUT_DIR/seed-NN/.")] = 0,
     faults: Annotated[str | None, typer.Option(
         help="Only these of the applicable faults, comma-separated (the clean run always runs): to fill in "
-             "the runs a split selftest did not reach.")] = None,
+             "the runs a split selftest did not reach; `none` runs only the clean runs.")] = None,
     per_target: PerTargetOpt = None,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",

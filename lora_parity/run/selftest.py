@@ -38,6 +38,9 @@ from lora_parity.run.runner import Backends, Plan, prepare, run_once, warms
 from lora_parity.util.errors import ConfigError
 from lora_parity.verdict.thresholds import EXACT_PREFIXES
 
+NO_FAULTS = "none"
+"""`--faults none`: the clean run of each seed and no fault."""
+
 PROBE_SEED_STRIDE = 100_000
 """Seed i draws each probe set with the set's seed plus this times i (far from every set's own seed)."""
 
@@ -323,7 +326,10 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
 def pick_faults(only: tuple[str, ...], applicable: list[str]) -> list[str]:
     """The applicable faults named in `only` (a name as listed, or as its receipt file names it:
     `crash-at=stale` or `crash-at-stale`), in the selftest's order; a name that is not one of them is
-    a `ConfigError` that lists those that are."""
+    a `ConfigError` that lists those that are. `none` alone keeps none: only the clean runs (a false-alarm
+    rate over many seeds)."""
+    if only == (NO_FAULTS,):
+        return []
     by_name = {name: name for name in applicable} | {name.replace("=", "-"): name for name in applicable}
     unknown = [name for name in only if name not in by_name]
     if unknown:
