@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         name, _, folder = spec.partition("=")
         jobs += [(name, path) for path in sorted(Path(folder).glob("**/*.json"))]
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:  # a verify takes seconds
-        rows = list(pool.map(digest, *zip(*jobs))) if jobs else []
+        rows = list(pool.map(digest, *zip(*jobs, strict=True))) if jobs else []
     prefix.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = table(rows)
     prefix.with_suffix(".md").write_text(text)

@@ -19,7 +19,7 @@ test with `isinstance`/`issubclass`, never by probing attributes. Every backend 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,6 +330,20 @@ class TensorReadingTrainer(Protocol):
     def lora_tensors(self) -> dict[str, RawTensor]:
         """Every LoRA A and B the model holds now, whole (gathered over ranks), in PEFT's saved names
         and the trainer's own dtype, read from the model itself, not through `export_adapter`."""
+        ...
+
+
+PointScores = list[list[list[float]]]
+"""Scores of one probe set at each of several points (one `Scores` per set of LoRA tensors)."""
+
+
+@runtime_checkable
+class MirroredSampler(Protocol):
+    """A sampler whose arithmetic can be reproduced outside it, bit for bit (the exact reference, E)."""
+
+    def exact_scorer(self) -> Callable[[Sequences, list[Mapping[str, RawTensor]]], PointScores]:
+        """A scorer of the sampler's own model with each given set of LoRA tensors (PEFT's saved names), computed
+        as the sampler computes; raises `ConfigError` with the reason where it cannot be reproduced here."""
         ...
 
 

@@ -8,7 +8,7 @@ one step of prompts in eager, batch-invariant mode (vLLM 0.26 on CUDA): its batc
 expand kernels with the adapter as vLLM holds it (cast to the model's dtype, B times alpha/r rounded
 there, padded to max_lora_rank, the merged q/k/v and gate/up slices side by side), its rotary kernel with
 the cos/sin cache built as vLLM builds it, FlashAttention 3 on a paged KV cache with one split, its
-SiLU-and-mul and its prompt-logprob kernel. The sampler's groups (`vllm.packing`) are each packed into one
+SiLU-and-mul and its prompt-logprob kernel. The sampler's groups (`vllm_options.packing`) are each packed into one
 forward, as the sampler's one generate call packs them into one step (the shrink kernel's tiling depends
 on the step's token count).
 
@@ -30,8 +30,7 @@ import torch
 
 from lora_parity.backends.base import BackendOptions, Scores, Sequences, groups
 from lora_parity.backends.hf import HFTrainer, versions
-from lora_parity.backends.vllm import packing
-from lora_parity.backends.vllm_options import max_lora_rank
+from lora_parity.backends.vllm_options import max_lora_rank, packing
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
 from lora_parity.util import safe_read
@@ -280,7 +279,7 @@ class ExactTrainer(HFTrainer):
         return cls(cfg, model_dir, options.seed, timings, batch_invariant=options.batch_invariant)
 
     def score(self, sequences: Sequences) -> Scores:
-        """The sampler's groups (`vllm.packing`: batch-invariant on CUDA), each packed into one forward as the
+        """The sampler's groups (`vllm_options.packing`: batch-invariant on CUDA), each packed into one forward as the
         sampler packs one generate call."""
         out: Scores = []
         for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
@@ -297,3 +296,23 @@ class ExactTrainer(HFTrainer):
                            settings=base.settings | {"forward": FORWARD.format(grouping=grouping),
                                                      "max_lora_rank": self.rank,
                                                      "update": "HF+PEFT (the hf trainer's)"})
+
+
+def exact_points(cfg: ModelConfig, model_dir: Path, batch_invariant: bool) -> Any:
+    """The exact reference (E): a scorer of the model with each given set of LoRA tensors through `exact_forward`,
+    packed as the `vllm` sampler packs, in one load (`fp32_points.with_states`); a `ConfigError` where the
+    forward cannot mirror the sampler (`unsupported`)."""
+    from lora_parity.backends.fp32_points import with_states
+
+    why = unsupported(cfg, model_dir, torch.cuda.is_available(), batch_invariant)
+    if why is not None:
+        raise ConfigError(f"exact reference: {why}")
+    rank, pack = max_lora_rank(cfg.adapter.rank), packing(cfg, model_dir, invariant=True)
+
+    def forward(model: Any, sequences: Sequences, device: Any) -> Scores:
+        out: Scores = []
+        for part in groups(sequences, cfg.scoring.batch_size, pack):
+            out += [row.tolist() for row in exact_forward(model, sequences[part], rank)]
+        return out
+
+    return with_states(cfg, model_dir, cfg.model.dtype, forward, "exact reference", torch.device("cuda"))

@@ -14,6 +14,7 @@ import json
 import math
 import random
 import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
@@ -23,7 +24,7 @@ from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import is_lora_b, noise_seed, target_kind
 from lora_parity.models.update_step import OBJECTIVE, OPTIMIZER, tensor_changes
-from lora_parity.util.errors import PhaseError
+from lora_parity.util.errors import ConfigError, PhaseError
 
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 
@@ -244,8 +245,12 @@ class FakeSampler(SamplerBackend):
     noise: float = 0.0
     """Std of the bf16-like noise added to every score (`_with_noise`); 0: exact. Unit tests set it."""
 
+    mirrored: bool = False
+    """Unit tests set it: `exact_scorer` then mirrors this sampler (the exact reference, E)."""
+
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], lora: bool = True) -> None:
         self.kinds = list(cfg.adapter.targets)
+        self.scale = cfg.adapter.alpha / cfg.adapter.rank
         self.base: dict[str, float] = {}
         self.loaded: dict[int, dict[str, float]] = {}
         self.reloads_without_inplace = 0
@@ -254,6 +259,28 @@ class FakeSampler(SamplerBackend):
         coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
         scores = _score(sequences, coefficients, self.kinds)
         return _with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores
+
+    def exact_scorer(self) -> Callable[[Sequences, list[Mapping[str, RawTensor]]], list[Scores]]:
+        """This sampler's arithmetic with each given set of tensors as they are in memory (where `mirrored`)."""
+        if not self.mirrored:
+            raise ConfigError("exact reference: the fake sampler is mirrored only where a unit test asks")
+
+        def score(sequences: Sequences, states: list[Mapping[str, RawTensor]]) -> list[Scores]:
+            out = []
+            for state in states:
+                values = {n: struct.unpack(f"<{len(raw) // 8}d", raw) for n, (_, _, raw) in state.items()}
+                coefficients: dict[str, float] = {}
+                for name in sorted(values):  # the order the sampler sums its modules in
+                    if is_lora_b(name):
+                        a = values[name.replace("lora_B", "lora_A")]
+                        kind = target_kind(name)
+                        coefficients[kind] = coefficients.get(kind, 0.0) + self.scale * math.fsum(
+                            x * y for x, y in zip(a, values[name], strict=True))
+                scores = _score(sequences, coefficients, self.kinds)
+                out.append(_with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores)
+            return out
+
+        return score
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:

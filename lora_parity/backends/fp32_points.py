@@ -35,16 +35,31 @@ def from_raw(raw: RawTensor) -> torch.Tensor:
 
 def fp32_points(cfg: ModelConfig, model_dir: Path) -> PointScorer:
     """A scorer of the fp32 base model with each given set of LoRA tensors (PEFT's saved names), in one load
-    freed afterwards. A set that lacks a tensor the config's targets need, or has one of another shape, is
-    refused: the reference must carry exactly the trainer's adapter."""
+    freed afterwards (`with_states`)."""
+
+    def forward(model: torch.nn.Module, sequences: Sequences, device: torch.device) -> Scores:
+        return score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model))
+
+    return with_states(cfg, model_dir, "float32", forward)
+
+
+Forward = Callable[[torch.nn.Module, Sequences, torch.device], Scores]
+
+
+def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward, what: str = "fp32 reference",
+                device: torch.device | None = None) -> PointScorer:
+    """A scorer of the base model in `dtype` with each given set of LoRA tensors, by `forward`, in one load freed
+    afterwards. A set that lacks a tensor the config's targets need, or has one of another shape, is refused:
+    the reference must carry exactly the trainer's adapter. Each tensor is copied into the PEFT model's own
+    parameter dtype, as the trainer holds it."""
 
     def score(sequences: Sequences, states: States) -> list[Scores]:
-        device = pick_device()
-        base = load_base(cfg, model_dir, device, dtype="float32")
+        where = device or pick_device()
+        base = load_base(cfg, model_dir, where, dtype=dtype)
         spec = cfg.adapter
         lora = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),  # type: ignore[arg-type]
                                lora_dropout=0.0, bias="none", init_lora_weights=True)
-        model = peft.get_peft_model(base, lora).eval()
+        model = peft.get_peft_model(base, lora).to(where).eval()
         params = {n.replace(".default.weight", ".weight"): p for n, p in model.named_parameters() if "lora_" in n}
         try:
             out = []
@@ -52,17 +67,16 @@ def fp32_points(cfg: ModelConfig, model_dir: Path) -> PointScorer:
                 with torch.no_grad():
                     for name, p in params.items():
                         if name not in state:
-                            raise ConfigError(f"fp32 reference: the trainer's tensors have no {name}")
+                            raise ConfigError(f"{what}: the trainer's tensors have no {name}")
                         value = from_raw(state[name])
                         if list(value.shape) != list(p.shape):
-                            raise ConfigError(f"fp32 reference: {name} is {list(value.shape)}, expected "
-                                              f"{list(p.shape)}")
-                        p.copy_(value.to(device=device, dtype=torch.float32))
-                out.append(score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model)))
+                            raise ConfigError(f"{what}: {name} is {list(value.shape)}, expected {list(p.shape)}")
+                        p.copy_(value.to(device=where, dtype=p.dtype))
+                out.append(forward(model, sequences, where))
             return out
         finally:
             del model, base
-            if device.type == "cuda":
+            if where.type == "cuda":
                 torch.cuda.empty_cache()
 
     return score

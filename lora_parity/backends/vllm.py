@@ -28,13 +28,11 @@ from lora_parity.backends.base import (
     Scores,
     Sequences,
     groups,
-    routes_experts,
 )
-from lora_parity.backends.vllm_options import engine_options, llm_kwargs, private_dist_store
+from lora_parity.backends.vllm_options import engine_options, llm_kwargs, packing, private_dist_store
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
-from lora_parity.util import safe_read
-from lora_parity.util.errors import ConfigError, LoraParityError, ScoreError
+from lora_parity.util.errors import ConfigError, ScoreError
 
 
 def _cpu_environment(kv_cache_gib: float) -> None:
@@ -98,18 +96,6 @@ def batch_invariant_support() -> str | None:
         except ModuleNotFoundError:  # a parent package this build does not have
             continue
     return "this vLLM build has no batch-invariant mode"
-
-
-def packing(cfg: ModelConfig, model_dir: Path, invariant: bool) -> int:
-    """Tokens of requests per generate call: `scoring.pack_tokens` where the kernels are batch-invariant
-    on CUDA (`invariant`) and the model routes no experts (config.json), else 0 (`scoring.batch_size`)."""
-    if not invariant:
-        return 0
-    try:
-        config = safe_read.read_json(Path(model_dir) / "config.json")
-    except LoraParityError:  # the engine's own start reports an unreadable checkpoint
-        return 0
-    return 0 if not isinstance(config, dict) or routes_experts(config) else cfg.scoring.pack_tokens
 
 
 def _batch_invariant_environment(wanted: bool) -> str:
@@ -177,6 +163,13 @@ class VLLMSampler(SamplerBackend):
         """Start the engine, with batch-invariant kernels unless `options` turn them off."""
         assert model_dir is not None
         return cls(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
+
+    def exact_scorer(self) -> Any:
+        """The exact reference (`exact.exact_points`): vLLM's own operations with the trainer's tensors, on CUDA
+        with batch-invariant kernels and the families `exact.unsupported` names."""
+        from lora_parity.backends.exact import exact_points
+
+        return exact_points(self.cfg, self.model_dir, self.cuda and self.batch_invariant.startswith("on"))
 
     def _request(self, handle: AdapterHandle | None, inplace: bool = False) -> Any:
         if handle is None:

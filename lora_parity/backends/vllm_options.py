@@ -10,10 +10,13 @@ import shlex
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from lora_parity.backends.base import routes_experts
 from lora_parity.models.config import ModelConfig
-from lora_parity.util import scratch
+from lora_parity.util import safe_read, scratch
+from lora_parity.util.errors import LoraParityError
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The max_lora_rank values vLLM accepts."""
@@ -128,3 +131,15 @@ def private_dist_store() -> Iterator[None]:
     finally:
         for module, original in patched:
             setattr(module, attr, original)
+
+
+def packing(cfg: ModelConfig, model_dir: Path, invariant: bool) -> int:
+    """Tokens of requests per generate call: `scoring.pack_tokens` where the kernels are batch-invariant
+    on CUDA (`invariant`) and the model routes no experts (config.json), else 0 (`scoring.batch_size`)."""
+    if not invariant:
+        return 0
+    try:
+        config = safe_read.read_json(Path(model_dir) / "config.json")
+    except LoraParityError:  # the engine's own start reports an unreadable checkpoint
+        return 0
+    return 0 if not isinstance(config, dict) or routes_experts(config) else cfg.scoring.pack_tokens

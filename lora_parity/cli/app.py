@@ -24,6 +24,7 @@ from lora_parity.cli.commands.options import (
     ApiKeyEnvOpt,
     BatchInvariantOpt,
     BudgetsOpt,
+    ExactReferenceOpt,
     GithubSummaryOpt,
     JsonOpt,
     ModelOpt,
@@ -99,6 +100,7 @@ def run(
     ] = None,
     tp: TpOpt = 1,
     reference: ReferenceOpt = None,
+    exact_reference: ExactReferenceOpt = True,
     batch_invariant: BatchInvariantOpt = True,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
@@ -140,7 +142,7 @@ def run(
                       seed=seed, force=force, inject=inject, sync=sync, update=update, per_target=per_target,
                       per_layer=per_layer,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
-                      reference=reference, dtype=dtype, budgets=budgets,
+                      reference=reference, exact_reference=exact_reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter)
     start = time.perf_counter()
@@ -240,6 +242,7 @@ def selftest(
         help="Only these of the applicable faults, comma-separated (the clean run always runs): to fill in "
              "the runs a split selftest did not reach; `none` runs only the clean runs.")] = None,
     per_target: PerTargetOpt = None,
+    exact_reference: ExactReferenceOpt = True,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
@@ -260,7 +263,8 @@ def selftest(
     from lora_parity.run.selftest import selftest as run_selftest
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
-                      per_target=per_target, command=tuple(sys.argv[1:]), tp=tp, sync=sync, update=update,
+                      per_target=per_target, exact_reference=exact_reference, command=tuple(sys.argv[1:]), tp=tp,
+                      sync=sync, update=update,
                       revision=revision, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, adapter=adapter)

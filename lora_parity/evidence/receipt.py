@@ -331,6 +331,9 @@ class Receipt(Strict):
     """Where the error that stopped the run was raised; None: no error (or a receipt made before)."""
     reference: Reference | None = None
     """Whether the fp32 reference was scored, and why (not); None in receipts made before it was recorded."""
+    exact_reference: Reference | None = None
+    """Whether the exact reference (scores `exact.*`, checks E.*) was scored, and why (not); None in receipts made
+    before it existed."""
     noise: NoiseModel | None = None
     """The noise measured at the start point, every threshold's input (`budgets.noise`); recomputable from
     `scores`. None: no start point was scored, or a receipt made before the noise model."""

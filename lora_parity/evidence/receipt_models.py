@@ -438,7 +438,7 @@ class ErrorDetail(Strict):
 
 
 class Reference(Strict):
-    """Whether the fp32 reference (scores `reference_fp32`) was scored, and why (not)."""
+    """Whether a reference (the fp32 one: scores `reference_fp32`; the exact one: `exact.*`) was scored, and why."""
 
     status: Literal["scored", "skipped"]
     """scored, or skipped."""

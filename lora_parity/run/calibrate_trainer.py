@@ -5,7 +5,7 @@ before anything reaches the sampler.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lora_parity.backends.base import SteppingTrainer
 from lora_parity.evidence.receipt import Calibration
@@ -89,3 +89,17 @@ def on_trainer_kept(trainer: Trainer, sequences: list[list[int]], scores: dict[s
     finally:
         if found is None:
             trainer.zero_b()
+
+
+def search_target(run: Any, kind: str, tag: str) -> list[list[float]] | None:
+    """Target `kind`'s std search for `phases.Run` `run` (recorded under `tag` in its target calibrations); the
+    trainer's scores at the chosen std, where it is left (None: no search, B zero)."""
+    first = run.cfg.perturbation.start_learning_rate if run.steps else calibrate.START_STD
+    start = run.calibration.std if run.calibration is not None else first
+    found = on_trainer_kept(run.trainer, run.sequences, run.scores, run.seed, run.cfg, kind, start, steps=run.steps)
+    if found is None:
+        return None
+    run.target_calibrations[tag] = found[0]
+    if run.perturbation is not None:
+        run.perturbation = run.perturbation.model_copy(update={"target_calibrations": dict(run.target_calibrations)})
+    return found[1]

@@ -2,7 +2,13 @@
 perturbed again in one group of `GROUP_LAYERS` decoder layers alone (its own calibrated stimulus), synced and
 scored on both sides (`target.K@A-B.*`). A layer whose update does not reach the engine (a target module the engine
 ignores in one layer, an export that drops late layers) is then a third of the phase's change instead of a
-thirtieth of the target's, and its group's slope (T.K@A-B.slope) fails and names it."""
+thirtieth of the target's, and its group's slope (T.K@A-B.slope) fails and names it.
+
+Where the exact reference ran (`verdict.exact_reference`) and the engine equals it bit for bit at the start point
+and at a target's own point, that target reaches the engine exactly in every layer, at any size: it gets no layer
+groups (a clean run on such an engine has none). A target that parts from the reference gets them, and each group's
+own exact reference (E.target.K@A-B) names the layers; where every target parts, only the first gets them (enough
+to tell a fault in some layers from one in all)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ class Run(Protocol):
 
     trainer: Trainer
     per_layer: bool
+    scores: dict[str, list[list[float]]]
 
     @property
     def steps(self) -> bool: ...
@@ -59,7 +66,22 @@ def groups_of(run: Run) -> list[tuple[str, list[int]]]:
     if not run.per_layer or run.steps or not isinstance(trainer, LayerSubsetTrainer):
         return []
     layer_groups = groups(trainer.layers())
-    return [(kind, group) for kind in run.covered_targets for group in layer_groups]
+    kinds = [kind for kind in run.covered_targets if not exactly_reached(run, kind)]
+    if mirrored(run) and len(kinds) == len(run.covered_targets) > 1:
+        kinds = kinds[:1]  # every target parts from the reference: one target's groups tell one layer from all
+    return [(kind, group) for kind in kinds for group in layer_groups]
+
+
+def mirrored(run: Run) -> bool:
+    """The exact reference ran and the engine equals it bit for bit at the start point."""
+    return "exact.zero" in run.scores and run.scores.get("zero") == run.scores["exact.zero"]
+
+
+def exactly_reached(run: Run, kind: str) -> bool:
+    """The engine equals the exact reference bit for bit at the start point and at target `kind`'s own point."""
+    s = run.scores
+    pairs = [("zero", "exact.zero"), (f"target.{kind}.sampler", f"exact.target.{kind}")]
+    return all(a in s and b in s and s[a] == s[b] for a, b in pairs)
 
 
 def cover(run: Run, kind: str, group: list[int]) -> None:

@@ -41,6 +41,8 @@ class RunOptions:
     reference: str | None = None
     """'fp32': score the base model in fp32 with HF, the reference both sides approximate; 'none': don't;
     None: score it for a bf16/fp16 model whose fp32 copy fits in memory (see `reference_decision`)."""
+    exact_reference: bool = True
+    """Score the exact reference where the sampler can be mirrored bit for bit (`reference_scorers.exact_scorer`)."""
     batch_invariant: bool = True
     """vLLM on CUDA: batch-invariant (deterministic) kernels, where the build has them."""
     dtype: str | None = None

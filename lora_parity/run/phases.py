@@ -45,7 +45,7 @@ from lora_parity.run.faults import Faults
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import LoraParityError, ScoreError
-from lora_parity.verdict import calibrate, stats
+from lora_parity.verdict import stats
 
 if TYPE_CHECKING:
     from lora_parity.backends import fp32_points
@@ -65,7 +65,7 @@ def run_sequence(run: Run) -> None:
         run.step("warm_start", run.warm)
     _base_and_publish_zero(run)
     run.step("zero", lambda: run.sampler_score("zero", run.handle, repeat=True))
-    run.step("trainer_zero", lambda: run.trainer_score("trainer_zero", repeat=True))
+    run.step("trainer_zero", run.trainer_zero)
     if run.reference is not None:
         run.step("reference_fp32", run.reference_score)
     if run.calibrates:
@@ -92,13 +92,17 @@ def run_sequence(run: Run) -> None:
 
 
 def _coverage_and_reference(run: Run) -> None:
-    """Per-target coverage, then the fp32 reference at every point the trainer moved to (one load)."""
+    """Per-target coverage, then the fp32 and the exact references at every point the trainer moved to."""
     for kind in run.covered_targets:
         run.step(f"target.{kind}", functools.partial(run.target_coverage, kind))
+    if run.exact_states:  # before per-layer coverage: a target the engine computes exactly needs none
+        run.step("exact_reference", functools.partial(reference_points.score_exact, run))
     for kind, group in layer_coverage.groups_of(run):
         run.step(f"target.{layer_coverage.tag(kind, group)}", functools.partial(layer_coverage.cover, run, kind, group))
     if run.reference_states:
         run.step("reference_updated", functools.partial(reference_points.score, run))
+    if run.exact_states:
+        run.step("exact_reference_layers", functools.partial(reference_points.score_exact, run, "layers"))
 
 
 def _base_and_publish_zero(run: Run) -> None:
@@ -158,6 +162,10 @@ class Run:
     """Scores the fp32 model with given LoRA tensors (`reference_points`): the updated and per-target points."""
     reference_states: dict[str, dict[str, RawTensor]] = field(default_factory=dict)
     """The trainer's tensors kept for `reference_points`, by the score key they go to."""
+    exact_points: fp32_points.PointScorer | None = None
+    """The exact reference (`MirroredSampler.exact_scorer`): the start, updated and per-target points."""
+    exact_states: dict[str, dict[str, RawTensor]] = field(default_factory=dict)
+    """The trainer's tensors kept for `exact_points`, by the score key they go to."""
     sampled: bool = False
     """`--probes sampled`: each sequence's first `generation.prompt_length` tokens are a prompt, and
     the rest is sampled from the zero-init adapter in the `sample` phase (`generation` module)."""
@@ -303,6 +311,11 @@ class Run:
         for k in (key, f"{key}_repeat") if repeat else (key,):
             self._record(k, self._timed(k, lambda: self.trainer.score(self.sequences)))
 
+    def trainer_zero(self) -> None:
+        """The trainer at the start point, twice; its tensors kept for the exact reference."""
+        self.trainer_score("trainer_zero", repeat=True)
+        reference_points.snapshot(self, "zero")
+
     def trainer_score_alone(self) -> None:
         """The trainer's updated state scored a second way, one sequence per call (another packing and batch
         composition): what batching alone moves at the point C is judged (`trainer_updated_alt`)."""
@@ -386,7 +399,7 @@ class Run:
         if update is not None and self.calibration is not None:
             update = update.model_copy(update={"calibration": self.calibration})
         self.perturbation = update
-        reference_points.snapshot(self, reference_points.UPDATED)
+        reference_points.snapshot(self, "updated")
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
@@ -418,7 +431,7 @@ class Run:
         the search's last forward was taken at the chosen std on exactly this state, so it is the
         trainer's score (not run again)."""
         tag = tag or kind
-        found = self._search_target(kind, tag) if self.calibrates else None
+        found = calibrate_trainer.search_target(self, kind, tag) if self.calibrates else None
         if found is not None:
             self._record(f"target.{tag}.trainer", found)
         else:
@@ -429,21 +442,6 @@ class Run:
             else:
                 self.trainer.perturb(self._std(self.target_calibrations.get(tag)), self.seed, only=kind)
             self.trainer_score(f"target.{tag}.trainer")
-        reference_points.snapshot(self, f"target.{tag}.reference")
+        reference_points.snapshot(self, f"target.{tag}")
         self.mode.publish(self, version=len(self.adapters), label=f"-{tag.replace('@', '-layers-')}")
         self.sampler_score(f"target.{tag}.sampler", self.handle)
-
-    def _search_target(self, kind: str, tag: str) -> Scores | None:
-        """Target `kind`'s std search (recorded under `tag`); the trainer's scores at the chosen std, where it
-        is left (None: no search, B zero)."""
-        first = self.cfg.perturbation.start_learning_rate if self.steps else calibrate.START_STD
-        start = self.calibration.std if self.calibration is not None else first
-        found = calibrate_trainer.on_trainer_kept(self.trainer, self.sequences, self.scores, self.seed, self.cfg,
-                                                  kind, start, steps=self.steps)
-        if found is None:
-            return None
-        self.target_calibrations[tag] = found[0]
-        if self.perturbation is not None:
-            self.perturbation = self.perturbation.model_copy(
-                update={"target_calibrations": dict(self.target_calibrations)})
-        return found[1]

@@ -1,6 +1,7 @@
-"""The fp32 reference's scorers, built by the runner: the start point's (`start_scorer`: the base model with the
-start adapter, scored once per probe set and start point) and the one of the trainer's tensors at the points it
-moved to (`points_scorer`, for `reference_points`)."""
+"""The references' scorers, built by the runner: the fp32 reference at the start point (`start_scorer`: the base
+model with the start adapter, scored once per probe set and start point), the fp32 reference of the trainer's
+tensors at the points it moved to (`points_scorer`), and the exact reference (`exact_scorer`: the sampler's own
+arithmetic with the trainer's tensors, at the start point too), for `reference_points`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from lora_parity.backends.base import MirroredSampler, TensorReadingTrainer
 from lora_parity.evidence.receipt import Reference, sha256_json
 from lora_parity.models.config import ModelConfig
 from lora_parity.run import preflight, start_adapter
 from lora_parity.run.options import RunOptions
+from lora_parity.run.sync import mode as sync_mode
+from lora_parity.util.errors import ConfigError
 
 
 class Plan(Protocol):
@@ -27,6 +31,9 @@ class Backends(Protocol):
     model_dir: Path | None
     reference: Reference | None
     reference_scores: dict[str, Any]
+    exact_reference: Reference | None
+    sampler: Any
+    trainer: Any
 
 
 def start_scorer(plan: Plan, loaded: Backends, warm_folder: Path | None) -> Callable[[list[list[int]]], Any] | None:
@@ -67,3 +74,30 @@ def points_scorer(plan: Plan, loaded: Backends) -> Callable[..., Any] | None:
     from lora_parity.backends.fp32_points import fp32_points
 
     return fp32_points(plan.cfg, loaded.model_dir)
+
+
+EXACT_SCORED = ("the sampler's own operations with the trainer's tensors in memory, at the start, updated and every "
+                "per-target point: the engine must equal it bit for bit (checks E.*)")
+
+
+def exact_scorer(plan: Plan, loaded: Backends) -> Callable[..., Any] | None:
+    """The exact reference's scorer where the sampler can be mirrored here (`MirroredSampler`), the trainer's
+    tensors read, and the sync publishes a LoRA adapter; the decision and its reason kept in
+    `loaded.exact_reference`."""
+    sampler, why = loaded.sampler, None
+    if not plan.opts.exact_reference:
+        why = "--no-exact-reference"
+    elif not isinstance(sampler, MirroredSampler):
+        why = "this sampler's arithmetic has no mirror here (the in-process vllm sampler on CUDA has)"
+    elif not isinstance(loaded.trainer, TensorReadingTrainer):
+        why = "the trainer's tensors cannot be read as they are"
+    elif not sync_mode(plan.opts.sync).sampler_lora:
+        why = f"--sync {plan.opts.sync} publishes merged weights, not a LoRA adapter"
+    scorer = None
+    if why is None:
+        try:
+            scorer = sampler.exact_scorer()
+        except ConfigError as e:
+            why = str(e)
+    loaded.exact_reference = Reference(status="scored" if why is None else "skipped", reason=why or EXACT_SCORED)
+    return scorer

@@ -211,6 +211,8 @@ class Backends:
         """The fp32 reference decision of the latest run."""
         self.reference_scores: dict[str, Any] = {}
         """fp32 reference scores by probe-set digest: scored once per probe set on these backends."""
+        self.exact_reference: Reference | None = None
+        """The exact reference decision of the latest run."""
         self.model_dir: Path | None = None
         self._plan, self._say = plan, say
 
@@ -278,6 +280,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
               first_adapter_id=loaded.next_adapter_id,
               reference=reference_scorers.start_scorer(plan, loaded, workdir / WARM_FOLDER if warms(plan) else None),
               reference_points=reference_scorers.points_scorer(plan, loaded),
+              exact_points=reference_scorers.exact_scorer(plan, loaded),
               sampled=plan.sampled, start_adapter=plan.opts.adapter is not None or warms(plan),
               warm_start=warms(plan) and plan.opts.adapter is None)
     try:
@@ -383,6 +386,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "breakdown": breakdown.compute(scores),
         "error_detail": scrub_secrets((run.error_detail if run else None) or (loaded.error_detail if error else None)),
         "reference": loaded.reference if run else None,
+        "exact_reference": loaded.exact_reference if run else None,
         "noise": ev.noise,
         "thresholds": ev.thresholds,
         "start_adapter": start_adapter.record(opts.adapter),

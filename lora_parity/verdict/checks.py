@@ -39,7 +39,7 @@ from lora_parity.evidence.receipt import (
     Verdicts,
     WorstPosition,
 )
-from lora_parity.verdict import check_rules, stats
+from lora_parity.verdict import check_rules, exact_reference, stats
 from lora_parity.verdict import thresholds as _thresholds
 from lora_parity.verdict.deltas import DELTAS as DELTAS  # re-exported: the delta specs live in deltas
 from lora_parity.verdict.deltas import TARGET_PREFIX as TARGET_PREFIX
@@ -246,6 +246,7 @@ def compute_checks(
         _slope_check(c, slope, th["C.slope"], "C.delta" in deltas, moved_failing)
 
     _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th)
+    exact_reference.add_checks(c, comparisons)
 
     # Per-target coverage: each target kind alone reaches the sampler with the right sign and scale.
     noise_l2 = noise.l2 if noise is not None else None
@@ -358,7 +359,7 @@ def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:
 def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, errored: bool) -> Evaluation:
     """Comparisons, deltas, the noise model and every threshold (derived first, as data), then the
     checks and the verdict, from raw scores and budgets."""
-    comparisons = compute_comparisons(scores, budgets)
+    comparisons = compute_comparisons(scores, budgets) | exact_reference.comparisons(scores, budgets)
     deltas = compute_deltas(scores)
     noise = _thresholds.noise_model(scores, comparisons)
     after = {k: COMPARISONS[k] for k in ("C.trainer_vs_sampler", *(key for key, _ in GENERATION_PARITY.values()))}

@@ -9,6 +9,8 @@ raw scores and checks (pure; the terminal, the report and the JUnit file print t
   update at that fraction in every module (lora_alpha / r, rsLoRA, a cast). Where only some targets stand
   out, those are named.
 - A swap: exactly two targets fail their direction or scale checks and every other target passes.
+- The exact reference (`exact_reference.lines`): where the engine parts from its own operations' result with the
+  trainer's tensors, the scale it applies, the swap, or the points that part, with no noise.
 - A target or a layer group: its own run's slope (T.K.slope, T.K@A-B.slope) failed; how much of its update
   reaches the engine.
 """
@@ -19,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lora_parity.verdict import check_rules, stats
+from lora_parity.verdict import check_rules, exact_reference, stats
 from lora_parity.verdict.deltas import TARGET_PREFIX, update_slopes
 
 Scores = Mapping[str, Sequence[Sequence[float]]]
@@ -33,7 +35,7 @@ def findings(scores: Scores, checks: Sequence[Any], sequences: Sequence[Sequence
     failing = {c.id for c in checks if _status(c) == "fail"}
     if not failing:
         return []
-    out: list[str] = []
+    out = exact_reference.lines(scores, failing)
     computation = check_rules.computation_checks(checks) & failing
     if x_proves_delivery and check_rules.delivered(checks) and computation:
         out.append(_delivered_line(scores, sequences))

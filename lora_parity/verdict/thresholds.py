@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lora_parity.evidence.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
-from lora_parity.verdict import check_rules, stats
+from lora_parity.verdict import check_rules, exact_reference, stats
 from lora_parity.verdict.check_rules import STATS, Threshold
 
 ScoreArray = Sequence[Sequence[float]]
@@ -287,6 +287,7 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     out.update(_slopes(budgets, measured_slope, against_reference, target_slopes or {}))
     out["S.trainer_kept"] = repeat_noise(budgets, comparisons, "trainer")
     out["X.sync.identical"] = Threshold(0.0, "bitwise: the sampler repeated the synced adapter's scores exactly")
+    out.update({i: Threshold(0.0, exact_reference.NOTE) for i in exact_reference.check_ids(comparisons)})
     if budgets.exact:
         for prefix in EXACT_PREFIXES:
             for short, _ in STATS:

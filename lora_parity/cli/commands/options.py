@@ -48,6 +48,10 @@ TrustRemoteCodeOpt = Annotated[bool, typer.Option(
 ReferenceOpt = Annotated[str | None, typer.Option(
     help="fp32: score the base model in fp32 with HF (comparisons R.*); none: don't. Default: scored for a "
          "bf16/fp16 model whose fp32 copy fits in memory.")]
+ExactReferenceOpt = Annotated[bool, typer.Option(
+    "--exact-reference/--no-exact-reference",
+    help="Where the sampler's arithmetic can be mirrored bit for bit (the vllm sampler on CUDA, Llama and Qwen3): "
+         "score the trainer's tensors that way at every point; the engine must equal it (checks E.*).")]
 BatchInvariantOpt = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",
     help="vLLM on CUDA: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so repeated scoring is exact; "
