@@ -101,7 +101,7 @@ def test_a_reverting_service_fails_b_withheld_and_s_trainer_kept(tmp_path: Path)
     run, ev = fake_run(tmp_path, ServiceFakeSampler(cfg, trainer, revert=True), trainer)
     names = [p.name for p in run.phases]
     at = names.index("updated")
-    assert names[at + 1 : at + 4] == ["fresh", "stale_after_sync", "trainer_after_stale"]
+    assert names[at + 1 : at + 5] == ["fresh", "base_after_sync", "stale_after_sync", "trainer_after_stale"]
     status = statuses(ev)
     assert status["B.withheld"] == CheckStatus.FAIL
     assert status["S.trainer_kept"] == CheckStatus.FAIL
@@ -324,7 +324,8 @@ def test_real_server_receipt_records_the_service_and_the_update(tinker_run: dict
     assert p.update_tokens and len(p.update_tokens) == 64
     names = [ph.name for ph in receipt.phases]
     assert names == ["base", "publish_zero", "zero", "trainer_zero", "perturb", "trainer_updated",
-                     "trainer_updated_alt", "stale", "sync", "updated", "stale_after_sync", "trainer_after_stale"]
+                     "trainer_updated_alt", "stale", "sync", "updated", "base_after_sync", "stale_after_sync",
+                     "trainer_after_stale"]
     assert [a.version for a in receipt.adapters] == [0, 1]
     assert receipt.comparisons["A.trainer_vs_sampler"].n == receipt.probes.num_scored_positions
 

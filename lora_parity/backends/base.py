@@ -333,6 +333,15 @@ class TensorReadingTrainer(Protocol):
         ...
 
 
+@runtime_checkable
+class WeightVersionSampler(Protocol):
+    """A sampler whose engine reports a weight version (vLLM's `get_weight_version`, `GET /weight_info`)."""
+
+    def weight_version(self) -> str | None:
+        """The engine's weight version now, or None where this engine reports none."""
+        ...
+
+
 PointScores = list[list[list[float]]]
 """Scores of one probe set at each of several points (one `Scores` per set of LoRA tensors)."""
 

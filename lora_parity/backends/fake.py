@@ -247,6 +247,8 @@ class FakeSampler(SamplerBackend):
 
     mirrored: bool = False
     """Unit tests set it: `exact_scorer` then mirrors this sampler (the exact reference, E)."""
+    reported_weight_version: str | None = None
+    """Unit tests set it: the weight version this engine reports (None: none, as most engines)."""
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], lora: bool = True) -> None:
         self.kinds = list(cfg.adapter.targets)
@@ -259,6 +261,9 @@ class FakeSampler(SamplerBackend):
         coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
         scores = _score(sequences, coefficients, self.kinds)
         return _with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores
+
+    def weight_version(self) -> str | None:
+        return self.reported_weight_version
 
     def exact_scorer(self) -> Callable[[Sequences, list[Mapping[str, RawTensor]]], list[Scores]]:
         """This sampler's arithmetic with each given set of tensors as they are in memory (where `mirrored`)."""

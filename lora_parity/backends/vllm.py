@@ -164,6 +164,13 @@ class VLLMSampler(SamplerBackend):
         assert model_dir is not None
         return cls(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
 
+    def weight_version(self) -> str | None:
+        """The engine's weight version (vLLM 0.32's `LLMEngine.get_weight_version`; None before it existed)."""
+        try:
+            return str(self.llm.llm_engine.get_weight_version())
+        except AttributeError:
+            return None
+
     def exact_scorer(self) -> Any:
         """The exact reference (`exact.exact_points`): vLLM's own operations with the trainer's tensors, on CUDA
         with batch-invariant kernels and the families `exact.unsupported` names."""

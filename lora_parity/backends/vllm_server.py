@@ -299,6 +299,16 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
             raise ServerError(self._redact(f"vLLM server: {path} answered {answer.status}: {text[:500]}"))
         return json.loads(text) if text.startswith(("{", "[")) else text
 
+    def weight_version(self) -> str | None:
+        """`GET /weight_info`'s weight version (a server started with VLLM_SERVER_DEV_MODE=1); None where the
+        server has no such route or answers something else."""
+        try:
+            answer = self._call("/weight_info", None, "weight_info")
+        except ServerError:
+            return None
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        return str(version)[:200] if version is not None else None
+
     def _redact(self, text: str) -> str:
         return redact_secrets(text, self.api_key)
 

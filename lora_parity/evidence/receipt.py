@@ -237,6 +237,9 @@ class AdapterVersion(Strict):
     """How it reached the sampler (e.g. 'new-id')."""
     seconds: float
     """Time to publish (export + load)."""
+    weight_version: str | None = None
+    """The engine's reported weight version once this version was published; None where it reports none (it
+    never proves delivery: an adapter-only sync need not move it)."""
 
 
 class PhaseRecord(Strict):

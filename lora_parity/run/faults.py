@@ -20,7 +20,7 @@ import math
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,60 +28,13 @@ from lora_parity.backends.base import UNSERVABLE, AdapterHandle, BackendTraits, 
 from lora_parity.evidence.receipt import Budgets, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.perturb import is_lora_b, target_kind
+from lora_parity.run.fault_spec import FaultSpec as FaultSpec
 from lora_parity.run.serving_faults import SameNameNoInplace, StaleFolder, UnloadBeforeScore, WarmPrefixCache
 from lora_parity.run.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
 from lora_parity.run.update_faults import FP16_MAX as FP16_MAX
 from lora_parity.run.update_faults import UPDATE_FILE_FAULTS as UPDATE_FILE_FAULTS
 from lora_parity.run.update_faults import rewrite_update
 from lora_parity.util.errors import ConfigError, PhaseError
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """A fault, the check ids that must catch it, and the verdict it must give."""
-
-    name: str
-    description: str
-    caught_by: tuple[str, ...]
-    verdict: str
-    must_pass: tuple[str, ...] = ()
-    """Checks that must still pass: the fault hides from them, which is the point of the tail checks."""
-    modes: tuple[str, ...] = ()
-    """Sync modes the fault applies to (empty: all)."""
-    sync: Callable[[SyncMode], SyncMode] | None = None
-    """How the fault changes the run's sync mode (sync faults), or None."""
-    rewrites_files: bool = False
-    """Rewrites the exported PEFT folder (`Faults.after_export`): needs a trainer that exports one."""
-    skips_update: bool = False
-    """The trainer's update is not applied."""
-    serving_layer: bool = False
-    """A fault of the HTTP serving layer: only for a sampler served over HTTP (`traits.served_over_http`)."""
-    reloads_same_name: bool = False
-    """Reloads a loaded name without load_inplace and counts on the old adapter being kept silently:
-    not for a sampler that refuses that reload with an error (`traits.same_name_reload_refused`)."""
-    needs_sampled: bool = False
-    """Breaks the generation path after sync, which runs with `--probes sampled` only."""
-    caught_by_step: tuple[str, ...] | None = None
-    """What must catch it when the run starts from non-zero B (the warm start of `--update step`, or the
-    user's `--adapter`), where that differs (None: `caught_by`). Each entry of `caught_by` and this must
-    fail; an entry `X|Y` fails when either does (with an fp32 reference, a sampler that starts elsewhere
-    widens A's triangulated threshold by its own distance, and the reference check names it instead)."""
-    only_rounds: bool = False
-    """Changes the adapter's values by rounding alone (a trainer with `traits.rounding_unresolved` skips it)."""
-    needs_step: str | None = None
-    """Why the noise update cannot reveal the fault (the selftest runs it with `--update step` only), or None."""
-    needs_targets: tuple[str, ...] = ()
-    """Target kinds the adapter must have for the fault to exist (e.g. gate_proj and up_proj)."""
-    counts_on_unload: bool = False
-    """Counts on a request that names an unloaded adapter failing: not for a sampler that loads it again
-    from its path (`traits.unload_reloads`)."""
-    error_says: str = ""
-    """For a fault that must end the run in an error: a regular expression the receipt's error must match,
-    so that the fault's own error catches it, not any (a server that died refuses every call)."""
-    reads_reloaded_cache: bool = False
-    """Counts on a reload under the same name and path reading the old adapter's prefix-cache blocks:
-    not for a sampler whose every load gets a cache namespace of its own (`traits.reload_gets_fresh_cache`)."""
-
 
 ADAPTER_MODES = ("new-id", "inplace", "tensors")
 
@@ -141,6 +94,9 @@ class Leak(SyncWrapper):
         """Overwrite what the sampler serves with the updated weights."""
         self.inner.overwrite(ctx)
 
+
+BASE_SHIFT = 0.05
+"""base-changed: half the largest shift of a score after the sync (nats)."""
 
 EXACT = "X.sync.identical"
 """The exact sync check: where the sampler repeats itself bit for bit it fails on any published adapter that is
@@ -227,6 +183,12 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("unload-before-score", "sync unloads the adapter about to be scored instead of the old one",
               (), "error", modes=ADAPTER_MODES, sync=UnloadBeforeScore, serving_layer=True, counts_on_unload=True,
               error_says=r"^phase updated: .* answered 4\d\d"),
+    FaultSpec("base-changed", "the sync also changes the engine's base model (every sampler score from the sync on "
+              "is lower by 0-0.1 nats, as a base weight scaled on the engine's side moves them)",
+              ("D.base_kept",), "fail", modes=ADAPTER_MODES, needs_base=True),
+    FaultSpec("old-name-follows", "after the sync, the replaced version's name serves the new adapter (a frozen "
+              "snapshot that follows the live weights)", ("D.old_kept",), "fail", modes=("new-id", "tensors"),
+              needs_versions=True),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error",
               error_says="injected crash"),
     FaultSpec("adapter-changed", "the published adapter's files change on disk before the sampler scores with it",
@@ -266,6 +228,10 @@ def not_applicable(name: str, sampler: BackendTraits) -> str | None:
         return f"this sampler {sampler.reload_gets_fresh_cache}"
     if spec.counts_on_unload and sampler.unload_reloads:
         return f"this sampler {sampler.unload_reloads}"
+    if spec.needs_base and sampler.base_unavailable:
+        return f"it changes the base model, which this sampler cannot serve ({sampler.base_unavailable})"
+    if spec.needs_versions and sampler.shares_trainer_state:
+        return "this sampler's versions are handles on the trainer's own service (checked by S.trainer_kept)"
     return None
 
 
@@ -327,6 +293,7 @@ class Faults:
         """The last exported version's tensors, as the trainer wrote them (stale-a, partial-export keep them)."""
         self.crash_phase: str | None = None
         self.changed: set[Path] = set()
+        self.synced = False
         if spec:
             name, _, arg = spec.partition("=")
             if name not in FAULTS:
@@ -385,7 +352,8 @@ class Faults:
         return None if spec is not None and spec.skips_update else apply()
 
     def on_phase(self, phase: str) -> None:
-        """crash-at=PHASE: raise at the start of PHASE."""
+        """crash-at=PHASE: raise at the start of PHASE. Notes when the sync has begun (base-changed)."""
+        self.synced = self.synced or phase == "sync"
         if self.crash_phase == phase:
             raise PhaseError(f"injected crash in phase {phase}")
 
@@ -426,12 +394,19 @@ class Faults:
         """The adapter the sampler generates with after sync (gen-no-adapter: none)."""
         return None if self.is_("gen-no-adapter") else handle
 
+    def old_handle(self, old: AdapterHandle, current: AdapterHandle | None) -> AdapterHandle | None:
+        """The adapter the replaced version's name serves after the sync (old-name-follows: the new one)."""
+        return current if self.is_("old-name-follows") else old
+
     def generation_prompt_handle(self, handle: AdapterHandle | None) -> AdapterHandle | None:
         """The adapter the sampler scores the generated tokens with (prompt-no-adapter: none)."""
         return None if self.is_("prompt-no-adapter") else handle
 
     def sampler_scores(self, scores: Scores) -> Scores:
-        """Scoring-path faults, applied to every sampler scoring."""
+        """Scoring-path faults, applied to every sampler scoring (base-changed: every one from the sync on)."""
+        if self.is_("base-changed") and self.synced:
+            return [[x - BASE_SHIFT * (1.0 + math.sin(0.7 * t + s)) for t, x in enumerate(seq)]
+                    for s, seq in enumerate(scores)]
         if self.is_("one-token"):
             return [[x - self.one_token_offset if (s, t) == (0, 3) else x for t, x in enumerate(seq)]
                     for s, seq in enumerate(scores)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 from lora_parity.models.config import ModelConfig
 from lora_parity.run.phases import run_sequence
@@ -15,6 +16,8 @@ class _PhaseLister:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.names = cfg, list[str]()
         self.covered_targets = list(cfg.adapter.targets)
+        # A sync mode with LoRA that kept the replaced version (`engine_state`).
+        self.mode, self.kept = SimpleNamespace(sampler_lora=True), SimpleNamespace(adapter_id=1)
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         self.names.append(name)

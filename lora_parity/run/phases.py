@@ -40,7 +40,7 @@ from lora_parity.models import fresh_adapter, update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import RECIPE
-from lora_parity.run import calibrate_trainer, generation, layer_coverage, reference_points
+from lora_parity.run import calibrate_trainer, engine_state, generation, layer_coverage, reference_points
 from lora_parity.run.faults import Faults
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
@@ -84,6 +84,7 @@ def run_sequence(run: Run) -> None:
         run.step("updated_cached", lambda: run.cached_score("updated_cached", run.handle))
     if run.sampled:
         run.step("generate_updated", run.generate_updated)
+    engine_state.after_sync(run)
     if run.sampler_shares_trainer_state:
         # The old sampling client again, now that a newer one was used: does the trainer keep its update?
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
@@ -99,6 +100,7 @@ def _coverage_and_reference(run: Run) -> None:
         run.step("exact_reference", functools.partial(reference_points.score_exact, run))
     for kind, group in layer_coverage.groups_of(run):
         run.step(f"target.{layer_coverage.tag(kind, group)}", functools.partial(layer_coverage.cover, run, kind, group))
+    engine_state.after_coverage(run, bool(run.covered_targets))
     if run.reference_states:
         run.step("reference_updated", functools.partial(reference_points.score, run))
     if run.exact_states:
@@ -147,9 +149,10 @@ class Run:
     handle: AdapterHandle | None = None
     stale_handle: AdapterHandle | None = None
     """The adapter the stale phase scored (the one published before the update)."""
+    kept: AdapterHandle | None = None
+    """The version the sync replaced, kept loaded until `engine_state` scored it (`SyncMode.keeps_versions`)."""
     error: str | None = None
-    error_detail: ErrorDetail | None = None
-    """Where the phase that stopped the run raised."""
+    error_detail: ErrorDetail | None = None  # where the phase that stopped the run raised
     calibration: Calibration | None = None
     """The std search of `perturbation.std: auto`, once it ran."""
     target_calibrations: dict[str, Calibration] = field(default_factory=dict)
@@ -172,8 +175,7 @@ class Run:
     start_adapter: bool = False
     """`--adapter`: both sides start from the user's adapter; the sampler's base scores are then
     recorded as `adapter_base` (the adapter must move the sampler from them)."""
-    prompts: list[list[int]] = field(default_factory=list)
-    """The prompts the sampler generated from (`sampled` runs)."""
+    prompts: list[list[int]] = field(default_factory=list)  # the prompts the sampler generated from (sampled)
     generated: list[list[int]] = field(default_factory=list)
     """What the sampler generated from `prompts` with the synced adapter (`sampled` runs)."""
     published_digests: dict[Path, str] = field(default_factory=dict)
@@ -419,6 +421,7 @@ class Run:
         original base weights back. A failure here after the run failed (a server that died in a phase
         refuses the unload too) follows the run's own error instead of replacing it."""
         try:
+            engine_state.retire_old(self)
             self.mode.retire(self)
         except LoraParityError:
             if self.error is None:

@@ -20,6 +20,7 @@ from lora_parity.backends.base import (
     Sampler,
     TensorAdapterSampler,
     Trainer,
+    WeightVersionSampler,
 )
 from lora_parity.evidence.receipt import AdapterVersion, SyncModeName
 from lora_parity.util.errors import ConfigError
@@ -35,6 +36,7 @@ class SyncContext(Protocol):
     workdir: Path
     first_adapter_id: int
     handle: AdapterHandle | None
+    kept: AdapterHandle | None
     adapters: list[AdapterVersion]
     timings: dict[str, float]
 
@@ -49,6 +51,9 @@ class SyncMode:
     name: str = ""
     sampler_lora: bool = True
     """Whether the sampler runs with LoRA enabled."""
+    keeps_versions: bool = False
+    """Each version gets a name and id of its own: the previous one stays loaded through the sync, so that it can
+    be scored after the newer one is live (`old_after_sync`), and is retired then."""
 
     def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
         """Preflight: raise `ConfigError` if these backend classes cannot sync this way."""
@@ -78,7 +83,9 @@ class SyncMode:
 
 def _record(ctx: SyncContext, version: int, name: str, adapter_id: int, mode: str, start: float) -> None:
     seconds = time.perf_counter() - start
-    ctx.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id, mode=mode, seconds=seconds))
+    weights = ctx.sampler.weight_version() if isinstance(ctx.sampler, WeightVersionSampler) else None
+    ctx.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id, mode=mode, seconds=seconds,
+                                       weight_version=weights))
     ctx.timings[f"publish.v{version}"] = seconds
 
 
@@ -121,8 +128,18 @@ class AdapterSync(SyncMode):
         handle = self.load(ctx, folder, name, adapter_id, self.load_inplace)
         _record(ctx, version, name, adapter_id, self.name, start)
         previous, ctx.handle = ctx.handle, handle
+        # The version the sync replaces stays loaded until `old_after_sync` has scored it (`keeps_versions`; a
+        # sampler on the trainer's own service has phases of its own for that).
         if previous is not None and previous.adapter_id != handle.adapter_id:
-            ctx.sampler.retire(previous)
+            if version == 1 and self.keeps_versions and not ctx.sampler.traits.shares_trainer_state:
+                ctx.kept = previous
+            else:
+                ctx.sampler.retire(previous)
+
+    @property
+    def keeps_versions(self) -> bool:  # type: ignore[override]
+        """A new name and id per version (`new-id`, `tensors`)."""
+        return not self.same_id
 
     def overwrite(self, ctx: SyncContext) -> None:
         """Reload the current adapter's id in place with the trainer's current weights."""
@@ -214,6 +231,7 @@ class SyncWrapper(SyncMode):
         self.inner = inner
         self.name = inner.name
         self.sampler_lora = inner.sampler_lora
+        self.keeps_versions = inner.keeps_versions
 
     def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
         """As the inner mode."""

@@ -39,7 +39,7 @@ from lora_parity.evidence.receipt import (
     Verdicts,
     WorstPosition,
 )
-from lora_parity.verdict import check_rules, exact_reference, stats
+from lora_parity.verdict import check_rules, engine_state, exact_reference, stats
 from lora_parity.verdict import thresholds as _thresholds
 from lora_parity.verdict.deltas import DELTAS as DELTAS  # re-exported: the delta specs live in deltas
 from lora_parity.verdict.deltas import TARGET_PREFIX as TARGET_PREFIX
@@ -79,6 +79,7 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "A.sampler_base_vs_adapter": ("adapter_base", "zero"),
     # The exact sync check: the synced adapter against the trainer's tensors loaded fresh.
     "X.synced_vs_fresh": ("fresh", "updated"),
+    **engine_state.COMPARISONS,
 }
 @dataclass(frozen=True)
 class Evaluation:
@@ -247,6 +248,7 @@ def compute_checks(
 
     _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th)
     exact_reference.add_checks(c, comparisons)
+    engine_state.add_checks(c, comparisons, th)
 
     # Per-target coverage: each target kind alone reaches the sampler with the right sign and scale.
     noise_l2 = noise.l2 if noise is not None else None

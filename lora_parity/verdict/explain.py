@@ -52,6 +52,15 @@ EXPLAIN: dict[str, str] = {
                "rsLoRA, a cast of B) or part of the update not reaching it; the findings above say which",
     "T.": "target {target} alone does not reach the sampler as the trainer applies it: check that module's "
           "name mapping and tensors in the exported adapter",
+    "D.base_kept": "the engine's base model (no adapter) scores differently after the sync than before it: the sync "
+                   "touched the base weights (an adapter-only sync that repacked or reloaded them); compare the "
+                   "engine's base weights before and after the sync",
+    "D.old_kept": "the version the sync replaced no longer gives its own scores while the new one is live: an old "
+                  "adapter's name follows the live weights, so a frozen snapshot is not frozen; check how the engine "
+                  "keys its adapters (name, id, path)",
+    "E.": "the engine does not compute what its own operations compute with the trainer's tensors (the exact "
+          "reference, no noise): a wrong read of a right file, or a wrong LoRA computation; the finding above names "
+          "the scale, the swap or the points",
     "S.trainer_kept": "querying an old sampling client changed the trainer's weights: the client shares state "
                       "with the trainer",
     "R.": "the fp32 reference comparison (informational)",

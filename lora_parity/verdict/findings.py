@@ -146,7 +146,22 @@ def _swap_line(failing: set[str]) -> str | None:
 
 
 def of_receipt(receipt: Any) -> list[str]:
-    """`findings` of a receipt (its raw scores, checks, probes and noise rule)."""
+    """`findings` of a receipt (its raw scores, checks, probes and noise rule), and what the engine's weight
+    version did across the sync (`weight_version_line`)."""
     rule = receipt.budgets.noise
-    return findings(receipt.scores, receipt.checks, receipt.probes.sequences,
-                    bool(rule is not None and rule.x_proves_delivery))
+    found = findings(receipt.scores, receipt.checks, receipt.probes.sequences,
+                     bool(rule is not None and rule.x_proves_delivery))
+    version = weight_version_line(receipt.adapters)
+    return found + ([version] if version else [])
+
+
+def weight_version_line(adapters: Sequence[Any]) -> str | None:
+    """Where the engine reports a weight version and it did not move across the sync (version 0 to 1): said, as
+    a fact about the engine (a cache salted by the version goes stale: SkyRL #2064); the logprobs judge delivery."""
+    by_version = {a.version: getattr(a, "weight_version", None) for a in adapters}
+    before, after = by_version.get(0), by_version.get(1)
+    if before is None or after is None or before != after:
+        return None
+    return (f"the engine's weight version did not move across the sync ({before!r} before and after): anything "
+            "keyed by it (a prefix cache salted by the version, a rollout's version tag) cannot tell the new adapter "
+            "from the old one; delivery is judged from the logprobs, not from it")

@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lora_parity.evidence.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
-from lora_parity.verdict import check_rules, exact_reference, stats
+from lora_parity.verdict import check_rules, engine_state, exact_reference, stats
 from lora_parity.verdict.check_rules import STATS, Threshold
 
 ScoreArray = Sequence[Sequence[float]]
@@ -268,7 +268,8 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     if balance is not None:
         out["A.fp32.balance"] = balance
     moved = repeat_noise(budgets, comparisons, "sampler")
-    for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer"):
+    for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer",
+                *engine_state.check_ids(comparisons)):
         out[key] = moved
     change = get("C.trainer_change")
     out["B.stimulus"] = stimulus(budgets, a, noise, None)

@@ -1,0 +1,66 @@
+"""The engine's state after a sync (issue 51, "Delivery, complete"; docs/verdicts.md, "The engine after the sync"):
+its base route scored again after the sync (`base_after_sync`) and after per-target coverage
+(`base_after_coverage`), which must give the first base scores (a sync that changes the base model); and, where
+each version has a name and id of its own (`SyncMode.keeps_versions`), the version the sync replaced scored again
+once the new one is live (`old_after_sync`), which must give the stale scores (an old name that serves the new
+weights). Checks: `verdict.engine_state`."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from lora_parity.backends.base import AdapterHandle, Sampler
+
+
+class Run(Protocol):
+    """What these steps read of `phases.Run`."""
+
+    sampler: Sampler
+    handle: AdapterHandle | None
+    kept: AdapterHandle | None
+    mode: Any
+    faults: Any
+
+    @property
+    def sampler_scores_base(self) -> bool: ...
+
+    @property
+    def sampler_shares_trainer_state(self) -> bool: ...
+
+    def step(self, name: str, action: Any) -> None: ...
+
+    def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None: ...
+
+
+def after_sync(run: Run) -> None:
+    """The base route again, then the replaced version again (where the mode keeps it)."""
+    if run.sampler_scores_base and run.mode.sampler_lora:
+        run.step("base_after_sync", lambda: run.sampler_score("base_after_sync", None))
+    if _keeps_old(run):
+        run.step("old_after_sync", lambda: _old_after_sync(run))
+
+
+def after_coverage(run: Run, covered: bool) -> None:
+    """The base route again after per-target coverage (where it ran)."""
+    if covered and run.sampler_scores_base and run.mode.sampler_lora:
+        run.step("base_after_coverage", lambda: run.sampler_score("base_after_coverage", None))
+
+
+def _keeps_old(run: Run) -> bool:
+    """The sync kept the version it replaced (the mode's own publish did: a fault's sync may have retired it)."""
+    return run.kept is not None
+
+
+def _old_after_sync(run: Run) -> None:
+    """The replaced version, scored while the new one is live, then retired."""
+    old = run.kept
+    assert old is not None
+    run.sampler_score("old_after_sync", run.faults.old_handle(old, run.handle))
+    retire_old(run)
+
+
+def retire_old(run: Run) -> None:
+    """Unload the replaced version where the sync kept it (also when the run stopped before `old_after_sync`)."""
+    if run.kept is not None:
+        old, run.kept = run.kept, None
+        run.sampler.retire(old)

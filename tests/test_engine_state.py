@@ -1,0 +1,100 @@
+"""The engine after the sync (issue 51): its base route gives its first base scores again after the sync and after
+per-target coverage, and the version the sync replaced, scored while the new one is live, its stale scores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lora_parity.backends import fake
+from lora_parity.evidence.receipt import CheckStatus, Receipt, Verdict
+from lora_parity.models import config
+from lora_parity.run.faults import faults_for
+from lora_parity.run.options import RunOptions
+from lora_parity.run.runner import execute
+from lora_parity.verdict import findings
+from lora_parity.verdict.verify import verify
+
+FAKE: dict[str, Any] = {"trainer": "fake", "sampler": "fake"}
+
+
+def run(tmp_path: Path, **kw: Any) -> Receipt:
+    out = tmp_path / f"{kw.get('inject') or 'clean'}-{kw.get('sync', 'new-id')}.json"
+    result = execute(RunOptions(**FAKE, out=out, **kw))
+    assert verify(out).verdict == result.receipt.verdict  # recomputed from the raw scores
+    return result.receipt
+
+
+def status(receipt: Receipt) -> dict[str, CheckStatus]:
+    return {c.id: c.status for c in receipt.checks}
+
+
+def test_a_clean_run_finds_the_base_and_the_old_version_as_they_were(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    retired: list[int] = []
+    original = fake.FakeSampler.retire
+    monkeypatch.setattr(fake.FakeSampler, "retire", lambda self, h: (retired.append(h.adapter_id), original(self, h)))
+    receipt = run(tmp_path)
+    assert receipt.verdict == Verdict.PASS
+    names = [p.name for p in receipt.phases]
+    assert names.index("updated") < names.index("base_after_sync") < names.index("old_after_sync") < names.index(
+        "target.q_proj") < names.index("base_after_coverage")
+    s = status(receipt)
+    assert s["D.base_kept"] == s["D.base_kept.coverage"] == s["D.old_kept"] == CheckStatus.PASS
+    assert receipt.comparisons["D.stale_vs_old_after_sync"].max_abs == 0
+    v0, v1 = (next(a.adapter_id for a in receipt.adapters if a.version == v) for v in (0, 1))
+    assert retired.count(v0) == 1 and retired.index(v0) < retired.index(v1)  # retired once scored, before coverage
+
+
+def test_a_sync_that_changes_the_base_fails_delivery_and_says_so(tmp_path: Path) -> None:
+    receipt = run(tmp_path, inject="base-changed")
+    check = next(c for c in receipt.checks if c.id == "D.base_kept")
+    assert check.status == CheckStatus.FAIL and check.reason.startswith("the sync changed the engine's base model")
+    assert receipt.verdicts is not None and receipt.verdicts.sync.verdict == Verdict.FAIL
+
+
+def test_an_old_name_that_follows_the_new_adapter_is_named(tmp_path: Path) -> None:
+    receipt = run(tmp_path, inject="old-name-follows")
+    check = next(c for c in receipt.checks if c.id == "D.old_kept")
+    assert check.status == CheckStatus.FAIL and check.reason.startswith("an old adapter's name serves the new weights")
+    assert status(receipt)["D.base_kept"] == CheckStatus.PASS and receipt.verdict == Verdict.FAIL
+
+
+def test_only_modes_that_keep_versions_score_the_old_one_and_merged_modes_neither(tmp_path: Path) -> None:
+    inplace = run(tmp_path, sync="inplace")
+    assert "old_after_sync" not in [p.name for p in inplace.phases] and "D.base_kept" in status(inplace)
+    merged = run(tmp_path, sync="merged")
+    assert not {"D.base_kept", "D.old_kept"} & set(status(merged)) and merged.verdict == Verdict.PASS
+    assert "old-name-follows" not in faults_for("inplace") and "base-changed" not in faults_for("merged")
+    assert {"old-name-follows", "base-changed"} <= set(faults_for("new-id"))
+
+
+def test_a_skipped_sync_leaves_no_old_version_to_score(tmp_path: Path) -> None:
+    receipt = run(tmp_path, inject="skip-sync")
+    assert "old_after_sync" not in [p.name for p in receipt.phases] and "D.old_kept" not in status(receipt)
+
+
+def test_with_a_users_adapter_the_base_after_sync_is_compared_with_the_adapters_base(tmp_path: Path) -> None:
+    folder = tmp_path / "start"
+    trainer = fake.FakeTrainer(config.load(None), None, 0, {})  # the fake trainer's own export: a valid start
+    trainer.perturb(0.02, 3)
+    trainer.export_adapter(folder)
+    receipt = run(tmp_path, adapter=folder)
+    assert receipt.comparisons["D.adapter_base_vs_after_sync"].max_abs == 0
+    assert status(receipt)["D.base_kept"] == CheckStatus.PASS
+
+
+def test_a_weight_version_that_did_not_move_across_the_sync_is_reported(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    quiet = run(tmp_path)
+    assert [a.weight_version for a in quiet.adapters] == [None] * len(quiet.adapters)
+    assert not [line for line in findings.of_receipt(quiet) if "weight version" in line]
+    monkeypatch.setattr(fake.FakeSampler, "reported_weight_version", "step-7")
+    receipt = run(tmp_path, force=True)
+    assert {a.weight_version for a in receipt.adapters} == {"step-7"} and receipt.verdict == Verdict.PASS
+    assert any(line.startswith("the engine's weight version did not move across the sync ('step-7'")
+               for line in findings.of_receipt(receipt))
+    moved = [a.model_copy(update={"weight_version": f"v{a.version}"}) for a in receipt.adapters]
+    assert findings.weight_version_line(moved) is None
