@@ -98,3 +98,43 @@ def test_a_weight_version_that_did_not_move_across_the_sync_is_reported(tmp_path
                for line in findings.of_receipt(receipt))
     moved = [a.model_copy(update={"weight_version": f"v{a.version}"}) for a in receipt.adapters]
     assert findings.weight_version_line(moved) is None
+
+
+@pytest.mark.parametrize(("fault", "says"), [("wrong-scale", "lora_alpha is "), ("wrong-direction", "tensors with other "
+                                             "values"), ("drop-target", "tensors missing")])
+def test_a_wrong_export_is_named_from_the_file_the_engine_was_handed(tmp_path: Path, fault: str, says: str) -> None:
+    receipt = run(tmp_path, inject=fault)
+    synced = next(a for a in receipt.adapters if a.version == 1)
+    assert synced.file_differences and any(says in d for d in synced.file_differences)
+    assert any(line.startswith("the adapter file the sync handed the engine is not the trainer's adapter")
+               for line in findings.of_receipt(receipt))
+
+
+def test_a_right_file_read_wrong_by_the_engine_is_the_engines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clean = run(tmp_path)
+    assert next(a for a in clean.adapters if a.version == 1).file_differences == []
+    assert not [line for line in findings.of_receipt(clean) if line.startswith("the adapter file")]
+    right = fake._coefficients  # every load the engine makes reads B at 0.9: the file itself is right
+    monkeypatch.setattr(fake, "_coefficients", lambda config, tensors: {
+        k: 0.9 * v for k, v in right(config, tensors).items()})
+    receipt = run(tmp_path, force=True)
+    assert receipt.verdict == Verdict.FAIL
+    assert any("holds exactly the trainer's tensors" in line for line in findings.of_receipt(receipt))
+
+
+def test_a_file_rounded_to_its_dtype_is_the_trainers_and_one_moved_further_is_not(tmp_path: Path) -> None:
+    import struct
+
+    from lora_parity.models import adapter_files as af
+    from lora_parity.models import export_check
+
+    values = [0.1, -3.3, 1e-3, 0.0]
+    raw = ("F32", [2, 2], struct.pack("<4f", *values))
+    bf16 = [af.Tensor.from_floats("BF16", [2, 2], [v * (1 + 2**-9) for v in values]).to_floats()]
+    folder = tmp_path / "a"
+    af.write_adapter(folder, {"r": 2, "lora_alpha": 4}, {"x.lora_A.weight": af.Tensor.from_floats("BF16", [2, 2], bf16[0])})
+    assert export_check.differences(folder, {"x.lora_A.weight": raw}, 2, 4.0) == []
+    af.write_adapter(folder, {"r": 2, "lora_alpha": 4}, {"x.lora_A.weight": af.Tensor.from_floats(
+        "BF16", [2, 2], [v * 1.02 for v in values])})
+    assert export_check.differences(folder, {"x.lora_A.weight": raw}, 2, 4.0) == [
+        "1 tensors with other values (x.lora_A.weight)"]

@@ -240,6 +240,9 @@ class AdapterVersion(Strict):
     weight_version: str | None = None
     """The engine's reported weight version once this version was published; None where it reports none (it
     never proves delivery: an adapter-only sync need not move it)."""
+    file_differences: list[str] | None = None
+    """The synced version's adapter file, read by lora-parity, against the trainer's tensors in memory: what differs
+    beyond the rounding to the file's dtype ([]: exactly the trainer's adapter); None where not compared."""
 
 
 class PhaseRecord(Strict):

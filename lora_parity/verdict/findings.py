@@ -151,8 +151,27 @@ def of_receipt(receipt: Any) -> list[str]:
     rule = receipt.budgets.noise
     found = findings(receipt.scores, receipt.checks, receipt.probes.sequences,
                      bool(rule is not None and rule.x_proves_delivery))
-    version = weight_version_line(receipt.adapters)
-    return found + ([version] if version else [])
+    failed = {c.id for c in receipt.checks if _status(c) == "fail"}
+    extra = [file_line(receipt.adapters, failed), weight_version_line(receipt.adapters)]
+    return found + [line for line in extra if line]
+
+
+def file_line(adapters: Sequence[Any], failed: set[str]) -> str | None:
+    """The side, from the synced adapter file read by lora-parity against the trainer's tensors: a wrong export
+    where it differs; where it holds exactly the trainer's adapter and a check after the sync failed, the engine's
+    loading or computation."""
+    synced = next((a for a in adapters if a.version == 1), None)
+    differs = getattr(synced, "file_differences", None)
+    if differs is None:
+        return None
+    if differs:
+        return ("the adapter file the sync handed the engine is not the trainer's adapter: " + "; ".join(differs) +
+                " (a wrong export, or a rewrite before the engine loaded it)")
+    if not any(not i.startswith(("A.", "B.")) for i in failed):
+        return None
+    return ("the adapter file the sync handed the engine holds exactly the trainer's tensors (read by lora-parity, at "
+            "most rounded to the file's dtype): the export is right, so what parts is the engine's loading of it "
+            "(a name, an id, a cache) or its reading and computation")
 
 
 def weight_version_line(adapters: Sequence[Any]) -> str | None:

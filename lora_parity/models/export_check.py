@@ -1,0 +1,59 @@
+"""The adapter file the sync handed the engine, read by lora-parity itself, against the trainer's tensors in memory
+(issue 50, "the side"): where the file holds exactly the trainer's adapter (up to the rounding to the file's
+dtype), a wrong reading of a right file is the engine's; where it does not, the export is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lora_parity.models import adapter_files as af
+from lora_parity.models.fresh_adapter import RawTensor
+
+SIGNIFICANT_BITS = {"BF16": 8, "F16": 11, "F32": 24, "F64": 53}
+"""A value cast to a dtype moves by at most half its spacing there: 2**-bits of itself (or a subnormal's step)."""
+SHOWN = 3
+
+
+def differences(folder: Path, trainer: Mapping[str, RawTensor], rank: int, alpha: float) -> list[str]:
+    """What differs between the PEFT folder and the trainer's tensors and spec, beyond the rounding to the file's
+    dtype; empty where the file holds exactly the trainer's adapter."""
+    config, tensors = af.read_adapter(folder)
+    out = []
+    if config.get("r") != rank:
+        out.append(f"r is {config.get('r')!r}, the trainer's {rank}")
+    if not isinstance(config.get("lora_alpha"), (int, float)) or float(config["lora_alpha"]) != float(alpha):
+        out.append(f"lora_alpha is {config.get('lora_alpha')!r}, the trainer's {alpha:g}")
+    if config.get("use_rslora"):
+        out.append("use_rslora is on (alpha/sqrt(r)); the trainer scales by alpha/r")
+    missing, extra = sorted(set(trainer) - set(tensors)), sorted(set(tensors) - set(trainer))
+    other = [n for n in sorted(set(trainer) & set(tensors)) if not _same(tensors[n], trainer[n])]
+    for names, what in ((missing, "missing"), (extra, "not the trainer's"), (other, "with other values")):
+        if names:
+            more = ", ..." if len(names) > SHOWN else ""
+            out.append(f"{len(names)} tensors {what} ({', '.join(names[:SHOWN])}{more})")
+    return out
+
+
+def _same(file: af.Tensor, raw: RawTensor) -> bool:
+    dtype, shape, data = raw
+    if list(file.shape) != list(shape):
+        return False
+    if file.dtype == dtype:
+        return file.data == data
+    import numpy as np
+
+    a, b = _values(file.dtype, file.data), _values(dtype, data)
+    bits = SIGNIFICANT_BITS[file.dtype]
+    tiny = 2.0 ** -(bits + 14 if file.dtype == "F16" else 126)
+    return bool(np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -bits + tiny))
+
+
+def _values(dtype: str, data: bytes) -> Any:
+    import numpy as np
+
+    if dtype == "BF16":
+        return (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    kind = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}[dtype]
+    return np.frombuffer(data, dtype=kind).astype(np.float64)
