@@ -113,6 +113,11 @@ rows = [f"{k.split('.')[0]} mean {c['mean_abs']:.3g} max {c['max_abs']:.3g} equa
         for k, c in cmp.items() if k in ("A.trainer_vs_sampler", "B.trainer_updated_vs_stale", "C.trainer_vs_sampler")]
 failed = [c["id"] for c in r.get("checks", []) if c["status"] == "fail"]
 print(r.get("verdict"), "failed:", failed[:12], "|", "; ".join(rows), "| error:", (r.get("error") or "")[:200])
+exact = r.get("exact_reference") or {}
+gate = cmp.get("E.zero", {}).get("max_abs")
+e = [c["id"] for c in r.get("checks", []) if c["id"].startswith("E.")]
+print("  exact reference:", exact.get("status"), (exact.get("reason") or "")[:160], "| E.zero max", gate, "|", len(e),
+      "E checks | phases", round(sum(p.get("seconds") or 0 for p in r.get("phases", [])), 1), "s")
 PY
 }
 
@@ -216,6 +221,7 @@ case "$step" in
       timeout 400 python3 -m lora_parity run --model "$m" ${args//,/ } --revision "$rev" --out "$receipt" --json \
         > "/tmp/gpu-logs/${name}.json" 2> "/tmp/gpu-logs/${name}.err" && rc=0 || rc=$?
       echo "== $name rc=$rc: $(head -c 700 "/tmp/gpu-logs/${name}.json") | $(tail -3 "/tmp/gpu-logs/${name}.err" | cut -c1-300)"
+      if [ -f "$receipt" ]; then brief "$receipt"; fi
     done ;;
   adapter)
     # adapter REV: a user's adapter (PEFT, rank 8 on all seven projections, B ~ N(0, 0.02)) on the SmolLM2 bf16
