@@ -100,8 +100,12 @@ def test_a_weight_version_that_did_not_move_across_the_sync_is_reported(tmp_path
     assert findings.weight_version_line(moved) is None
 
 
-@pytest.mark.parametrize(("fault", "says"), [("wrong-scale", "lora_alpha is "), ("wrong-direction", "tensors with other "
-                                             "values"), ("drop-target", "tensors missing")])
+WRONG_EXPORTS = [("wrong-scale", "lora_alpha is "),
+                 ("wrong-direction", "tensors with other values: layers 0-1; modules"),
+                 ("drop-target", "tensors missing: layers 0-1; modules q_proj (")]
+
+
+@pytest.mark.parametrize(("fault", "says"), WRONG_EXPORTS)
 def test_a_wrong_export_is_named_from_the_file_the_engine_was_handed(tmp_path: Path, fault: str, says: str) -> None:
     receipt = run(tmp_path, inject=fault)
     synced = next(a for a in receipt.adapters if a.version == 1)
@@ -130,11 +134,14 @@ def test_a_file_rounded_to_its_dtype_is_the_trainers_and_one_moved_further_is_no
 
     values = [0.1, -3.3, 1e-3, 0.0]
     raw = ("F32", [2, 2], struct.pack("<4f", *values))
-    bf16 = [af.Tensor.from_floats("BF16", [2, 2], [v * (1 + 2**-9) for v in values]).to_floats()]
+    bf16 = af.Tensor.from_floats("BF16", [2, 2], [v * (1 + 2**-9) for v in values])
     folder = tmp_path / "a"
-    af.write_adapter(folder, {"r": 2, "lora_alpha": 4}, {"x.lora_A.weight": af.Tensor.from_floats("BF16", [2, 2], bf16[0])})
+    af.write_adapter(folder, {"r": 2, "lora_alpha": 4}, {"x.lora_A.weight": bf16})
     assert export_check.differences(folder, {"x.lora_A.weight": raw}, 2, 4.0) == []
     af.write_adapter(folder, {"r": 2, "lora_alpha": 4}, {"x.lora_A.weight": af.Tensor.from_floats(
         "BF16", [2, 2], [v * 1.02 for v in values])})
     assert export_check.differences(folder, {"x.lora_A.weight": raw}, 2, 4.0) == [
-        "1 tensors with other values (x.lora_A.weight)"]
+        "1 tensors with other values: x.lora_A.weight"]
+    names = ["m.layers.1.mlp.down_proj.lora_B.weight", "m.layers.2.self_attn.q_proj.lora_B.weight",
+             "m.layers.4.mlp.down_proj.lora_B.weight"]
+    assert export_check.where(names) == "layers 1-2, 4; modules down_proj, q_proj (lora_B)"

@@ -4,6 +4,7 @@ dtype), a wrong reading of a right file is the engine's; where it does not, the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,33 @@ def differences(folder: Path, trainer: Mapping[str, RawTensor], rank: int, alpha
     other = [n for n in sorted(set(trainer) & set(tensors)) if not _same(tensors[n], trainer[n])]
     for names, what in ((missing, "missing"), (extra, "not the trainer's"), (other, "with other values")):
         if names:
-            more = ", ..." if len(names) > SHOWN else ""
-            out.append(f"{len(names)} tensors {what} ({', '.join(names[:SHOWN])}{more})")
+            out.append(f"{len(names)} tensors {what}: {where(names)}")
     return out
+
+
+def where(names: list[str]) -> str:
+    """Tensor names as the layers and modules they belong to: "layers 1, 3; modules down_proj (lora_B)"."""
+    layers = sorted({int(m.group(1)) for n in names if (m := re.search(r"layers\.(\d+)\.", n))})
+    modules = sorted({m.group(1) for n in names if (m := re.search(r"\.([A-Za-z0-9_]+)\.lora_[AB]", n))})
+    sides = sorted({m.group(1) for n in names if (m := re.search(r"\.(lora_[AB])\b", n))})
+    parts = []
+    if layers:
+        parts.append(f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}")
+    if modules:
+        parts.append(f"modules {', '.join(modules)}" + (f" ({', '.join(sides)})" if sides else ""))
+    more = ", ..." if len(names) > SHOWN else ""
+    return "; ".join(parts) if parts else f"{', '.join(names[:SHOWN])}{more}"
+
+
+def _ranges(values: list[int]) -> str:
+    """1, 3-5, 9: consecutive runs joined."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _same(file: af.Tensor, raw: RawTensor) -> bool:
