@@ -307,7 +307,7 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
         except ServerError:
             return None
         version = answer.get("weight_version") if isinstance(answer, dict) else None
-        return str(version)[:200] if version is not None else None
+        return redact_secrets(str(version), self.api_key)[:200].replace("`", "'") if version is not None else None
 
     def _redact(self, text: str) -> str:
         return redact_secrets(text, self.api_key)

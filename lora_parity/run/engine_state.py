@@ -3,13 +3,18 @@ its base route scored again after the sync (`base_after_sync`) and after per-tar
 (`base_after_coverage`), which must give the first base scores (a sync that changes the base model); and, where
 each version has a name and id of its own (`SyncMode.keeps_versions`), the version the sync replaced scored again
 once the new one is live (`old_after_sync`), which must give the stale scores (an old name that serves the new
-weights). Checks: `verdict.engine_state`."""
+weights). Checks: `verdict.engine_state`. And the synced adapter file against the trainer's tensors (`compare_file`:
+a wrong export, or the engine's side)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from lora_parity.backends.base import AdapterHandle, Sampler
+from lora_parity.evidence.receipt import AdapterVersion
+from lora_parity.models import export_check
+from lora_parity.models.fresh_adapter import RawTensor
 
 
 class Run(Protocol):
@@ -20,6 +25,8 @@ class Run(Protocol):
     kept: AdapterHandle | None
     mode: Any
     faults: Any
+    cfg: Any
+    adapters: list[AdapterVersion]
 
     @property
     def sampler_scores_base(self) -> bool: ...
@@ -64,3 +71,16 @@ def retire_old(run: Run) -> None:
     if run.kept is not None:
         old, run.kept = run.kept, None
         run.sampler.retire(old)
+
+
+def compare_file(run: Run, tensors: Mapping[str, RawTensor]) -> None:
+    """The synced version's adapter folder (version 1, where the sync published one), read by lora-parity, against
+    the trainer's tensors `tensors`: what differs goes to that version's record (`export_check`)."""
+    synced = next((i for i, a in enumerate(run.adapters) if a.version == 1), None)
+    handle = run.handle
+    if synced is None or handle is None or handle.adapter_id != run.adapters[synced].adapter_id \
+            or not handle.path.is_dir():
+        return
+    spec = run.cfg.adapter
+    differs = export_check.differences(handle.path, tensors, spec.rank, spec.alpha)
+    run.adapters[synced] = run.adapters[synced].model_copy(update={"file_differences": differs})

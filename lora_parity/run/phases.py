@@ -225,12 +225,12 @@ class Run:
 
     def fresh(self) -> None:
         """The trainer's current tensors, written by `fresh_adapter` (not the exporter), loaded on the
-        sampler under a name and id of their own (`FRESH_ID_OFFSET` above the run's), scored, retired."""
-        trainer = self.trainer
-        assert isinstance(trainer, TensorReadingTrainer)
-        spec = self.cfg.adapter
-        folder = fresh_adapter.write(self.workdir / "fresh", trainer.lora_tensors(), spec.rank, spec.alpha,
-                                     spec.targets)
+        sampler under a name and id of their own (`FRESH_ID_OFFSET` above the run's), scored, retired; the
+        synced file compared with the same tensors (`engine_state.compare_file`)."""
+        assert isinstance(self.trainer, TensorReadingTrainer)
+        spec, tensors = self.cfg.adapter, self.trainer.lora_tensors()
+        engine_state.compare_file(self, tensors)
+        folder = fresh_adapter.write(self.workdir / "fresh", tensors, spec.rank, spec.alpha, spec.targets)
         adapter_id = self.first_adapter_id + FRESH_ID_OFFSET
         handle = self.sampler.publish(folder, f"lora-parity-fresh-{adapter_id}", adapter_id)
         try:

@@ -19,13 +19,10 @@ from lora_parity.backends.base import (
     MergingTrainer,
     Sampler,
     TensorAdapterSampler,
-    TensorReadingTrainer,
     Trainer,
     WeightVersionSampler,
 )
 from lora_parity.evidence.receipt import AdapterVersion, SyncModeName
-from lora_parity.models import export_check
-from lora_parity.models.config import ModelConfig
 from lora_parity.util.errors import ConfigError
 
 SYNC_MODES: tuple[str, ...] = get_args(SyncModeName)
@@ -34,7 +31,6 @@ SYNC_MODES: tuple[str, ...] = get_args(SyncModeName)
 class SyncContext(Protocol):
     """What a sync mode works on: the run's backends, its folder, and what was published so far."""
 
-    cfg: ModelConfig
     trainer: Trainer
     sampler: Sampler
     workdir: Path
@@ -85,18 +81,11 @@ class SyncMode:
             ctx.handle = None
 
 
-def _record(ctx: SyncContext, version: int, name: str, adapter_id: int, mode: str, start: float,
-            folder: Path | None = None) -> None:
-    """The published version; for the sync's (version 1) adapter folder, what it holds against the trainer's
-    tensors (`export_check`)."""
+def _record(ctx: SyncContext, version: int, name: str, adapter_id: int, mode: str, start: float) -> None:
     seconds = time.perf_counter() - start
     weights = ctx.sampler.weight_version() if isinstance(ctx.sampler, WeightVersionSampler) else None
-    differs = None
-    if folder is not None and version == 1 and isinstance(ctx.trainer, TensorReadingTrainer):
-        spec = ctx.cfg.adapter
-        differs = export_check.differences(folder, ctx.trainer.lora_tensors(), spec.rank, spec.alpha)
     ctx.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id, mode=mode, seconds=seconds,
-                                       weight_version=weights, file_differences=differs))
+                                       weight_version=weights))
     ctx.timings[f"publish.v{version}"] = seconds
 
 
@@ -137,7 +126,7 @@ class AdapterSync(SyncMode):
             adapter_id = ctx.first_adapter_id + version
             name = f"lora-parity-{adapter_id}-v{version}"
         handle = self.load(ctx, folder, name, adapter_id, self.load_inplace)
-        _record(ctx, version, name, adapter_id, self.name, start, folder)
+        _record(ctx, version, name, adapter_id, self.name, start)
         previous, ctx.handle = ctx.handle, handle
         # The version the sync replaces stays loaded until `old_after_sync` has scored it (`keeps_versions`; a
         # sampler on the trainer's own service has phases of its own for that).
