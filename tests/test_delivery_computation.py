@@ -27,18 +27,20 @@ def _split(flat: list[float], lengths: tuple[int, ...] = LENGTHS) -> list[list[f
 
 def scenario(seed: int = 0, scale: float = 1.0, noise: float = 0.03, swap: tuple[str, str] | None = None,
              engine_off: int = 0, synced: bool = True, lengths: tuple[int, ...] = LENGTHS,
-             size: float = 0.4, layer_groups: dict[str, float] | None = None) -> dict[str, list[list[float]]]:
+             size: float = 0.4, layer_groups: dict[str, float] | None = None,
+             trainer_off: float = 0.0) -> dict[str, list[list[float]]]:
     """Scores of one run: `scale` of the trainer's change reaches the sampler in every phase, each side adds
     its own error of std `noise` at every point, `swap` exchanges two targets' changes on the sampler,
     `engine_off` tokens of the synced sampler are 2.5 nats off, `synced` False keeps the stale sampler,
-    `layer_groups` adds per-layer runs, each made at its given share by the sampler."""
+    `layer_groups` adds per-layer runs, each made at its given share by the sampler, `trainer_off` adds an
+    error of that std to the trainer at every end point (a trainer less precise than the engine there)."""
     layer_groups = layer_groups or {}  # per-layer runs (`kind@first-last`) and the share of each the engine makes
     rng = random.Random(seed)
     n = sum(lengths)
     base = [-rng.uniform(0.2, 6.0) for _ in range(n)]
 
-    def err() -> list[float]:
-        return [rng.gauss(0.0, noise) for _ in range(n)]
+    def err(extra: float = 0.0) -> list[float]:
+        return [rng.gauss(0.0, noise) + (rng.gauss(0.0, extra) if extra else 0.0) for _ in range(n)]
 
     def change() -> list[float]:
         return [rng.gauss(0.0, size) for _ in range(n)]
@@ -51,7 +53,7 @@ def scenario(seed: int = 0, scale: float = 1.0, noise: float = 0.03, swap: tuple
     scores["zero"] = scores["zero_repeat"] = at([0.0] * n, zero_s)
     scores["trainer_zero"] = scores["trainer_zero_repeat"] = at([0.0] * n, zero_t)
     d = change()
-    scores["trainer_updated"] = at(d, [a + b for a, b in zip(zero_t, err(), strict=True)])
+    scores["trainer_updated"] = at(d, [a + b for a, b in zip(zero_t, err(trainer_off), strict=True)])
     scores["reference_fp32_updated"] = at(d, [0.0] * n)
     scores["stale"] = scores["zero"]
     updated = [a + b for a, b in zip(zero_s, err(), strict=True)]
@@ -63,7 +65,8 @@ def scenario(seed: int = 0, scale: float = 1.0, noise: float = 0.03, swap: tuple
     changes = {kind: change() for kind in (*TARGETS, *layer_groups)}
     for kind in (*TARGETS, *layer_groups):
         served = changes[swap[1] if swap and kind == swap[0] else swap[0] if swap and kind == swap[1] else kind]
-        scores[f"target.{kind}.trainer"] = at(changes[kind], [a + b for a, b in zip(zero_t, err(), strict=True)])
+        scores[f"target.{kind}.trainer"] = at(changes[kind], [a + b for a, b in zip(zero_t, err(trainer_off),
+                                                                                 strict=True)])
         share = scale * layer_groups.get(kind, 1.0)
         scores[f"target.{kind}.sampler"] = at(served, [a + b for a, b in zip(zero_s, err(), strict=True)], share)
         scores[f"target.{kind}.reference"] = at(changes[kind], [0.0] * n)
@@ -154,6 +157,35 @@ def test_delivery_failures_stay_delivery_failures() -> None:
     assert ev.verdicts.sync.verdict == Verdict.FAIL
     # No finding claims delivery, and a sampler that never moved is not called a scale (C's own lines say why).
     assert findings.findings(scenario(synced=False), ev.checks, sequences(), True) == []
+
+
+@pytest.mark.unit
+def test_c_and_t_are_triangulated_the_trainers_precision_is_not_held_against_the_engine() -> None:
+    """delta_reference: where the fp32 reference was scored at each end point, C.delta and T.* compare the
+    sampler's change with fp32's; a trainer less precise than the engine there no longer fails the engine, and
+    what the engine gets wrong still fails, the side named."""
+    old = BF16.model_copy(update={"noise": BF16.noise.model_copy(update={"delta_reference": False})})
+    scores = scenario(trainer_off=0.12)
+    before = judged(scores, old)[1]
+    assert any(before[i] == CheckStatus.FAIL for i in ("C.delta.cosine", *(f"T.{k}.cosine" for k in TARGETS)))
+    ev, status = judged(scores)
+    assert not [i for i, s in status.items() if s == CheckStatus.FAIL], status
+    d = ev.deltas["C.delta"]
+    assert d.reference_to == "reference_fp32_updated" and d.trainer_rel_l2 > d.rel_l2
+    assert "the trainer's own" in ev.thresholds["C.delta.cosine"].rule
+    # A swap still fails both targets, and the reason says the engine is off the true change, not the trainer.
+    swapped = judged(scenario(trainer_off=0.12, swap=("k_proj", "v_proj")))[0]
+    failed = {c.id: c for c in swapped.checks if c.status == CheckStatus.FAIL}
+    assert {"T.k_proj.cosine", "T.v_proj.cosine"} <= set(failed)
+    assert "the engine is off" in failed["T.k_proj.cosine"].reason
+    # A trainer that computes its own change far off the true one (dropout on, another scale) is named, as numerics.
+    off = judged(scenario(trainer_off=0.3))[0]
+    failed = {c.id: c for c in off.checks if c.status == CheckStatus.FAIL}
+    assert "C.delta.trainer" in failed and "the trainer is off" in failed["C.delta.trainer"].reason
+    assert off.verdicts.numerics.verdict == Verdict.FAIL and off.verdicts.sync.verdict == Verdict.PASS
+    # Without the fp32 reference at the end points the deltas compare the two sides as before.
+    bare = {k: v for k, v in scores.items() if not (k.endswith(".reference") or k == "reference_fp32_updated")}
+    assert all(d.reference_to is None for d in judged(bare)[0].deltas.values())
 
 
 @pytest.mark.unit

@@ -93,6 +93,18 @@ class DeltaStats(Strict):
     """‖Δsampler‖."""
     trainer_norm: float
     """‖Δtrainer‖."""
+    reference_to: str | None = None
+    """The fp32 reference phase at the change's end point, where C and T are triangulated
+    (`NoiseRule.delta_reference`): then cosine, scale and rel_l2 compare Δsampler with Δfp32 (`reference_fp32` to
+    it: what both sides approximate). None: they compare Δsampler with Δtrainer (and in receipts made before it)."""
+    reference_norm: float | None = None
+    """‖Δfp32‖, where triangulated."""
+    trainer_cosine: float | None = None
+    """cosine(Δtrainer, Δfp32), where triangulated: the trainer's own precision at this point."""
+    trainer_scale: float | None = None
+    """‖Δtrainer‖ / ‖Δfp32‖, where triangulated."""
+    trainer_rel_l2: float | None = None
+    """‖Δtrainer - Δfp32‖ / ‖Δfp32‖, where triangulated: what one bf16 side's change is off the true one here."""
 
 
 class Check(Strict):
@@ -263,6 +275,14 @@ class NoiseRule(Strict):
     updated_reference: bool = False
     """C's mean and p99 also allow the trainer's distance from the fp32 reference at the updated point
     (`reference_fp32_updated`; `thresholds._updated_parity`). False in receipts made before it."""
+    delta_reference: bool = False
+    """C.delta's and each target's direction, scale and rel_l2 compare Δsampler with the fp32 reference's change
+    where it was scored at the end point (`DeltaStats.reference_to`), within the start point's noise or the factor
+    (`a_triangulation.factor`) × the trainer's own distance from that change, whichever is larger: the trainer's
+    precision no longer counts against the engine, and a deviation names the side that is off. False in receipts
+    made before it: on the H200 (SmolLM2-135M bf16, a user's adapter, seed 6) T.o_proj.cosine failed 0.910
+    against 0.938 on a sync the exact check and the exact reference proved, the trainer 0.262 off fp32's change
+    and the engine 0.306."""
 
 
 class Budgets(Strict):

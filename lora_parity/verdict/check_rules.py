@@ -37,8 +37,10 @@ class Threshold:
 
 
 def group_of(check_id: str) -> str:
-    """'numerics' for A's parity, fp32 and repeat-noise checks, else 'sync'."""
-    return "numerics" if check_id.startswith(NUMERICS_PREFIXES) else "sync"
+    """'numerics' for A's parity, fp32 and repeat-noise checks and the trainer's own change against fp32's
+    (C.delta.trainer, T.K.trainer: never a delivery question), else 'sync'."""
+    trainer_own = check_id.endswith(".trainer") and check_id.startswith(("C.delta.", "T."))
+    return "numerics" if check_id.startswith(NUMERICS_PREFIXES) or trainer_own else "sync"
 
 
 def _group_verdict(checks: Sequence[Check], errored: bool) -> GroupVerdict:
@@ -158,20 +160,27 @@ def farther_side(trainer_fp32: ComparisonStats, sampler_fp32: ComparisonStats, f
 
 @dataclass(frozen=True)
 class DeltaThresholds:
-    """Thresholds of one delta's cosine, scale error and rel_l2 checks."""
+    """Thresholds of one delta's cosine, scale error and rel_l2 checks (and, triangulated, the trainer's own)."""
 
     cosine: Threshold
     scale: Threshold
     rel_l2: Threshold
     undecidable: bool = False
     """kε/|t| >= 1: noise could turn the change any way, so neither pass nor fail can be claimed."""
+    trainer: Threshold | None = None
+    """Triangulated (`NoiseRule.delta_reference`): the trainer's own rel_l2 from the fp32 change at most the noise
+    ratio + factor × the engine's (a trainer that computes its own change wrongly: dropout on, another scale)."""
 
 
 def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm: float | None,
-                     relative: float = 0.0) -> DeltaThresholds:
+                     relative: float = 0.0, precision: float | None = None,
+                     engine: float | None = None) -> DeltaThresholds:
     """Fixed budgets, loosened to what noise of norm k·ε can explain (budgets.target_noise_k): with
     r = min(1, kε/|t| + relative), cosine >= min(min_delta_cosine, cos(asin(r))) and scale, rel_l2 <=
-    max(budget, r). `relative`: the error the change itself carries (the noise rule's relative_k × ρ)."""
+    max(budget, r). `relative`: the error the change itself carries (the noise rule's relative_k × ρ).
+    Triangulated (|t| then ‖Δfp32‖; `precision` and `engine`: the trainer's and the engine's rel_l2 from the fp32
+    change): r is at least a_triangulation.factor × the trainer's (the engine may be that many times as far off
+    the true change as the trainer), and the trainer's own is judged against r + factor × the engine's."""
     k = budgets.target_noise_k
     fixed = DeltaThresholds(Threshold(budgets.min_delta_cosine), Threshold(budgets.max_delta_scale_error),
                             Threshold(budgets.max_delta_rel_l2))
@@ -180,6 +189,17 @@ def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm:
     ratio = k * zero_init_l2 / trainer_norm + relative
     note = f"noise allows {k:g} x {zero_init_l2:.3g} / {trainer_norm:.3g}"
     note = f"{note} + {relative:.3g} = {ratio:.3g}" if relative else f"{note} = {ratio:.3g}"
+    factor = budgets.a_triangulation.factor if budgets.a_triangulation is not None else None
+    trainer = None
+    if precision is not None and factor is not None:
+        if engine is not None:
+            trainer = Threshold(ratio + factor * engine, f"{note} + {factor:g} x the engine's own {engine:.3g} off "
+                                                         f"the fp32 change")
+        if factor * precision > ratio:
+            ratio, note = factor * precision, (f"{factor:g} x the trainer's own {precision:.3g} off the fp32 change "
+                                               f"(above what {note})")
+        else:
+            note = f"{note} (the trainer's own {precision:.3g} off the fp32 change x {factor:g} is less)"
     cosine = math.cos(math.asin(min(1.0, ratio)))
     undecidable = ratio >= 1.0
 
@@ -191,4 +211,5 @@ def delta_thresholds(budgets: Budgets, zero_init_l2: float | None, trainer_norm:
         loosen(fixed.scale, ratio, ratio > budgets.max_delta_scale_error),
         loosen(fixed.rel_l2, ratio, ratio > budgets.max_delta_rel_l2),
         undecidable=undecidable,
+        trainer=trainer,
     )

@@ -43,7 +43,7 @@ from lora_parity.verdict import check_rules, engine_state, exact_reference, stat
 from lora_parity.verdict import thresholds as _thresholds
 from lora_parity.verdict.deltas import DELTAS as DELTAS  # re-exported: the delta specs live in deltas
 from lora_parity.verdict.deltas import TARGET_PREFIX as TARGET_PREFIX
-from lora_parity.verdict.deltas import delta_specs, update_slopes
+from lora_parity.verdict.deltas import delta_specs, reference_at, update_slopes
 from lora_parity.verdict.deltas import target_delta_spec as target_delta_spec
 from lora_parity.verdict.deltas import target_kinds as target_kinds
 
@@ -107,10 +107,23 @@ def compute_comparisons(
     return out
 
 
-def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]]) -> dict[str, DeltaStats]:
-    """Delta agreement of C and of every per-target coverage run whose phases were scored."""
+def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]], against_reference: bool = False
+                   ) -> dict[str, DeltaStats]:
+    """Delta agreement of C and of every per-target coverage run whose phases were scored; with
+    `against_reference` (`NoiseRule.delta_reference`), where the fp32 reference was scored at a change's end
+    point, Δsampler against Δfp32 and the trainer's own agreement with it (`DeltaStats.reference_to`)."""
     out: dict[str, DeltaStats] = {}
     for name, (sf, st, tf, tt) in delta_specs(scores).items():
+        ref = reference_at(name)
+        if against_reference and "reference_fp32" in scores and ref in scores:
+            s = stats.delta_agreement(scores[sf], scores[st], scores["reference_fp32"], scores[ref])
+            t = stats.delta_agreement(scores[tf], scores[tt], scores["reference_fp32"], scores[ref])
+            out[name] = DeltaStats(
+                sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, cosine=s["cosine"], scale=s["scale"],
+                rel_l2=s["rel_l2"], sampler_norm=s["sampler_norm"], trainer_norm=t["sampler_norm"],  # type: ignore[arg-type]
+                reference_to=ref, reference_norm=s["trainer_norm"], trainer_cosine=t["cosine"], trainer_scale=t["scale"],
+                trainer_rel_l2=t["rel_l2"])
+            continue
         d = stats.delta_agreement(scores[sf], scores[st], scores[tf], scores[tt])
         out[name] = DeltaStats(sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, **d)  # type: ignore[arg-type]
     return out
@@ -332,17 +345,32 @@ def _delta_checks(
     reached = delta is not None
     cosine, scale, rel = (th[f"{prefix}.{k}"] for k in ("cosine", "scale", "rel_l2"))
     undecidable = "noise as large as the change explains any direction and scale" if cosine.undecidable else None
-    c.add(f"{prefix}.cosine", "Δsampler points the same way as Δtrainer", delta.cosine if delta else None, ">=",
-          cosine.budget, why or "sampler moved in another direction", reached=reached, failing=failing,
+    # triangulated (NoiseRule.delta_reference): against the fp32 reference's change, the side named on failure
+    to, side = ("Δfp32", _side(delta)) if delta is not None and delta.reference_to is not None else ("Δtrainer", "")
+    c.add(f"{prefix}.cosine", f"Δsampler points the same way as {to}", delta.cosine if delta else None, ">=",
+          cosine.budget, why or f"sampler moved in another direction{side}", reached=reached, failing=failing,
           note=cosine.note, undecidable=undecidable)
     scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
-    c.add(f"{prefix}.scale", "|‖Δsampler‖/‖Δtrainer‖ - 1| within budget", scale_err, "<=",
-          scale.budget, why or "sampler moved by another amount", reached=reached, failing=failing,
+    c.add(f"{prefix}.scale", f"|‖Δsampler‖/‖{to}‖ - 1| within budget", scale_err, "<=",
+          scale.budget, why or f"sampler moved by another amount{side}", reached=reached, failing=failing,
           note=scale.note, undecidable=undecidable)
     if rel_l2:
-        c.add(f"{prefix}.rel_l2", "‖Δsampler - Δtrainer‖/‖Δtrainer‖ within budget", delta.rel_l2 if delta else None,
-              "<=", rel.budget, "sampler's change differs from trainer's", reached=reached,
-              failing=failing, note=rel.note, undecidable=undecidable)
+        c.add(f"{prefix}.rel_l2", f"‖Δsampler - {to}‖/‖{to}‖ within budget", delta.rel_l2 if delta else None,
+              "<=", rel.budget, f"sampler's change differs from the fp32 reference's{side}" if side else "sampler's change differs from trainer's",
+              reached=reached, failing=failing, note=rel.note, undecidable=undecidable)
+    own = th.get(f"{prefix}.trainer")
+    if side and own is not None and delta is not None:  # the trainer's own change against the true one (numerics)
+        c.add(f"{prefix}.trainer", "‖Δtrainer - Δfp32‖/‖Δfp32‖ within the noise + factor x the engine's",
+              delta.trainer_rel_l2, "<=", own.budget, f"the trainer's own change is off the fp32 reference's{side}",
+              note=own.note)
+
+
+def _side(delta: DeltaStats) -> str:
+    """Which side is off the fp32 reference's change, in words, for a triangulated delta check's failure."""
+    if delta.rel_l2 is None or delta.trainer_rel_l2 is None:
+        return ""
+    return (f" (the engine's change is {delta.rel_l2:.3g} off the fp32 reference's, the trainer's "
+            f"{delta.trainer_rel_l2:.3g}: the {'engine' if delta.rel_l2 > delta.trainer_rel_l2 else 'trainer'} is off)")
 
 
 def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:
@@ -362,7 +390,7 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     """Comparisons, deltas, the noise model and every threshold (derived first, as data), then the
     checks and the verdict, from raw scores and budgets."""
     comparisons = compute_comparisons(scores, budgets) | exact_reference.comparisons(scores, budgets)
-    deltas = compute_deltas(scores)
+    deltas = compute_deltas(scores, budgets.noise is not None and budgets.noise.delta_reference)
     noise = _thresholds.noise_model(scores, comparisons)
     after = {k: COMPARISONS[k] for k in ("C.trainer_vs_sampler", *(key for key, _ in GENERATION_PARITY.values()))}
     slope, each, against_reference = update_slopes(scores)

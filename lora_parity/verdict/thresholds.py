@@ -181,12 +181,14 @@ def stimulus(budgets: Budgets, a: ComparisonStats | None, noise: NoiseModel | No
 
 
 def delta(budgets: Budgets, noise_l2: float | None, trainer_norm: float | None,
-          noise: NoiseModel | None) -> check_rules.DeltaThresholds:
-    """Direction, scale and rel_l2 thresholds of one delta (C.delta, T.*)."""
+          noise: NoiseModel | None, precision: float | None = None,
+          engine: float | None = None) -> check_rules.DeltaThresholds:
+    """Direction, scale and rel_l2 thresholds of one delta (C.delta, T.*); `precision`, `engine`: where
+    triangulated, the trainer's and the engine's rel_l2 from the fp32 change (`trainer_norm` is then ‖Δfp32‖)."""
     relative = 0.0
     if budgets.noise is not None and noise is not None:
         relative = budgets.noise.relative_k * noise.relative
-    return check_rules.delta_thresholds(budgets, noise_l2, trainer_norm, relative)
+    return check_rules.delta_thresholds(budgets, noise_l2, trainer_norm, relative, precision, engine)
 
 
 def batching_l2(scores: Mapping[str, ScoreArray]) -> float | None:
@@ -337,9 +339,14 @@ def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: Noise
         eps = noise_l2
         if name == "C.delta" and batching is not None and noise_l2 is not None:
             eps = max(noise_l2, batching)
-        th = delta(budgets, eps, d.trainer_norm, noise)
+        if d.reference_to is not None:  # triangulated: Δsampler against Δfp32, the trainer's own distance allowed
+            th = delta(budgets, eps, d.reference_norm, noise, d.trainer_rel_l2, d.rel_l2)
+        else:
+            th = delta(budgets, eps, d.trainer_norm, noise)
         prefix = name if name == "C.delta" else f"T.{name[len(TARGET_PREFIX):]}"
         out[f"{prefix}.cosine"], out[f"{prefix}.scale"], out[f"{prefix}.rel_l2"] = th.cosine, th.scale, th.rel_l2
+        if th.trainer is not None:
+            out[f"{prefix}.trainer"] = th.trainer
         if prefix.startswith("T."):
             out[f"{prefix}.moved"] = moved
     return out
