@@ -287,3 +287,24 @@ def test_the_report_states_the_runs_detection_limit() -> None:
     line = detection_limit(SimpleNamespace(checks=ev.checks))  # type: ignore[arg-type]
     assert line is not None and f"a scale error of {100 * slope.budget:.1f} % or more" in line
     assert detection_limit(SimpleNamespace(checks=[c for c in ev.checks if c.id != "C.slope"])) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+def test_every_check_records_how_many_elements_it_compared_and_none_passes_on_nothing() -> None:
+    """Check.elements: the positions each check compared (a pooled slope: positions x its runs); a check handed
+    an empty set is not run, never passed, and the verdict cannot be a pass."""
+    ev, _ = judged(scenario())
+    positions = sum(LENGTHS)
+    by_id = {c.id: c for c in ev.checks}
+    assert by_id["A.parity.max"].elements == by_id["C.parity.mean"].elements == positions
+    assert by_id["X.sync.identical"].elements == by_id["T.q_proj.cosine"].elements == positions
+    assert by_id["C.slope"].elements == positions * (1 + len(TARGETS))
+    assert all(c.elements for c in ev.checks if c.status != CheckStatus.NOT_REACHED), \
+        [c.id for c in ev.checks if not c.elements]
+    c = checks._Checker()
+    c.add("Z.empty", "a comparison over nothing", 0.0, "<=", 1.0, "differs", n=0)
+    c.add("Z.some", "a comparison over one", 0.0, "<=", 1.0, "differs", n=1)
+    empty, some = c.checks
+    assert empty.status == CheckStatus.NOT_REACHED and "compared nothing" in empty.reason and empty.elements == 0
+    assert some.status == CheckStatus.PASS and some.elements == 1
+    assert checks.verdict_of(c.checks, errored=False) == Verdict.INCONCLUSIVE

@@ -142,6 +142,9 @@ def test_a_file_rounded_to_its_dtype_is_the_trainers_and_one_moved_further_is_no
         "BF16", [2, 2], [v * 1.02 for v in values])})
     assert export_check.differences(folder, {"x.lora_A.weight": raw}, 2, 4.0) == [
         "1 tensors with other values: x.lora_A.weight"]
+    # Handed nothing to compare (a payload dropped on the way), the file side never reads as "exactly the trainer's".
+    af.write_adapter(folder, {"r": 2, "lora_alpha": 4}, {})
+    assert export_check.differences(folder, {}, 2, 4.0) == ["nothing compared: the trainer handed no LoRA tensors"]
     names = ["m.layers.1.mlp.down_proj.lora_B.weight", "m.layers.2.self_attn.q_proj.lora_B.weight",
              "m.layers.4.mlp.down_proj.lora_B.weight"]
     assert export_check.where(names) == "layers 1-2, 4; modules down_proj, q_proj (lora_B)"

@@ -124,6 +124,9 @@ class Check(Strict):
     """How observed is compared with budget."""
     reason: str
     """Why it has its status, in one line."""
+    elements: int | None = None
+    """How many elements it compared: scored positions (a pooled slope: positions x the runs it pools). A check
+    over none is not run, never passed. None in receipts made before it was recorded."""
 
 
 class WorstPosition(Strict):

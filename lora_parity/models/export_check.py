@@ -28,6 +28,8 @@ def differences(folder: Path, trainer: Mapping[str, RawTensor], rank: int, alpha
         out.append(f"lora_alpha is {config.get('lora_alpha')!r}, the trainer's {alpha:g}")
     if config.get("use_rslora"):
         out.append("use_rslora is on (alpha/sqrt(r)); the trainer scales by alpha/r")
+    if not trainer:  # a comparison over nothing proves nothing (a checksum dropped on the way reads as "verified")
+        out.append("nothing compared: the trainer handed no LoRA tensors")
     missing, extra = sorted(set(trainer) - set(tensors)), sorted(set(tensors) - set(trainer))
     other = [n for n in sorted(set(trainer) & set(tensors)) if not _same(tensors[n], trainer[n])]
     for names, what in ((missing, "missing"), (extra, "not the trainer's"), (other, "with other values")):

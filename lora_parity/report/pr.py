@@ -198,9 +198,9 @@ def _equal_cell(equal: float | None) -> str:
 
 
 def _checks_table(checks: Sequence[Check]) -> Table:
-    return Table(["check", "observed", "threshold", "status", "reason"],
-                 [[c.id, fmt_num(c.observed), threshold(c), c.status.value.replace("_", " "), c.reason]
-                  for c in checks])
+    return Table(["check", "observed", "threshold", "compared", "status", "reason"],
+                 [[c.id, fmt_num(c.observed), threshold(c), "—" if c.elements is None else str(c.elements),
+                   c.status.value.replace("_", " "), c.reason] for c in checks])
 
 
 def _failing_table(checks: Sequence[Check]) -> Table:

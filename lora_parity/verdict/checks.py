@@ -148,11 +148,15 @@ class _Checker:
         failing: CheckStatus = CheckStatus.FAIL,
         note: str | None = None,
         undecidable: str | None = None,
+        n: int | None = None,
     ) -> None:
         """`note` says how a budget derived from measurements was derived; it ends the reason.
-        `undecidable` (a reason) makes a reached check inconclusive whatever it observed."""
+        `undecidable` (a reason) makes a reached check inconclusive whatever it observed. `n`: the elements it
+        compared (`Check.elements`); a check over none is not run, whatever it observed."""
         if not reached:
             status, reason = CheckStatus.NOT_REACHED, "not reached: the phases it needs did not run"
+        elif n == 0:
+            status, reason = CheckStatus.NOT_REACHED, "not run: it compared nothing (0 elements)"
         elif observed is None:
             status, reason = failing, f"{fail_reason} (undefined: no change to compare)"
         else:
@@ -164,8 +168,14 @@ class _Checker:
                 status, reason = CheckStatus.INCONCLUSIVE, f"{undecidable}: {verdict}"
             reason = f"{reason} ({note})" if note else reason
         self.checks.append(
-            Check(id=id, name=name, status=status, observed=observed, budget=budget, op=op, reason=reason)  # type: ignore[arg-type]
+            Check(id=id, name=name, status=status, observed=observed, budget=budget, op=op, reason=reason,  # type: ignore[arg-type]
+                  elements=n if reached else None)
         )
+
+
+def _n(cmp: ComparisonStats | None) -> int | None:
+    """The elements a comparison compared (its positions), None where it was not made."""
+    return cmp.n if cmp is not None else None
 
 
 def _parity(
@@ -175,7 +185,8 @@ def _parity(
     for short, stat in check_rules.STATS:
         t = thresholds[f"{prefix}.parity.{short}"]
         c.add(f"{prefix}.parity.{short}", f"{what}: {short} |diff| within budget", getattr(cmp, stat) if cmp else None,
-              "<=", t.budget, (why or {}).get(short, f"{what} disagree"), reached=cmp is not None, note=t.note)
+              "<=", t.budget, (why or {}).get(short, f"{what} disagree"), reached=cmp is not None, note=t.note,
+              n=_n(cmp))
 
 
 def _check_a_parity(c: _Checker, get: Any, th: Mapping[str, check_rules.Threshold], budgets: Budgets,
@@ -193,7 +204,8 @@ def _check_a_parity(c: _Checker, get: Any, th: Mapping[str, check_rules.Threshol
     for side, cmp in (("trainer", tf), ("sampler", sf)):
         for short, stat in check_rules.STATS:
             c.add(f"A.fp32.{side}.{short}", f"{side} {start} vs fp32 reference: {short} |diff| within ceiling",
-                  getattr(cmp, stat), "<=", th[f"A.fp32.{side}.{short}"].budget, f"the {side} is far from fp32")
+                  getattr(cmp, stat), "<=", th[f"A.fp32.{side}.{short}"].budget, f"the {side} is far from fp32",
+                  n=cmp.n)
     if "A.fp32.balance" in th:
         t = th["A.fp32.balance"]
         farther = "sampler" if sf.mean_abs > tf.mean_abs else "trainer"
@@ -201,7 +213,7 @@ def _check_a_parity(c: _Checker, get: Any, th: Mapping[str, check_rules.Threshol
               max(tf.mean_abs, sf.mean_abs), "<=", t.budget,
               f"the {farther} is much farther from fp32 than the other side (trainer {tf.mean_abs:.4g}, sampler "
               f"{sf.mean_abs:.4g}): more than one precision explains; the two sides start from different adapters "
-              "or weights", note=t.note)
+              "or weights", note=t.note, n=min(tf.n, sf.n))
 
 
 def compute_checks(
@@ -224,14 +236,14 @@ def compute_checks(
         cmp = get(key)
         c.add(f"A.noise.{side}_repeat", f"{side} repeat noise bounded", cmp.max_abs if cmp else None, "<=",
               th[f"A.noise.{side}_repeat"].budget, f"{side} scores the same state differently twice",
-              reached=cmp is not None)
+              reached=cmp is not None, n=_n(cmp))
     _adapter_noop_check(c, comparisons, th)
 
     # B: the unpublished update is invisible, and the update is big enough to be caught.
     cmp = get("B.stale_vs_zero")
     c.add("B.withheld", f"sampler: unpublished update invisible (stale = {start})", cmp.max_abs if cmp else None,
           "<=", th["B.withheld"].budget, "unpublished update visible to the sampler", reached=cmp is not None,
-          note=th["B.withheld"].note)
+          note=th["B.withheld"].note, n=_n(cmp))
     # The noise rule judges the trainer's own change (a frozen trainer shows none, whatever A's noise);
     # receipts made before it judged the updated trainer against the stale sampler.
     own = budgets.noise is not None
@@ -239,7 +251,7 @@ def compute_checks(
     c.add("B.stimulus", ("trainer's own change" if own else "updated trainer vs stale sampler") +
           ": missing sync detectable", cmp.mean_abs if cmp else None, ">=", th["B.stimulus"].budget,
           "stimulus too small to detect a missing sync", reached=cmp is not None, failing=CheckStatus.INCONCLUSIVE,
-          note=th["B.stimulus"].note)
+          note=th["B.stimulus"].note, n=_n(cmp))
     no_stimulus = c.checks[-1].status == CheckStatus.INCONCLUSIVE
     # Without a stimulus, "did both sides move the same way" has no answer: inconclusive, not fail.
     moved_failing = CheckStatus.INCONCLUSIVE if no_stimulus else CheckStatus.FAIL
@@ -249,15 +261,18 @@ def compute_checks(
     cmp = get("C.sampler_repeat")
     c.add("C.noise.sampler_repeat", "sampler repeat noise bounded after sync", cmp.max_abs if cmp else None, "<=",
           th["C.noise.sampler_repeat"].budget, "sampler scores the synced adapter differently twice",
-          reached=cmp is not None)
+          reached=cmp is not None, n=_n(cmp))
     for side, key in (("sampler", "C.sampler_change"), ("trainer", "C.trainer_change")):
         cmp = get(key)
         c.add(f"C.moved.{side}", f"{side} changed from {start} to updated (above noise)",
               cmp.mean_abs if cmp else None, ">", th[f"C.moved.{side}"].budget, f"{side} did not move",
-              reached=cmp is not None, failing=moved_failing, note=th[f"C.moved.{side}"].note)
-    _delta_checks(c, "C.delta", deltas.get("C.delta"), th, moved_failing)
+              reached=cmp is not None, failing=moved_failing, note=th[f"C.moved.{side}"].note, n=_n(cmp))
+    tokens = _n(get("C.trainer_change"))  # every delta is over the probe positions
+    _delta_checks(c, "C.delta", deltas.get("C.delta"), th, moved_failing, n=tokens)
     if "C.slope" in th:
-        _slope_check(c, slope, th["C.slope"], "C.delta" in deltas, moved_failing)
+        runs = sum(1 for name in deltas if name == "C.delta" or name.startswith(TARGET_PREFIX))
+        _slope_check(c, slope, th["C.slope"], "C.delta" in deltas, moved_failing,
+                     n=tokens * runs if tokens is not None else None)
 
     _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th)
     exact_reference.add_checks(c, comparisons)
@@ -271,17 +286,17 @@ def compute_checks(
         kind = name[len(TARGET_PREFIX) :]
         c.add(f"T.{kind}.moved", f"target {kind}: sampler moved when only {kind} was updated",
               delta.sampler_norm, ">", th[f"T.{kind}.moved"].budget, f"target {kind} does not reach the sampler",
-              note=th[f"T.{kind}.moved"].note)
+              note=th[f"T.{kind}.moved"].note, n=tokens)
         snr, why = budgets.min_target_snr, None
         if snr is not None and noise_l2 is not None and delta.trainer_norm < snr * noise_l2:
             why = (f"target {kind}'s own effect (‖Δtrainer‖ {delta.trainer_norm:.3g}) is below {snr:g}x the "
                    f"{start} disagreement ({noise_l2:.3g}), so its direction is lost in the noise")
         if "@" not in kind:  # a per-layer run is judged by its slope alone (`layer_coverage`)
             _delta_checks(c, f"T.{kind}", delta, th, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
-                          rel_l2=False, why=why)
+                          rel_l2=False, why=why, n=tokens)
         if f"T.{kind}.slope" in th:
             _slope_check(c, (target_slopes or {}).get(name), th[f"T.{kind}.slope"], True, CheckStatus.FAIL,
-                         f"T.{kind}.slope", f"target {kind}")
+                         f"T.{kind}.slope", f"target {kind}", n=tokens)
 
     # S: querying the old sampling client again leaves the trainer's weights alone. Only where
     # those phases were scored (samplers that share the trainer's service); absent elsewhere.
@@ -293,25 +308,25 @@ def compute_checks(
         c.add("S.trainer_kept", "trainer keeps its update after the old sampling client is queried again",
               kept.max_abs, "<=", trainer_noise,
               f"querying an old sampling client {'reverted' if reverted else 'changed'} the trainer's weights",
-              note=th["S.trainer_kept"].note)
+              note=th["S.trainer_kept"].note, n=kept.n)
     _prefix_cache_checks(c, get("P.trainer_vs_cached"), th)
     generation_checks(c, comparisons, th)
     return c.checks
 
 
 def _slope_check(c: _Checker, slope: stats.Slope | None, t: check_rules.Threshold, reached: bool,
-                 failing: CheckStatus, id: str = "C.slope", what: str = "pooled") -> None:
+                 failing: CheckStatus, id: str = "C.slope", what: str = "pooled", n: int | None = None) -> None:
     """C.slope (or a target's T.K.slope): the sampler makes the trainer's whole change, pooled over C and every
     per-target run (or in that run): |ratio − 1| within k standard errors + the floor (`thresholds.slope`).
     Where no uncertainty could be estimated it is inconclusive, never a pass."""
     name = f"the sampler makes the trainer's whole change ({what})"
     if slope is None:
         c.add(id, name, None, "<=", t.budget, "no slope: no change, or too few positions to estimate its "
-              "uncertainty", reached=reached, failing=CheckStatus.INCONCLUSIVE, note=t.note)
+              "uncertainty", reached=reached, failing=CheckStatus.INCONCLUSIVE, note=t.note, n=n)
         return
     ratio, se, _ = slope
     c.add(id, name, abs(ratio - 1), "<=", t.budget, f"the sampler makes {ratio:.4g} ± {se:.2g} of the trainer's "
-          "change", reached=reached, failing=failing, note=t.note)
+          "change", reached=reached, failing=failing, note=t.note, n=n)
 
 
 def _exact_sync_check(c: _Checker, fresh: ComparisonStats | None, repeat: ComparisonStats | None,
@@ -325,7 +340,7 @@ def _exact_sync_check(c: _Checker, fresh: ComparisonStats | None, repeat: Compar
     t = thresholds["X.sync.identical"]
     c.add("X.sync.identical", "synced sampler = the trainer's tensors loaded fresh, bit for bit", fresh.max_abs,
           "<=", t.budget, "the synced adapter is not the trainer's: its tensors, written independently and "
-          "loaded under a new name and id, score differently", note=t.note)
+          "loaded under a new name and id, score differently", note=t.note, n=fresh.n)
 
 
 def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,
@@ -338,7 +353,7 @@ def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,
 
 def _delta_checks(
     c: _Checker, prefix: str, delta: DeltaStats | None, th: Mapping[str, check_rules.Threshold],
-    failing: CheckStatus, rel_l2: bool = True, why: str | None = None,
+    failing: CheckStatus, rel_l2: bool = True, why: str | None = None, n: int | None = None,
 ) -> None:
     """Direction, scale (and rel_l2) of Δsampler vs Δtrainer; `why` replaces the failure reason. The
     thresholds are loosened to what the start point's noise explains (`thresholds.delta`)."""
@@ -349,20 +364,20 @@ def _delta_checks(
     to, side = ("Δfp32", _side(delta)) if delta is not None and delta.reference_to is not None else ("Δtrainer", "")
     c.add(f"{prefix}.cosine", f"Δsampler points the same way as {to}", delta.cosine if delta else None, ">=",
           cosine.budget, why or f"sampler moved in another direction{side}", reached=reached, failing=failing,
-          note=cosine.note, undecidable=undecidable)
+          note=cosine.note, undecidable=undecidable, n=n)
     scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
     c.add(f"{prefix}.scale", f"|‖Δsampler‖/‖{to}‖ - 1| within budget", scale_err, "<=",
           scale.budget, why or f"sampler moved by another amount{side}", reached=reached, failing=failing,
-          note=scale.note, undecidable=undecidable)
+          note=scale.note, undecidable=undecidable, n=n)
     if rel_l2:
         c.add(f"{prefix}.rel_l2", f"‖Δsampler - {to}‖/‖{to}‖ within budget", delta.rel_l2 if delta else None,
               "<=", rel.budget, f"sampler's change differs from the fp32 reference's{side}" if side else "sampler's change differs from trainer's",
-              reached=reached, failing=failing, note=rel.note, undecidable=undecidable)
+              reached=reached, failing=failing, note=rel.note, undecidable=undecidable, n=n)
     own = th.get(f"{prefix}.trainer")
     if side and own is not None and delta is not None:  # the trainer's own change against the true one (numerics)
         c.add(f"{prefix}.trainer", "‖Δtrainer - Δfp32‖/‖Δfp32‖ within the noise + factor x the engine's",
               delta.trainer_rel_l2, "<=", own.budget, f"the trainer's own change is off the fp32 reference's{side}",
-              note=own.note)
+              note=own.note, n=n)
 
 
 def _side(delta: DeltaStats) -> str:
@@ -460,9 +475,10 @@ def _adapter_noop_check(c: _Checker, comparisons: Mapping[str, ComparisonStats],
     if moved is not None:
         t = thresholds["A.adapter_moved"]
         c.add("A.adapter_moved", "sampler: the starting adapter moves it from the base model", moved.mean_abs, ">",
-              t.budget, "the starting adapter does not change the sampler's scores", note=t.note)
+              t.budget, "the starting adapter does not change the sampler's scores", note=t.note, n=moved.n)
         return
     cmp = comparisons.get("A.sampler_base_vs_zero")
     t = thresholds["A.zero_adapter_noop"]
     c.add("A.zero_adapter_noop", "sampler: zero-init adapter changes nothing vs base", cmp.max_abs if cmp else None,
-          "<=", t.budget, "the zero-init adapter changes the sampler's scores", reached=cmp is not None, note=t.note)
+          "<=", t.budget, "the zero-init adapter changes the sampler's scores", reached=cmp is not None, note=t.note,
+          n=_n(cmp))

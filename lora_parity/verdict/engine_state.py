@@ -40,8 +40,8 @@ def add_checks(c: Any, comparisons: Mapping[str, ComparisonStats], thresholds: M
             new = follows is not None and follows.max_abs <= t.budget
             c.add(check_id, "the replaced version, scored after the sync, still gives its stale scores",
                   cmp.max_abs, "<=", t.budget, "an old adapter's name serves " + (
-                      "the new weights" if new else "other weights than it was published with"), note=t.note)
+                      "the new weights" if new else "other weights than it was published with"), note=t.note, n=cmp.n)
         else:
             when = "the sync" if check_id == "D.base_kept" else "per-target coverage"
             c.add(check_id, f"the engine's base model after {when} gives its first base scores", cmp.max_abs,
-                  "<=", t.budget, f"{when} changed the engine's base model", note=t.note)
+                  "<=", t.budget, f"{when} changed the engine's base model", note=t.note, n=cmp.n)

@@ -60,7 +60,8 @@ def add_checks(c: Any, comparisons: Mapping[str, ComparisonStats]) -> None:
         name = check_id.removesuffix(".identical")
         point = "the updated point" if name == "E.updated" else f"target {name.removeprefix('E.target.')}"
         c.add(check_id, f"engine = exact reference at {point}, bit for bit", comparisons[name].max_abs, "<=", 0.0,
-              "the engine does not compute what its own operations compute with the trainer's tensors", note=NOTE)
+              "the engine does not compute what its own operations compute with the trainer's tensors", note=NOTE,
+              n=comparisons[name].n)
 
 
 def _slope(scores: Mapping[str, Sequence[Sequence[float]]], point: str) -> float | None:
