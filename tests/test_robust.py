@@ -220,6 +220,23 @@ def test_a_fixed_gpu_kv_cache_reaches_vllm_and_its_serve_line() -> None:
 
 
 @unit
+def test_the_adapters_dtype_on_the_engine_is_the_users_to_set() -> None:
+    """sampler.lora_dtype reaches vLLM in process, its serve line and the server's argv; unset, vLLM decides."""
+    from pathlib import Path
+
+    from lora_parity.backends.vllm_server import server_argv
+
+    cfg = config.load("tiny-qwen3")
+    assert "lora_dtype" not in engine_options(cfg, "m", cuda=True)
+    fp32 = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"lora_dtype": "float32"})})
+    options = engine_options(fp32, "m", cuda=True)
+    assert options["lora_dtype"] == "float32" and "--lora-dtype float32" in serve_command(options)
+    argv = server_argv(fp32, Path("ckpt"), 8123, cuda=True)
+    assert argv[argv.index("--lora-dtype") + 1] == "float32"
+    assert "--lora-dtype" not in server_argv(cfg, Path("ckpt"), 8123, cuda=True)
+
+
+@unit
 def test_megatron_shapes_refused_before_loading() -> None:
     hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

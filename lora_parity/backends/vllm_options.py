@@ -62,6 +62,8 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
     if lora:
         options.update(max_lora_rank=max_lora_rank(cfg.adapter.rank), max_loras=1,
                        lora_target_modules=list(cfg.adapter.targets))
+        if cfg.sampler.lora_dtype is not None:
+            options["lora_dtype"] = cfg.sampler.lora_dtype
     if cuda:
         options["gpu_memory_utilization"] = cfg.sampler.gpu_memory_utilization
         options["tensor_parallel_size"] = cfg.sampler.tensor_parallel_size

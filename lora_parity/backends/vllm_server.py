@@ -103,6 +103,8 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
         argv += ["--block-size", "32"]
     if cfg.sampler.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.sampler.lora_dtype is not None:
+        argv += ["--lora-dtype", cfg.sampler.lora_dtype]
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
     extra = os.environ.get("LORA_PARITY_VLLM_SERVER_ARGS")

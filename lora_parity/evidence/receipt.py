@@ -24,18 +24,9 @@ from lora_parity.evidence.receipt_models import Budgets as Budgets
 from lora_parity.evidence.receipt_models import Calibration as Calibration
 from lora_parity.evidence.receipt_models import CalibrationStep as CalibrationStep
 from lora_parity.evidence.receipt_models import (
-    Check as Check,
-)
-from lora_parity.evidence.receipt_models import (
     CheckStatus as CheckStatus,
 )
-from lora_parity.evidence.receipt_models import (
-    ComparisonStats as ComparisonStats,
-)
 from lora_parity.evidence.receipt_models import CRelative as CRelative
-from lora_parity.evidence.receipt_models import (
-    DeltaStats as DeltaStats,
-)
 from lora_parity.evidence.receipt_models import (
     ErrorBreakdown as ErrorBreakdown,
 )
@@ -59,9 +50,10 @@ from lora_parity.evidence.receipt_models import (
     Verdict as Verdict,
 )
 from lora_parity.evidence.receipt_models import Verdicts as Verdicts
-from lora_parity.evidence.receipt_models import (
-    WorstPosition as WorstPosition,
-)
+from lora_parity.evidence.receipt_stats import Check as Check
+from lora_parity.evidence.receipt_stats import ComparisonStats as ComparisonStats
+from lora_parity.evidence.receipt_stats import DeltaStats as DeltaStats
+from lora_parity.evidence.receipt_stats import WorstPosition as WorstPosition
 from lora_parity.util.errors import ReceiptError
 
 SCHEMA_VERSION = 1

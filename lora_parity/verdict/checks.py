@@ -41,6 +41,7 @@ from lora_parity.evidence.receipt import (
 )
 from lora_parity.verdict import check_rules, engine_state, exact_reference, stats
 from lora_parity.verdict import thresholds as _thresholds
+from lora_parity.verdict.change_checks import delta_checks, slope_check
 from lora_parity.verdict.deltas import DELTAS as DELTAS  # re-exported: the delta specs live in deltas
 from lora_parity.verdict.deltas import TARGET_PREFIX as TARGET_PREFIX
 from lora_parity.verdict.deltas import delta_specs, reference_at, update_slopes
@@ -121,8 +122,8 @@ def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]], against_refe
             out[name] = DeltaStats(
                 sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, cosine=s["cosine"], scale=s["scale"],
                 rel_l2=s["rel_l2"], sampler_norm=s["sampler_norm"], trainer_norm=t["sampler_norm"],  # type: ignore[arg-type]
-                reference_to=ref, reference_norm=s["trainer_norm"], trainer_cosine=t["cosine"], trainer_scale=t["scale"],
-                trainer_rel_l2=t["rel_l2"])
+                reference_to=ref, reference_norm=s["trainer_norm"], trainer_cosine=t["cosine"],
+                trainer_scale=t["scale"], trainer_rel_l2=t["rel_l2"])
             continue
         d = stats.delta_agreement(scores[sf], scores[st], scores[tf], scores[tt])
         out[name] = DeltaStats(sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, **d)  # type: ignore[arg-type]
@@ -268,10 +269,10 @@ def compute_checks(
               cmp.mean_abs if cmp else None, ">", th[f"C.moved.{side}"].budget, f"{side} did not move",
               reached=cmp is not None, failing=moved_failing, note=th[f"C.moved.{side}"].note, n=_n(cmp))
     tokens = _n(get("C.trainer_change"))  # every delta is over the probe positions
-    _delta_checks(c, "C.delta", deltas.get("C.delta"), th, moved_failing, n=tokens)
+    delta_checks(c, "C.delta", deltas.get("C.delta"), th, moved_failing, n=tokens)
     if "C.slope" in th:
         runs = sum(1 for name in deltas if name == "C.delta" or name.startswith(TARGET_PREFIX))
-        _slope_check(c, slope, th["C.slope"], "C.delta" in deltas, moved_failing,
+        slope_check(c, slope, th["C.slope"], "C.delta" in deltas, moved_failing,
                      n=tokens * runs if tokens is not None else None)
 
     _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th)
@@ -292,10 +293,10 @@ def compute_checks(
             why = (f"target {kind}'s own effect (‖Δtrainer‖ {delta.trainer_norm:.3g}) is below {snr:g}x the "
                    f"{start} disagreement ({noise_l2:.3g}), so its direction is lost in the noise")
         if "@" not in kind:  # a per-layer run is judged by its slope alone (`layer_coverage`)
-            _delta_checks(c, f"T.{kind}", delta, th, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
+            delta_checks(c, f"T.{kind}", delta, th, CheckStatus.FAIL if why is None else CheckStatus.INCONCLUSIVE,
                           rel_l2=False, why=why, n=tokens)
         if f"T.{kind}.slope" in th:
-            _slope_check(c, (target_slopes or {}).get(name), th[f"T.{kind}.slope"], True, CheckStatus.FAIL,
+            slope_check(c, (target_slopes or {}).get(name), th[f"T.{kind}.slope"], True, CheckStatus.FAIL,
                          f"T.{kind}.slope", f"target {kind}", n=tokens)
 
     # S: querying the old sampling client again leaves the trainer's weights alone. Only where
@@ -312,21 +313,6 @@ def compute_checks(
     _prefix_cache_checks(c, get("P.trainer_vs_cached"), th)
     generation_checks(c, comparisons, th)
     return c.checks
-
-
-def _slope_check(c: _Checker, slope: stats.Slope | None, t: check_rules.Threshold, reached: bool,
-                 failing: CheckStatus, id: str = "C.slope", what: str = "pooled", n: int | None = None) -> None:
-    """C.slope (or a target's T.K.slope): the sampler makes the trainer's whole change, pooled over C and every
-    per-target run (or in that run): |ratio − 1| within k standard errors + the floor (`thresholds.slope`).
-    Where no uncertainty could be estimated it is inconclusive, never a pass."""
-    name = f"the sampler makes the trainer's whole change ({what})"
-    if slope is None:
-        c.add(id, name, None, "<=", t.budget, "no slope: no change, or too few positions to estimate its "
-              "uncertainty", reached=reached, failing=CheckStatus.INCONCLUSIVE, note=t.note, n=n)
-        return
-    ratio, se, _ = slope
-    c.add(id, name, abs(ratio - 1), "<=", t.budget, f"the sampler makes {ratio:.4g} ± {se:.2g} of the trainer's "
-          "change", reached=reached, failing=failing, note=t.note, n=n)
 
 
 def _exact_sync_check(c: _Checker, fresh: ComparisonStats | None, repeat: ComparisonStats | None,
@@ -349,43 +335,6 @@ def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,
     computed with the old adapter serves the new one), judged as C is. Only where those phases were scored."""
     if cached is not None:
         _parity(c, "P", "updated trainer vs synced sampler read through the prefix cache", cached, thresholds)
-
-
-def _delta_checks(
-    c: _Checker, prefix: str, delta: DeltaStats | None, th: Mapping[str, check_rules.Threshold],
-    failing: CheckStatus, rel_l2: bool = True, why: str | None = None, n: int | None = None,
-) -> None:
-    """Direction, scale (and rel_l2) of Δsampler vs Δtrainer; `why` replaces the failure reason. The
-    thresholds are loosened to what the start point's noise explains (`thresholds.delta`)."""
-    reached = delta is not None
-    cosine, scale, rel = (th[f"{prefix}.{k}"] for k in ("cosine", "scale", "rel_l2"))
-    undecidable = "noise as large as the change explains any direction and scale" if cosine.undecidable else None
-    # triangulated (NoiseRule.delta_reference): against the fp32 reference's change, the side named on failure
-    to, side = ("Δfp32", _side(delta)) if delta is not None and delta.reference_to is not None else ("Δtrainer", "")
-    c.add(f"{prefix}.cosine", f"Δsampler points the same way as {to}", delta.cosine if delta else None, ">=",
-          cosine.budget, why or f"sampler moved in another direction{side}", reached=reached, failing=failing,
-          note=cosine.note, undecidable=undecidable, n=n)
-    scale_err = abs(delta.scale - 1) if delta and delta.scale is not None else None
-    c.add(f"{prefix}.scale", f"|‖Δsampler‖/‖{to}‖ - 1| within budget", scale_err, "<=",
-          scale.budget, why or f"sampler moved by another amount{side}", reached=reached, failing=failing,
-          note=scale.note, undecidable=undecidable, n=n)
-    if rel_l2:
-        c.add(f"{prefix}.rel_l2", f"‖Δsampler - {to}‖/‖{to}‖ within budget", delta.rel_l2 if delta else None,
-              "<=", rel.budget, f"sampler's change differs from the fp32 reference's{side}" if side else "sampler's change differs from trainer's",
-              reached=reached, failing=failing, note=rel.note, undecidable=undecidable, n=n)
-    own = th.get(f"{prefix}.trainer")
-    if side and own is not None and delta is not None:  # the trainer's own change against the true one (numerics)
-        c.add(f"{prefix}.trainer", "‖Δtrainer - Δfp32‖/‖Δfp32‖ within the noise + factor x the engine's",
-              delta.trainer_rel_l2, "<=", own.budget, f"the trainer's own change is off the fp32 reference's{side}",
-              note=own.note, n=n)
-
-
-def _side(delta: DeltaStats) -> str:
-    """Which side is off the fp32 reference's change, in words, for a triangulated delta check's failure."""
-    if delta.rel_l2 is None or delta.trainer_rel_l2 is None:
-        return ""
-    return (f" (the engine's change is {delta.rel_l2:.3g} off the fp32 reference's, the trainer's "
-            f"{delta.trainer_rel_l2:.3g}: the {'engine' if delta.rel_l2 > delta.trainer_rel_l2 else 'trainer'} is off)")
 
 
 def verdict_of(checks: Sequence[Check], errored: bool) -> Verdict:
