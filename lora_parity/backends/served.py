@@ -33,6 +33,11 @@ def check_options(opts: PreflightOptions) -> None:
     """--api-key-env names a set variable; --shared-dir is an existing folder. Raises `ConfigError`."""
     if opts.api_key_env and not os.environ.get(opts.api_key_env):
         raise ConfigError(f"--api-key-env {opts.api_key_env}: that environment variable is not set")
+    key = os.environ.get(opts.api_key_env) if opts.api_key_env else None
+    if key is not None and (key != key.strip() or any(not c.isprintable() or c.isspace() for c in key)):
+        # A pasted key often ends in a newline: the HTTP client would refuse the header and quote the key back.
+        raise ConfigError(f"--api-key-env {opts.api_key_env}: the key holds whitespace or control characters "
+                          "(a trailing newline?); refusing to send it")
     if opts.shared_dir is not None and not Path(opts.shared_dir).is_dir():
         raise ConfigError(f"--shared-dir {opts.shared_dir}: not an existing folder")
 

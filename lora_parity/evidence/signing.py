@@ -18,11 +18,11 @@ import base64
 import binascii
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_parity.evidence.receipt_io import read_bounded, write_text_atomic
+from lora_parity.util import safe_write
 from lora_parity.util.errors import BackendUnavailableError, ConfigError, ReceiptError
 
 if TYPE_CHECKING:
@@ -168,17 +168,19 @@ def keygen(private_path: Path, force: bool = False) -> tuple[Path, Path]:
     for p in (private_path, public_path):
         if p.exists() and not force:
             raise ConfigError(f"{p} exists; pass --force to overwrite it")
+        safe_write.check_replaceable(p)  # never into a device, a FIFO or through a link, even with --force
     key = Ed25519PrivateKey.generate()
     private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo)
     try:
-        fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(private_pem)
-        public_path.write_bytes(public_pem)
+        safe_write.write_atomic(private_path, private_pem, mode=0o600)
+        try:
+            safe_write.write_atomic(public_path, public_pem)
+        except BaseException:
+            private_path.unlink(missing_ok=True)  # never half a keypair
+            raise
     except OSError as e:
         raise ConfigError(f"cannot write the keypair: {e.strerror or e}") from None
     return private_path, public_path

@@ -1,6 +1,7 @@
 """Model configs: what to load, the LoRA adapter, the perturbation, the probes and the budgets.
 
-A config is a YAML file in `configs/` (read with `yaml.safe_load`), validated strictly. `--model`
+A config is a YAML file in `configs/` (read with `strict_yaml`: the safe loader, aliases and duplicate keys refused),
+validated strictly. `--model`
 takes a config name, a path to a YAML file, or a local HF checkpoint folder (config.json +
 safetensors), which then runs with the embedded default's settings.
 """
@@ -12,11 +13,11 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lora_parity.evidence.receipt import Budgets, sha256_json
 from lora_parity.evidence.receipt_io import nonfinite_field, one_line
+from lora_parity.models import strict_yaml
 from lora_parity.models.launch import LaunchSpec as LaunchSpec
 from lora_parity.models.launch import SamplerLaunch as SamplerLaunch
 from lora_parity.models.launch import TrainerLaunch as TrainerLaunch
@@ -321,13 +322,7 @@ def available() -> list[Path]:
 
 
 def _load_yaml(path: Path) -> ModelConfig:
-    text = safe_read.read_text(path)
-    try:
-        data = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError) as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: malformed YAML{where}") from None
+    data = strict_yaml.load(safe_read.read_text(path), str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a config is a YAML mapping")
     bad = nonfinite_field(data)  # .inf / .nan would pass the bounds below and break the receipt
@@ -359,9 +354,9 @@ def profile_budgets(name: str) -> Budgets:
         raise ConfigError(f"unknown budget profile {name!r}; choose from {', '.join(BUDGET_PROFILES)}")
     path = configs_dir() / "budgets" / f"{name}.yaml"
     try:
-        data = yaml.safe_load(safe_read.read_text(path))
-    except (ConfigError, yaml.YAMLError) as e:
-        raise ConfigError(f"budget profile {name}: cannot read {path.name}: {type(e).__name__}") from None
+        data = strict_yaml.load(safe_read.read_text(path), path.name)
+    except ConfigError as e:
+        raise ConfigError(f"budget profile {name}: cannot read it: {e}") from None
     if not isinstance(data, dict) or nonfinite_field(data) is not None:
         raise ConfigError(f"budget profile {name}: {path.name} is not a mapping of finite budgets")
     try:

@@ -8,12 +8,12 @@ data: URIs and stands alone. Files are written atomically (a temporary file, the
 from __future__ import annotations
 
 import base64
-import os
 import tempfile
 from pathlib import Path
 
 from lora_parity.evidence.receipt import Receipt
 from lora_parity.report.pr import render_report
+from lora_parity.util import safe_write
 from lora_parity.util.errors import ConfigError
 
 REPORT_FILES = {"md": "report.md", "text": "report.txt", "json": "report.json", "html": "report.html"}
@@ -34,17 +34,9 @@ def inline_plots(receipt: Receipt) -> dict[str, str]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) to `path` through a temporary file in the same folder and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # opened normally: the umask sets its mode
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write `text` (UTF-8) to `path` (`util.safe_write`: a regular file only, never through a link, an
+    unpredictable temporary file and a rename)."""
+    safe_write.write_atomic(path, text)
 
 
 def write_report(receipt: Receipt, receipt_label: str, out_dir: Path, fmt: str, signature: str | None = None) -> Path:
@@ -57,13 +49,17 @@ def write_report(receipt: Receipt, receipt_label: str, out_dir: Path, fmt: str, 
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {out_dir}: cannot create the folder: {e.strerror or e}") from None
+    target = out_dir / REPORT_FILES[fmt]
+    safe_write.check_replaceable(target)  # before any plot is drawn: a device or a link there is refused
     if fmt == "html":
         links = inline_plots(receipt)
     else:
         from lora_parity.report.plots import write_plots
 
-        links = {name: p.name for name, p in write_plots(receipt, out_dir).items()}
-    target = out_dir / REPORT_FILES[fmt]
+        try:
+            links = {name: p.name for name, p in write_plots(receipt, out_dir).items()}
+        except OSError as e:
+            raise ConfigError(f"--out {out_dir}: cannot write the plots: {e.strerror or e}") from None
     try:
         write_atomic(target, render_report(receipt, receipt_label, fmt, links, signature))
     except OSError as e:

@@ -22,6 +22,7 @@ from lora_parity.report.facts import (
     start_point,
     worst_diffs,
 )
+from lora_parity.util import safe_write
 from lora_parity.util.errors import BackendUnavailableError
 
 PLOTTED: dict[str, str] = {
@@ -157,8 +158,7 @@ def draw(receipt: Receipt, name: str, path: Path) -> Path:
     """Draw comparison `name` of `receipt` (see `figure`) to the PNG `path`."""
     fig = figure(receipt, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", metadata={"Software": None})
-    return path
+    return safe_write.write_png(path, fig)  # never through a link planted at the plot's path
 
 
 def write_plots(receipt: Receipt, directory: Path) -> dict[str, Path]:

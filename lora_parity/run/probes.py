@@ -147,16 +147,26 @@ def check_sequence(ids: list[int], vocab_size: int, max_len: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all distinct (a duplicate would silently win, as receipts refuse it)."""
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
 def parse_jsonl(text: str, vocab_size: int, max_len: int, max_sequences: int,
                 tokenize: Callable[[], Tokenize]) -> list[list[int]]:
     """Sequences of a probe file's text, every line checked; raises ConfigError naming the first bad
     line (1-based). Blank lines are skipped. `tokenize()` is called only for a text line."""
     sequences: list[list[int]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines ends a line at "\n" only (str.splitlines would also split inside a string at U+2028 and kin).
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
-            ids = _line_ids(json.loads(line), tokenize)
+            ids = _line_ids(json.loads(line, object_pairs_hook=_unique_keys), tokenize)
             check_sequence(ids, vocab_size, max_len)
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             raise ConfigError(f"line {number}: {str(e).splitlines()[0][:200]}") from None

@@ -115,9 +115,29 @@ def apply(cfg: ModelConfig, folder: Path | None, model_shapes: bool = True) -> M
             if first.get("loc") else ""
         raise ConfigError(f"--adapter {folder}: {af.CONFIG_FILE}: {field or 'adapter'}: "
                           f"{one_line(str(first.get('msg')))}") from None
+    problem = rank_problem(safe_read.safetensors_header(Path(folder) / af.WEIGHTS_FILE), adapter.rank)
+    if problem is not None:  # before any model is built at that rank (r = 150000 on rank-8 tensors: gigabytes)
+        raise ConfigError(f"--adapter {folder}: {af.CONFIG_FILE} says r = {adapter.rank}, but {problem}")
     if model_shapes:
         check_for_model(folder, cfg, config, adapter.rank)
     return cfg.model_copy(update={"adapter": adapter})
+
+
+_LORA_TENSOR = re.compile(r".*\.lora_([AB])(?:\.\w+)?\.weight")
+
+
+def rank_problem(header: dict[str, Any], rank: int) -> str | None:
+    """Where a 2-D LoRA tensor's rank side (lora_A's rows, lora_B's columns; safetensors header only) is not
+    `rank`: the tensor and its shape; None if every one agrees."""
+    for name, entry in header.items():
+        match = _LORA_TENSOR.fullmatch(name)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if match is None or not isinstance(shape, list) or len(shape) != 2:
+            continue
+        side = shape[0] if match.group(1) == "A" else shape[1]
+        if side != rank:
+            return f"its tensor {one_line(name)} has shape {shape} (rank {side})"
+    return None
 
 
 def _dims(hf: dict[str, Any]) -> dict[str, tuple[int, int]] | None:

@@ -1,4 +1,5 @@
-"""util: the small helpers every layer shares (errors, threads, lean, scratch, safe_read, escape, interrupt).
+"""util: the small helpers every layer shares (errors, threads, lean, scratch, safe_read, safe_write, escape,
+interrupt).
 Imports nothing from lora_parity outside util/; only the standard library.
 The bottom floor: every other folder may import it.
 """

@@ -1,0 +1,97 @@
+"""Strangers, round two (issue 46, cases 2, 5, 6, 7, 8, 16): a pasted key with a newline is refused before it is
+sent anywhere, no output replaces a device, a FIFO or a link, YAML aliases and duplicate keys are refused before
+anything expands, an adapter's r is checked against its tensors before a model is built at that rank, and a probe
+file is split at newlines only."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_parity.backends import served
+from lora_parity.backends.base import PreflightOptions
+from lora_parity.evidence import signing
+from lora_parity.models import config
+from lora_parity.report import files
+from lora_parity.run import probes, start_adapter
+from lora_parity.util import safe_write
+from lora_parity.util.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_key_with_a_trailing_newline_is_refused_without_being_quoted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LP_TEST_KEY", "sk-secret-123456\n")
+    with pytest.raises(ConfigError, match="whitespace or control characters") as e:
+        served.check_options(PreflightOptions(trainer="fake", sampler="sglang", api_key_env="LP_TEST_KEY"))
+    assert "sk-secret" not in str(e.value)
+    monkeypatch.setenv("LP_TEST_KEY", "sk-secret-123456")
+    served.check_options(PreflightOptions(trainer="fake", sampler="sglang", api_key_env="LP_TEST_KEY"))  # clean
+
+
+def test_no_output_replaces_a_fifo_or_writes_through_a_link(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        safe_write.write_atomic(fifo, "x")
+    assert fifo.is_fifo()
+    target = tmp_path / "precious"
+    target.write_text("keep")
+    link = tmp_path / "report.md"
+    link.symlink_to(target)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        files.write_atomic(link, "overwritten")
+    assert target.read_text() == "keep" and link.is_symlink()
+    # keygen --force onto a FIFO: refused at once (no hang), no half keypair
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        signing.keygen(fifo, force=True)
+    assert time.monotonic() - started < 5 and fifo.is_fifo() and not (tmp_path / "fifo.pub").exists()
+    # a regular file is replaced atomically, leaving no temporary behind, with the umask's mode
+    plain = tmp_path / "out.txt"
+    plain.write_text("old")
+    safe_write.write_atomic(plain, "new")
+    assert plain.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    private, public = signing.keygen(tmp_path / "k")
+    assert private.stat().st_mode & 0o777 == 0o600 and public.exists()
+
+
+def test_yaml_aliases_and_duplicate_keys_are_refused_before_anything_expands(tmp_path: Path) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    bomb = tmp_path / "lol.yaml"
+    bomb.write_text("\n".join(lines) + "\nmodel: {name: lol, layers: *a9}\n")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"malformed YAML at line 2: aliases \(\*name\) are refused"):
+        config.load(str(bomb))
+    assert time.monotonic() - started < 2
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("name: a\nname: b\n")
+    with pytest.raises(ConfigError, match="duplicate key 'name'"):
+        config.load(str(dup))
+
+
+def test_an_adapters_rank_is_checked_against_its_tensors_before_a_model_is_built(tmp_path: Path) -> None:
+    from lora_parity.models import adapter_files as af
+
+    folder = tmp_path / "ad"
+    a = af.Tensor.from_floats("F32", [4, 8], [0.0] * 32)
+    b = af.Tensor.from_floats("F32", [8, 4], [0.0] * 32)
+    af.write_adapter(folder, {"r": 150000, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"},
+                     {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+                      "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b})
+    with pytest.raises(ConfigError, match=r"says r = 150000, but its tensor .*q_proj.lora_A.weight has shape \[4, 8\]"):
+        start_adapter.apply(config.load("tiny-qwen3"), folder, model_shapes=False)
+    assert start_adapter.rank_problem({"x.lora_A.weight": {"shape": [4, 8]}, "x.lora_B.weight": {"shape": [8, 4]}},
+                                      4) is None
+
+
+def test_a_probe_file_is_split_at_newlines_only_and_refuses_duplicate_keys() -> None:
+    text = json.dumps({"text": "one\u2028two\x1cthree"}) + "\r\n" + json.dumps({"tokens": [1, 2, 3]}) + "\n"
+    seqs = probes.parse_jsonl(text, 100, 16, 8, lambda: (lambda t: [5, 6, 7]))
+    assert seqs == [[5, 6, 7], [1, 2, 3]]
+    with pytest.raises(ConfigError, match="line 1: duplicate key 'tokens'"):
+        probes.parse_jsonl('{"tokens": [1, 2], "tokens": [3, 4]}\n', 100, 16, 8, lambda: None)
+
