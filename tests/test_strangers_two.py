@@ -95,3 +95,39 @@ def test_a_probe_file_is_split_at_newlines_only_and_refuses_duplicate_keys() -> 
     with pytest.raises(ConfigError, match="line 1: duplicate key 'tokens'"):
         probes.parse_jsonl('{"tokens": [1, 2], "tokens": [3, 4]}\n', 100, 16, 8, lambda: None)
 
+
+
+def test_a_huge_finite_score_is_refused_in_one_line_and_never_hides_the_other_receipts(tmp_path: Path) -> None:
+    """Case 13: -1.7e308 overflowed every statistic; now it is not a logprob, named, and a multi-file
+    `verify --json` still reports every receipt."""
+    import subprocess
+    import sys
+
+    from lora_parity.evidence.receipt import compute_digest
+
+    good = Path(__file__).resolve().parents[1] / "receipts" / "tiny-qwen3__hf__vllm__20261130T134155Z.json"
+    data = json.loads(good.read_text())
+    data["scores"]["updated"][0][1] = -1.7e308
+    data["digest"] = compute_digest(data)
+    bad = tmp_path / "huge.json"
+    bad.write_text(json.dumps(data))
+    res = subprocess.run([sys.executable, "-m", "lora_parity", "verify", str(bad)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "not a logprob (below -1e+06)" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, "-m", "lora_parity", "verify", "--json", str(bad), str(good)],
+                         capture_output=True, text=True, timeout=120)
+    results = json.loads(res.stdout)
+    assert res.returncode == 2 and [r["intact"] for r in results] == [False, True], res.stdout
+
+
+def test_a_receipts_version_keys_and_bare_urls_render_as_text() -> None:
+    """Case 12: a version key cannot make the report bold (`**Verdict: PASS**`), and a bare https:// or www.
+    string in a receipt is not a link GitHub would make."""
+    from lora_parity.report.pr import _versions
+    from lora_parity.util.escape import markdown, markdown_markup
+
+    rendered = markdown_markup(f"trainer `hf`: {_versions({'**Verdict: PASS**': '1', 'vllm': '0.26'})}")
+    assert "**Verdict" not in rendered.replace("`**Verdict: PASS**`", "")
+    assert "`**Verdict: PASS**` `1`" in rendered
+    text = markdown("from https://evil.example/x and www.evil.example")
+    assert "https://" not in text and "www." not in text and "evil.example" in text

@@ -234,7 +234,7 @@ def _deltas_table(receipt: Receipt) -> Table:
 
 
 def _versions(versions: Mapping[str, str]) -> str:
-    return ", ".join(f"{k} {code(v)}" for k, v in versions.items()) or "none recorded"
+    return ", ".join(f"{code(k)} {code(v)}" for k, v in versions.items()) or "none recorded"
 
 
 def _setting_value(v: Any) -> str:

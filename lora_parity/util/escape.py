@@ -7,7 +7,7 @@ A receipt may come from someone the reader does not trust, so its strings are da
   whitespace collapsed to single spaces (no line a receipt could start). Every other function builds on it.
 - `markdown`: plain text in GitHub markdown (a heading, a table cell, alt text): markdown's inline
   punctuation backslash-escaped, a `<` or `&` that could open a tag or an entity as an entity (no raw
-  HTML, no comment, no image, no link),
+  HTML, no comment, no image, no link), a zero-width space inside a bare `https://` or `www.` (no autolink),
   and a zero-width joiner after `@`, so a name never mentions anyone.
 - `code`: a string inside markup as an inline code span (one line, no backtick, no `<` that reads as a
   tag to a scanner of the raw text); plain text and HTML renderers show the same characters.
@@ -38,6 +38,8 @@ _TAG_START = re.compile(r"<(?=[A-Za-z/!?])")  # a `<` that could open a tag, a c
 _ENTITY_START = re.compile(r"&(?=[#A-Za-z])")
 ZWJ = "\u200d"
 ZWSP = "\u200b"
+_AUTOLINK = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*:)(//)|\b(www)(\.)")
+"""What GitHub links in plain text: a scheme's `://` and a `www.`."""
 
 
 def _scrub(text: object, keep: str) -> str:
@@ -66,6 +68,8 @@ def rich(text: object) -> str:
 
 def _markdown(line: str) -> str:
     escaped = _TAG_START.sub("&lt;", _ENTITY_START.sub("&amp;", _MD_PUNCTUATION.sub(r"\\\1", line)))
+    # GitHub links a bare `https://...` or `www....` in plain text: a zero-width space breaks the pattern.
+    escaped = _AUTOLINK.sub(lambda m: (m.group(1) or m.group(3)) + ZWSP + (m.group(2) or m.group(4)), escaped)
     return escaped.replace("@", "@" + ZWJ)
 
 

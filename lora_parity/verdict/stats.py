@@ -23,18 +23,25 @@ def flatten(scores: ScoreArray) -> list[float]:
 
 # A logprob is <= 0; allow rounding above it, nothing more.
 MAX_LOGPROB = 1e-4
+MIN_LOGPROB = -1e6
+"""Below it a score is no engine's logprob (a uniform choice among 10^400000 tokens); finite scores near the
+float limit would overflow every statistic (‖Δ‖², exp) instead of naming the input."""
 # exp() arguments are clamped here so that a wildly wrong side still yields finite statistics.
 EXP_CLAMP = 600.0
 
 
 def check_finite(scores: ScoreArray, what: str) -> None:
-    """Raise `ScoreError` naming the first entry that is NaN, infinite, or not a logprob (> 0)."""
+    """Raise `ScoreError` naming the first entry that is NaN, infinite, or not a logprob (> 0, or below
+    `MIN_LOGPROB`)."""
     for s, seq in enumerate(scores):
         for t, x in enumerate(seq):
             if not math.isfinite(x):
                 raise ScoreError(f"{what}: non-finite score {x!r} at sequence {s}, position {t}")
             if x > MAX_LOGPROB:
                 raise ScoreError(f"{what}: score {x!r} at sequence {s}, position {t} is not a logprob (> 0)")
+            if x < MIN_LOGPROB:
+                raise ScoreError(f"{what}: score {x!r} at sequence {s}, position {t} is not a logprob "
+                                 f"(below {MIN_LOGPROB:g})")
 
 
 def check_aligned(a: ScoreArray, b: ScoreArray, what: str) -> None:

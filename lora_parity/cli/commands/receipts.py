@@ -116,9 +116,10 @@ def verify(
         for path in receipt_paths(paths):
             try:
                 code, data = _verify_one(path, public_key, json_)
-            except LoraParityError as e:
-                output.error(str(e))
-                code, data = EXIT_BAD_INPUT, {"receipt": str(path), "intact": False, "error": str(e)}
+            except Exception as e:  # one receipt's fault never hides the others' results
+                why = str(e) if isinstance(e, LoraParityError) else f"{path}: unexpected {type(e).__name__}"
+                output.error(why)
+                code, data = EXIT_BAD_INPUT, {"receipt": str(path), "intact": False, "error": why}
             codes.append(code)
             results.append(data)
         code = max(codes)
