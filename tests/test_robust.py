@@ -407,6 +407,24 @@ def test_rerun_names_the_first_differing_phase_and_position(fake_receipt: Path,
 
 
 @unit
+def test_a_rerun_that_cannot_run_here_says_why_and_exits_2(fake_receipt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46, case 10: a rerun that stops (a GPU receipt on a CPU machine, a sampler that cannot start) is
+    "cannot rerun here" with its cause, exit 2, not "rerun differs" (exit 1)."""
+    from lora_parity.backends import fake
+    from lora_parity.cli.rerun import rerun
+    from lora_parity.util.errors import BackendUnavailableError
+    from lora_parity.verdict.verify import verify
+
+    def no_engine(self: object, *args: object, **kwargs: object) -> None:
+        raise BackendUnavailableError("fake: no CUDA device on this machine")
+
+    monkeypatch.setattr(fake.FakeSampler, "__init__", no_engine)
+    result = rerun(verify(fake_receipt).receipt, PARSE)
+    assert result.code == 2 and result.message.startswith("cannot rerun here: the rerun stopped:"), result.message
+    assert "no CUDA device" in result.message
+
+
+@unit
 def test_rerun_refuses_when_the_config_changed(fake_receipt: Path, tmp_path: Path) -> None:
     from lora_parity.evidence import receipt as rc
 

@@ -645,3 +645,31 @@ def test_server_and_model_info_use_the_current_names_and_fall_back_on_an_older_r
         assert gets.index("/get_model_info") > gets.index("/model_info") and "/get_server_info" in gets
     finally:
         older.close()
+
+
+def test_what_a_server_says_about_itself_is_bounded_finite_and_redacted(checkpoint: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46, cases 3, 4, 9: NaN in `/server_info`, a 1 MiB version string, and a version that echoes the key
+    (JSON-escaped, or cut mid-key) keep the receipt whole, verifiable and free of the key."""
+    from lora_parity.models.provenance import redact_secrets
+    from lora_parity.verdict.verify import verify
+
+    key = "sk-standin/key+with\"quote-0123456789"
+    monkeypatch.setenv("SGL_TEST_KEY", key)
+    server = StandIn(server_args={"version": "v" * 2**20 + json.dumps(key), "attention_backend": float("nan"),
+                                  "mem_fraction_static": float("inf")})
+    try:
+        receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=server.url, per_target=False,
+                                     api_key_env="SGL_TEST_KEY", out=tmp_path / "r.json")).receipt
+    finally:
+        server.close()
+    assert receipt.verdict == Verdict.PASS, receipt.error
+    assert len(receipt.sampler.versions["sglang"]) <= 200
+    assert receipt.sampler.settings["server.attention_backend"] == "nan"
+    assert receipt.sampler.settings["server.mem_fraction_static"] == "inf"
+    text = (tmp_path / "r.json").read_text()
+    assert key[:10] not in text and verify(tmp_path / "r.json").receipt.digest == receipt.digest
+    # every form a key takes in a server's text, and a body cut inside it
+    for form in (key, json.dumps(key)[1:-1], repr(key)[1:-1]):
+        assert key[:10] not in redact_secrets(f"echo {form} end", key)
+    assert redact_secrets(f"error body: Bearer {key[:20]}", key) == "error body: Bearer [redacted]"

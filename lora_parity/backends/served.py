@@ -5,6 +5,7 @@ an attached server, remove the copies, stop a server it started)."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import urllib.parse
@@ -13,8 +14,9 @@ from typing import TYPE_CHECKING
 
 from lora_parity.backends import bounded_http
 from lora_parity.backends.base import AdapterHandle, PreflightOptions
-from lora_parity.models.provenance import redact_url
+from lora_parity.models.provenance import redact_secrets, redact_url
 from lora_parity.util.errors import ConfigError, ScoreError
+from lora_parity.util.escape import one_line
 
 if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess
@@ -27,6 +29,26 @@ EXITED_LINES, EXITED_LINE_CHARS = 6, 300
 """How much of a dead server's log its sampler's error quotes: the last lines, each cut to so many characters."""
 PREFLIGHT_TIMEOUT_S = 5.0
 """How long an attached server's `/health` may take to answer at preflight."""
+
+
+SERVER_TEXT_CHARS = 200
+"""The most of one string a server returns (a version, an argument) that a receipt keeps."""
+
+
+def server_text(value: object, api_key: str | None = None) -> str:
+    """A string a server returned, as a receipt keeps it: secrets redacted first, then one line of at most
+    `SERVER_TEXT_CHARS` (a 64 MiB version string once made the run's own receipt unverifiable)."""
+    return one_line(redact_secrets(str(value), api_key))[:SERVER_TEXT_CHARS]
+
+
+def server_value(value: object, api_key: str | None = None) -> str | int | float | bool | None:
+    """A scalar a server returned, as a receipt keeps it: a finite number or a bool as it is, a non-finite one as
+    text (NaN in a receipt would make it invalid JSON), a string as `server_text`."""
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return server_text(value, api_key)
 
 
 def check_options(opts: PreflightOptions) -> None:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity.backends import bounded_http, sglang_server
+from lora_parity.backends import bounded_http, served, sglang_server
 from lora_parity.backends.base import (
     UNSERVABLE,
     AdapterHandle,
@@ -380,9 +380,10 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
             except ScoreError:
                 answer = {}
             answer = answer if isinstance(answer, dict) else {}
-            args = {k: answer[k] for k in SERVER_ARGS_RECORDED
+            args = {k: served.server_value(answer[k], self.api_key) for k in SERVER_ARGS_RECORDED
                     if k in answer and isinstance(answer[k], str | int | float | bool | None)}
-            self._server_info = {"version": str(answer.get("version", "unknown")), "args": args}
+            self._server_info = {"version": served.server_text(answer.get("version", "unknown"), self.api_key),
+                                 "args": args}
         return self._server_info
 
     def info(self) -> BackendInfo:

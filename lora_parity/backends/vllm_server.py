@@ -390,7 +390,7 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
         versions: dict[str, str] = {}
         try:
-            versions["vllm"] = str(self._call("/version", None, "version")["version"])
+            versions["vllm"] = served.server_text(self._call("/version", None, "version")["version"], self.api_key)
         except (ScoreError, KeyError, TypeError):
             versions["vllm"] = "unknown"
         return BackendInfo(backend="vllm-server", versions=versions, settings=settings)

@@ -176,6 +176,8 @@ def rerun(receipt: Receipt, parse: ParseCommand, mine: VerifierInputs = Verifier
         from dataclasses import replace
 
         fresh = execute(replace(opts, out=Path(tmp) / "rerun.json"), progress=progress).receipt
+    if fresh.error is not None and receipt.error is None:  # e.g. a GPU receipt re-run on a CPU machine: the cause
+        return RerunResult(EXIT_BAD_INPUT, f"cannot rerun here: the rerun stopped: {one_line(fresh.error)}", note)
     tol = tolerance(receipt)
     how = "bit for bit" if tol == 0 else f"within the recorded repeat noise {tol:.3g}"
     diff = first_difference(receipt.scores, fresh.scores, tol)

@@ -96,9 +96,19 @@ def remember_secret(value: str | None) -> None:
 
 
 def redact_secrets(text: str, *values: str | None) -> str:
-    """`text` with each remembered secret, and each of `values`, replaced by `[redacted]`."""
+    """`text` with each remembered secret, and each of `values`, replaced by `[redacted]`: as it is, as JSON
+    escapes it and as repr() writes it, and a text that ends in a secret's first 8 or more characters (a body cut
+    before it reached here) loses that tail too."""
+    import json
+
     for secret in sorted(_SECRETS | {v for v in values if v and len(v) >= 4}, key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
+        for form in dict.fromkeys((secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1],
+                                   repr(secret)[1:-1])):
+            text = text.replace(form, REDACTED)
+        for cut in range(len(secret) - 1, 7, -1):  # 8 characters at least: shorter tails are ordinary words
+            if text.endswith(secret[:cut]):
+                text = text[:-cut] + REDACTED
+                break
     return text
 
 

@@ -1,5 +1,4 @@
-"""util: the small helpers every layer shares (errors, threads, lean, scratch, safe_read, safe_write, escape,
-interrupt).
+"""util: the shared helpers (errors, threads, lean, scratch, safe_read, safe_write, escape, interrupt).
 Imports nothing from lora_parity outside util/; only the standard library.
 The bottom floor: every other folder may import it.
 """
