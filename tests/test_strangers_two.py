@@ -131,3 +131,29 @@ def test_a_receipts_version_keys_and_bare_urls_render_as_text() -> None:
     assert "`**Verdict: PASS**` `1`" in rendered
     text = markdown("from https://evil.example/x and www.evil.example")
     assert "https://" not in text and "www." not in text and "evil.example" in text
+
+
+def test_bad_inputs_are_refused_before_anything_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 14: a seed above int64, `LORA_PARITY_CACHE` naming a file, a checkpoint whose safetensors header is
+    malformed: one line, exit 2, within seconds, no receipt."""
+    import subprocess
+    import sys
+
+    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "lora_parity", "run", "--trainer", "fake", "--sampler", "fake",
+                               "--out", str(tmp_path / "r.json"), *args], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, **(env or {})})
+
+    res = run("--seed", str(2**64))
+    assert res.returncode == 2 and "--seed must be in [0, 2**63)" in res.stderr
+    afile = tmp_path / "cache-file"
+    afile.write_text("x")
+    res = run(env={"LORA_PARITY_CACHE": str(afile)})
+    assert res.returncode == 2 and "LORA_PARITY_CACHE" in res.stderr and "not a folder" in res.stderr
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    (ck / "model.safetensors").write_bytes((10**6).to_bytes(8, "little") + b"{not json")
+    res = run("--model", str(ck))
+    assert res.returncode == 2 and "model.safetensors: not a readable safetensors file" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "r.json").exists()

@@ -34,7 +34,13 @@ def local_folder(cfg: ModelConfig) -> Path | None:
 def _weights_problem(folder: Path) -> str | None:
     if not (folder / "config.json").is_file():
         return f"{folder}: not an HF checkpoint folder (no config.json)"
-    if any(folder.glob("*.safetensors")):
+    weights = sorted(folder.glob("*.safetensors"))
+    for path in weights:  # headers only: a malformed one is named now, not after the engine started
+        try:
+            safe_read.safetensors_header(path)
+        except ConfigError as e:
+            return str(e)
+    if weights:
         return None
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
     found = f" (found {', '.join(pickled[:3])})" if pickled else ""

@@ -18,6 +18,7 @@ from lora_parity.run.options import RunOptions
 from lora_parity.run.phase_list import phase_names
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
+from lora_parity.util import cache
 from lora_parity.util.errors import ConfigError
 
 REFERENCES = ("fp32", "none")
@@ -113,11 +114,21 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
     if opts.reference is not None and opts.reference not in REFERENCES:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
-    if opts.tp < 1:
-        raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
+    _check_values(opts)
     start_adapter.check_for_trainer(opts.adapter, opts.trainer, cfg)
     if opts.out is not None:
         outpath.check_writable(opts.out, opts.force)
+
+
+def _check_values(opts: RunOptions) -> None:
+    """--tp, --seed and the cache folder: values that would fail only after the backends loaded."""
+    if opts.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
+    if not 0 <= opts.seed < 2**63:  # torch and numpy seeds are 64-bit: a larger one fails after the model loaded
+        raise ConfigError(f"--seed must be in [0, 2**63), not {opts.seed}")
+    root = cache.cache_root()
+    if root.exists() and not root.is_dir():  # else the first build into it fails, after the imports
+        raise ConfigError(f"{cache.CACHE_ENV}={root}: not a folder")
 
 
 UPDATES = ("noise", "step")
