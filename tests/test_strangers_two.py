@@ -157,3 +157,21 @@ def test_bad_inputs_are_refused_before_anything_loads(tmp_path: Path, monkeypatc
     res = run("--model", str(ck))
     assert res.returncode == 2 and "model.safetensors: not a readable safetensors file" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_an_odd_terminal_or_summary_file_never_loses_a_passing_run(tmp_path: Path) -> None:
+    """Case 15: a non-UTF-8 stdout and COLUMNS=0 still print the result and exit 0; GITHUB_STEP_SUMMARY naming a
+    FIFO is refused in one line instead of blocking the job."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "COLUMNS": "0"}
+    res = subprocess.run([sys.executable, "-m", "lora_parity", "run", "--trainer", "fake", "--sampler", "fake",
+                          "--out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and "pass:" in res.stdout and "Traceback" not in res.stderr, res.stderr[-400:]
+    fifo = tmp_path / "summary"
+    os.mkfifo(fifo)
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(fifo)}
+    res = subprocess.run([sys.executable, "-m", "lora_parity", "report", str(tmp_path / "r.json"),
+                          "--github-summary"], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 2 and "GITHUB_STEP_SUMMARY" in res.stderr and fifo.is_fifo()

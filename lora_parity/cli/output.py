@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from typing import Any
 
@@ -22,8 +23,21 @@ from lora_parity.util.escape import rich as escape
 from lora_parity.verdict import explain, findings
 from lora_parity.verdict.checks import not_passing
 
-err = Console(stderr=True, highlight=False, emoji=False)
-out = Console(highlight=False, emoji=False)
+
+def _columns() -> int | None:
+    """$COLUMNS where it is a usable width (rich prints nothing at all at 0); None: rich decides."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return None
+    return columns if columns >= 20 else 80
+
+
+for _stream in (sys.stdout, sys.stderr):  # a non-UTF-8 terminal gets '?' for '≤', never a crash after the run
+    if hasattr(_stream, "reconfigure"):
+        _stream.reconfigure(errors="replace")
+err = Console(stderr=True, highlight=False, emoji=False, width=_columns())
+out = Console(highlight=False, emoji=False, width=_columns())
 if not out.is_terminal and "COLUMNS" not in os.environ:
     out.width = 1000  # piped or redirected: tables at their natural width, never wrapped at 80 columns
 
@@ -368,8 +382,11 @@ def github_summary(markdown: str) -> None:
     if not target:
         hint("--github-summary: GITHUB_STEP_SUMMARY is not set; nothing appended")
         return
-    try:
-        with open(target, "a", encoding="utf-8") as f:
+    try:  # a regular file only: a FIFO there would block the job forever, a device take the text
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(f"GITHUB_STEP_SUMMARY={target}: not a regular file")
             f.write(markdown if markdown.endswith("\n") else markdown + "\n")
     except OSError as e:
         raise ConfigError(f"GITHUB_STEP_SUMMARY={target}: cannot append: {e.strerror or e}") from None
