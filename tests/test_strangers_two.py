@@ -175,3 +175,28 @@ def test_an_odd_terminal_or_summary_file_never_loses_a_passing_run(tmp_path: Pat
     res = subprocess.run([sys.executable, "-m", "lora_parity", "report", str(tmp_path / "r.json"),
                           "--github-summary"], capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 2 and "GITHUB_STEP_SUMMARY" in res.stderr and fifo.is_fifo()
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (["run", "--sampler", "vllm-server"], {"LORA_PARITY_VLLM_SERVER_START_TIMEOUT": "abc"},
+     "LORA_PARITY_VLLM_SERVER_START_TIMEOUT='abc': not a positive number of seconds"),
+    (["run", "--sampler", "fake"], {"LORA_PARITY_CONFIGS": "FILE"}, "LORA_PARITY_CONFIGS="),
+    (["selftest", "--sampler", "fake", "--out-dir", "FILE"], {}, "--out-dir"),
+    (["run", "--sampler", "fake", "--probes", "DEEP"], {}, "line 1: nested too deeply to be a probe"),
+])
+def test_odd_inputs_get_a_line_that_names_them_not_unexpected(args: list[str], env: dict[str, str], says: str,
+                                                              tmp_path: Path) -> None:
+    """Case 17: each of these reached "unexpected X"; now one line naming the input, exit 2."""
+    import subprocess
+    import sys
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"tokens": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    swap = {"FILE": str(afile), "DEEP": str(deep)}
+    argv = [swap.get(a, a) for a in args]
+    res = subprocess.run([sys.executable, "-m", "lora_parity", *argv, "--trainer", "fake"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, **{k: swap.get(v, v) for k, v in env.items()}})
+    assert res.returncode == 2 and says in res.stderr and "unexpected" not in res.stderr, res.stderr[-300:]

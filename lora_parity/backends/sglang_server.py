@@ -34,7 +34,7 @@ REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call."""
 REQUEST_DEADLINE_S = 900.0
 """Longest one call may take in all: a server that trickles bytes cannot hold the run longer."""
-START_TIMEOUT_S = float(os.environ.get("LORA_PARITY_SGLANG_START_TIMEOUT", "900"))
+START_TIMEOUT_S = served.env_seconds("LORA_PARITY_SGLANG_START_TIMEOUT", 900.0)
 """Longest wait for a started server's `/health` (its first start JIT-compiles kernels)."""
 
 

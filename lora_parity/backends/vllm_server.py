@@ -53,7 +53,7 @@ REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call (the first scoring calls on a fresh CPU server compile)."""
 REQUEST_DEADLINE_S = 900.0
 """Longest one call may take in all: a server that trickles bytes cannot hold the run longer."""
-START_TIMEOUT_S = float(os.environ.get("LORA_PARITY_VLLM_SERVER_START_TIMEOUT", "600"))
+START_TIMEOUT_S = served.env_seconds("LORA_PARITY_VLLM_SERVER_START_TIMEOUT", 600.0)
 CACHED_CONCURRENCY = 32
 """Requests in flight at once when scoring through the prefix cache (one per prefix)."""
 SAME_NAME_RELOAD_REFUSED = ("refuses a reload under a loaded name without load_inplace (vLLM answers 400: an "

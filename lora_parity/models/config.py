@@ -308,6 +308,8 @@ def configs_dir() -> Path:
     checkout). Never the working directory's: a config can turn on remote code."""
     env = os.environ.get("LORA_PARITY_CONFIGS")
     if env:
+        if not Path(env).is_dir():
+            raise ConfigError(f"LORA_PARITY_CONFIGS={env}: not a folder")
         return Path(env)
     package = Path(__file__).resolve().parents[1]  # lora_parity/, from lora_parity/models/config.py
     if (package / "configs").is_dir():

@@ -170,6 +170,8 @@ def parse_jsonl(text: str, vocab_size: int, max_len: int, max_sequences: int,
             check_sequence(ids, vocab_size, max_len)
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             raise ConfigError(f"line {number}: {str(e).splitlines()[0][:200]}") from None
+        except RecursionError:
+            raise ConfigError(f"line {number}: nested too deeply to be a probe") from None
         sequences.append(ids)
         if len(sequences) > max_sequences:
             raise ConfigError(f"line {number}: more than {max_sequences} sequences (probes.max_sequences)")

@@ -297,9 +297,14 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     tell: Watch = watch or (lambda fault, row: None)
     if only:  # a name that is no selftest fault at all is refused before any backend is imported
         pick_faults(only, SELFTEST_FAULTS + SAMPLED_FAULTS)
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"--out-dir {out_dir}: not a folder")
     plan = prepare(opts)
     folder = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lora-parity-selftest-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out-dir {folder}: cannot create the folder: {e.strerror or e}") from None
     result = SelftestResult(repeats=max(1, repeat))
     loaded = Backends(plan, say)
     targets = list(plan.cfg.adapter.targets)
