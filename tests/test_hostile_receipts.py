@@ -29,6 +29,18 @@ DERIVED = {"scores", "comparisons", "deltas", "checks", "verdict", "worst_positi
 DERIVED_PROBES = {"sequences", "digest", "num_scored_positions"}
 
 
+def nulls_dropped(d: Any) -> Any:
+    """An optional field that is null reads as one that is absent (receipts made before it have none)."""
+    if isinstance(d, dict):
+        return {k: nulls_dropped(v) for k, v in d.items() if v is not None}
+    return [nulls_dropped(v) for v in d] if isinstance(d, list) else d
+
+
+def content(d: Any) -> Any:
+    """A receipt's data as verify judges it: less its digest, null fields as absent ones."""
+    return {k: nulls_dropped(v) for k, v in d.items() if k != "digest"} if isinstance(d, dict) else d
+
+
 def derived(touched: tuple) -> bool:
     return bool(touched) and (touched[0] in DERIVED or (touched[0] == "probes" and len(touched) > 1
                                                          and touched[1] in DERIVED_PROBES))
@@ -122,8 +134,6 @@ def test_mutated_receipts_never_crash_verify(valid: dict[str, Any], data: st.Dat
             return
     path = tmp_path / "mutated.json"
     path.write_bytes(raw)
-    def content(d: Any) -> Any:
-        return {k: v for k, v in d.items() if k != "digest"} if isinstance(d, dict) else d
 
     # 0 and 0.0 are the same number: a mutation that changes only a number's spelling changes nothing.
     changed = content(json.loads(raw)) != content(valid) if kind not in ("truncate", "bytes") else True
@@ -200,3 +210,21 @@ def test_outputs_of_hostile_receipts_parse_and_carry_no_markup(valid: dict[str, 
     junit = junit_xml(receipt, label)
     ET.fromstring(junit.encode("utf-8"))
     assert not CONTROLS & set(junit)
+
+
+def test_one_check_without_its_element_count_is_tampered_all_without_it_is_an_older_receipt(
+        valid: dict[str, Any], tmp_path: Path) -> None:
+    """Receipts made before `elements` was recorded have none; one check's count removed and resealed is refused."""
+    one = copy.deepcopy(valid)
+    reached = next(c for c in one["checks"] if c.get("elements"))
+    del reached["elements"]
+    one["digest"] = rc.compute_digest(one)
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    with pytest.raises(ReceiptError, match="does not reproduce"):
+        verify(tmp_path / "one.json")
+    older = copy.deepcopy(valid)
+    for check in older["checks"]:
+        check.pop("elements", None)
+    older["digest"] = rc.compute_digest(older)
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert verify(tmp_path / "older.json").receipt.verdict.value == valid["verdict"]
