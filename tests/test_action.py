@@ -125,6 +125,33 @@ def test_bad_input_fails_at_the_run_step(tmp_path: Path) -> None:
     assert "verify" not in job.outputs and job.uploads[-1]["uses"].startswith("actions/upload-artifact@")
 
 
+def test_a_receipt_left_at_the_path_is_never_verified_in_place_of_this_runs(tmp_path: Path) -> None:
+    """Issue 46, case 1: a passing receipt committed in the pull request (or left in a reused workspace) at the
+    receipt path, and a run that is refused or told to write elsewhere: the job fails, never verifies the old one."""
+    first = run_action(tmp_path, install="false", trainer="fake", sampler="fake", args="--no-per-target")
+    assert first.failed_step is None and (tmp_path / "lora-parity-receipt.json").is_file()
+    refused = run_action(tmp_path, install="false", trainer="no-such-trainer", sampler="fake")
+    assert refused.failed_step == "Run lora-parity" and refused.exit_code == 2 and "verify" not in refused.outputs
+    assert not (tmp_path / "lora-parity-receipt.json").exists()
+    run_action(tmp_path, install="false", trainer="fake", sampler="fake", args="--no-per-target")
+    elsewhere = run_action(tmp_path, install="false", trainer="fake", sampler="fake", args="--out other.json")
+    assert elsewhere.failed_step == "Run lora-parity" and elsewhere.exit_code == 2, elsewhere.log
+    assert "args may not set --out" in elsewhere.log
+
+
+def test_multi_line_args_all_reach_the_run_and_a_dash_path_is_a_path(tmp_path: Path) -> None:
+    """Issue 46, case 11: a YAML block scalar's every line is passed on; a receipt path starting with `-` is not
+    read as an option."""
+    import json
+
+    job = run_action(tmp_path, install="false", trainer="fake", sampler="fake", args="--no-per-target\n--seed 3\n",
+                     receipt="-r.json")
+    assert job.failed_step is None, job.log
+    receipt = json.loads((tmp_path / "-r.json").read_text())
+    assert "--seed" in receipt["command"] and "3" in receipt["command"]
+    assert job.outputs["verify"]["verdict"] == "pass"
+
+
 def test_the_workflow_example_uses_this_action() -> None:
     doc = (ROOT / "docs" / "ci-action.md").read_text(encoding="utf-8")
     example = yaml.safe_load(doc.split("```yaml\n", 1)[1].split("```", 1)[0])
