@@ -200,3 +200,20 @@ def test_odd_inputs_get_a_line_that_names_them_not_unexpected(args: list[str], e
                          text=True, timeout=120, cwd=tmp_path,
                          env={**os.environ, **{k: swap.get(v, v) for k, v in env.items()}})
     assert res.returncode == 2 and says in res.stderr and "unexpected" not in res.stderr, res.stderr[-300:]
+
+
+def test_a_config_json_of_huge_dimensions_beside_small_weights_is_refused_at_preflight(tmp_path: Path) -> None:
+    """Case 7: config.json's sizes are checked against the weights' headers before any model is built."""
+    import shutil
+
+    from lora_parity.models import checkpoint, synthetic
+
+    ck = tmp_path / "ck"
+    shutil.copytree(synthetic.materialize(config.load("tiny-qwen3")), ck)
+    assert checkpoint._weights_problem(ck) is None
+    hf = json.loads((ck / "config.json").read_text())
+    for field, value, says in (("hidden_size", 2**20, "hidden_size 1048576, but the embedding weights are"),
+                               ("num_hidden_layers", 4096, "num_hidden_layers 4096, but the weights hold")):
+        (ck / "config.json").write_text(json.dumps({**hf, field: value}))
+        with pytest.raises(ConfigError, match=says):
+            checkpoint.require_safetensors(config.load(str(ck)))

@@ -7,6 +7,8 @@ lora-parity never downloads. Pure: no torch, no network.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,16 +37,44 @@ def _weights_problem(folder: Path) -> str | None:
     if not (folder / "config.json").is_file():
         return f"{folder}: not an HF checkpoint folder (no config.json)"
     weights = sorted(folder.glob("*.safetensors"))
+    headers: dict[str, Any] = {}
     for path in weights:  # headers only: a malformed one is named now, not after the engine started
         try:
-            safe_read.safetensors_header(path)
+            headers.update(safe_read.safetensors_header(path))
         except ConfigError as e:
             return str(e)
     if weights:
-        return None
+        return _dimensions_problem(folder, headers)
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
     found = f" (found {', '.join(pickled[:3])})" if pickled else ""
     return f"{folder}: no .safetensors weights{found}; lora-parity never loads pickled weights"
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _dimensions_problem(folder: Path, headers: dict[str, Any]) -> str | None:
+    """Where config.json's sizes are not the weights' (huge dimensions beside small weights would build a model of
+    gigabytes before anything failed): the embedding's [vocab_size, hidden_size] and the number of layers."""
+    try:
+        hf = json.loads(safe_read.read_text(folder / "config.json"))
+    except (ConfigError, ValueError):
+        return f"{folder}: config.json is not a readable JSON object"
+    hf = hf.get("text_config", hf) if isinstance(hf, dict) else None
+    if not isinstance(hf, dict):
+        return f"{folder}: config.json is not a JSON object"
+    embed = next((e for n, e in headers.items() if n.endswith("embed_tokens.weight") and isinstance(e, dict)), None)
+    vocab, hidden = hf.get("vocab_size"), hf.get("hidden_size")
+    shape = embed.get("shape") if embed is not None else None
+    if isinstance(vocab, int) and isinstance(hidden, int) and isinstance(shape, list) and len(shape) == 2 \
+            and (shape[1] != hidden or shape[0] < vocab):  # more rows than the vocabulary: padding, fine
+        return (f"{folder}: config.json says vocab_size {vocab} and hidden_size {hidden}, but the embedding "
+                f"weights are {shape}")
+    layers = {int(m.group(1)) for n in headers if (m := _LAYER.search(n))}
+    count = hf.get("num_hidden_layers")
+    if layers and isinstance(count, int) and count > max(layers) + 1:  # more in the weights: MTP layers, fine
+        return f"{folder}: config.json says num_hidden_layers {count}, but the weights hold {max(layers) + 1}"
+    return None
 
 
 def _hub_snapshots(hf_id: str) -> list[Path]:
