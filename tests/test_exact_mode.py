@@ -138,12 +138,24 @@ def test_the_cli_refuses_pairs_the_exact_trainer_cannot_mirror(args: list[str], 
     assert not (tmp_path / "r.json").exists()
 
 
-def test_the_pair_it_mirrors_passes_the_option_checks() -> None:
+def test_the_pair_it_mirrors_passes_the_option_checks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The refusals above come from `check_options`, before any backend is imported (tests/test_output.py
-    asserts no heavy module is loaded then); the pair the exact trainer mirrors is not refused."""
-    from lora_parity.run.preflight import check_options
+    asserts no heavy module is loaded then); the pair the exact trainer mirrors is not refused where a GPU is,
+    and is refused at once where none is (issue 46, case 14: it failed after loading, with an error receipt)."""
+    from lora_parity.run import preflight
 
-    check_options(RunOptions(trainer="exact", sampler="vllm"), config.load("tiny-qwen3"))
+    driver = tmp_path / "nvidiactl"
+    driver.touch()
+    monkeypatch.setattr(preflight, "NVIDIA_NODES", (str(driver),))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    preflight.check_options(RunOptions(trainer="exact", sampler="vllm"), config.load("tiny-qwen3"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match="--trainer exact runs vLLM's CUDA operations; this machine has no"):
+        preflight.check_options(RunOptions(trainer="exact", sampler="vllm"), config.load("tiny-qwen3"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(preflight, "NVIDIA_NODES", (str(tmp_path / "absent"),))
+    with pytest.raises(ConfigError, match="no NVIDIA GPU"):
+        preflight.check_options(RunOptions(trainer="exact", sampler="vllm"), config.load("tiny-qwen3"))
 
 
 def test_the_adapter_is_laid_out_as_vllm_loads_it() -> None:

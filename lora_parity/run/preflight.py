@@ -3,6 +3,7 @@ anything loads (`runner.prepare` calls them), and the fp32 reference decision.""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from lora_parity import backends
@@ -120,8 +121,21 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
         outpath.check_writable(opts.out, opts.force)
 
 
+NVIDIA_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
+"""What a machine with an NVIDIA driver has, looked at without importing torch."""
+
+
+def no_cuda_here() -> bool:
+    """No NVIDIA driver on this machine, or CUDA_VISIBLE_DEVICES hides every GPU (judged without torch)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    return hidden or not any(os.path.exists(node) for node in NVIDIA_NODES)
+
+
 def _check_values(opts: RunOptions) -> None:
-    """--tp, --seed and the cache folder: values that would fail only after the backends loaded."""
+    """--tp, --seed, the cache folder and the exact trainer's GPU: what would fail only after the backends
+    loaded."""
+    if opts.trainer == "exact" and no_cuda_here():  # vLLM's own CUDA kernels: nothing to mirror on a CPU
+        raise ConfigError("--trainer exact runs vLLM's CUDA operations; this machine has no NVIDIA GPU")
     if opts.tp < 1:
         raise ConfigError(f"--tp must be at least 1, not {opts.tp}")
     if not 0 <= opts.seed < 2**63:  # torch and numpy seeds are 64-bit: a larger one fails after the model loaded
