@@ -28,7 +28,7 @@ selftest: install
 	$(BIN)/lora-parity selftest --repeat 20
 
 fuzz: install
-	LORA_PARITY_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/test_hostile_receipts.py
+	LORA_PARITY_FUZZ_EXAMPLES=10000 $(BIN)/pytest -q tests/test_hostile_receipts.py tests/test_hostile_servers.py
 
 lint: install
 	$(BIN)/ruff check lora_parity tests scripts
