@@ -1,5 +1,6 @@
-"""What an attached server says lands in receipts only bounded, finite, on one line and without the key
-(issue 46: hostile JSON, NaN, huge strings, echoed keys in every form). `make fuzz` runs it with many examples."""
+"""What an attached server says lands in receipts only bounded, finite, on one line and without the key, and the
+output writer writes a regular file or nothing (issue 46: hostile JSON, NaN, huge strings, echoed keys in every
+form, whatever sits at an output path). `make fuzz` runs it with many examples."""
 
 import json
 import math
@@ -59,3 +60,31 @@ def test_server_info_of_any_shape_becomes_recordable_settings(answer: Any) -> No
     text = json.dumps(recorded, allow_nan=False)
     assert len(recorded["version"]) <= served.SERVER_TEXT_CHARS and KEY not in text
     assert set(recorded["args"]) <= set(SERVER_ARGS_RECORDED)  # never the server's api_key field
+
+
+@settings(max_examples=max(20, EXAMPLES // 10), deadline=None)
+@given(kind=st.sampled_from(["none", "file", "link", "dangling", "fifo", "folder"]), data=st.binary(max_size=4096))
+def test_the_output_writer_writes_a_regular_file_or_nothing(kind: str, data: bytes) -> None:
+    """`util.safe_write`: whatever sits at the path, the result is the data in a regular file, or a ConfigError
+    with what was there untouched; no temporary is left behind."""
+    import tempfile
+    from pathlib import Path
+
+    from lora_parity.util import safe_write
+    from lora_parity.util.errors import ConfigError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        path, other = folder / "out", folder / "other"
+        other.write_bytes(b"keep")
+        {"none": lambda: None, "file": lambda: path.write_bytes(b"old"), "link": lambda: path.symlink_to(other),
+         "dangling": lambda: path.symlink_to(folder / "nowhere"), "fifo": lambda: os.mkfifo(path),
+         "folder": lambda: path.mkdir()}[kind]()
+        try:
+            safe_write.write_atomic(path, data)
+        except ConfigError:
+            assert kind in ("link", "dangling", "fifo", "folder") and other.read_bytes() == b"keep"
+            assert not (folder / "nowhere").exists()
+        else:
+            assert kind in ("none", "file") and path.read_bytes() == data and not path.is_symlink()
+        assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
