@@ -217,3 +217,16 @@ def test_a_config_json_of_huge_dimensions_beside_small_weights_is_refused_at_pre
         (ck / "config.json").write_text(json.dumps({**hf, field: value}))
         with pytest.raises(ConfigError, match=says):
             checkpoint.require_safetensors(config.load(str(ck)))
+
+
+def test_the_plan_states_what_a_one_process_run_holds(tmp_path: Path) -> None:
+    """Case 7: `--plan` gives a memory estimate, from the checkpoint's safetensors headers (nothing loaded)."""
+    from lora_parity.models import synthetic
+    from lora_parity.run import plan
+
+    cfg = config.load("tiny-qwen3")
+    folder = synthetic.materialize(cfg)
+    gib = plan.checkpoint_gib(folder)
+    on_disk = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30
+    assert 0.9 * on_disk < gib <= on_disk
+    assert f"memory: base weights {gib:.3g} GiB (float32)" in plan.render(cfg)

@@ -277,8 +277,10 @@ def test_plan_for_a_yaml_file_prints_a_command_that_runs(tmp_path: Path) -> None
     shutil.copy(ROOT / "configs" / "tiny-qwen3.yaml", yaml_file)
     res = lp("run", "--model", "my model.yaml", "--trainer", "fake", "--sampler", "fake", "--plan", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    command = res.stdout.split("on this machine: ", 1)[1].strip()
+    command = res.stdout.split("on this machine: ", 1)[1].splitlines()[0].strip()
     assert command == "lora-parity run --model 'my model.yaml' --trainer fake --sampler fake"
+    memory = res.stdout.split("memory: ", 1)[1]  # issue 46, case 7: what the run will hold, from the headers
+    assert "GiB (float32) held by the trainer and by the sampler" in memory or "not estimated" in memory
     argv = shlex.split(command)
     ran = lp(*argv[1:], "--out", "r.json", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr

@@ -12,10 +12,12 @@ Hugging Face cache folders and `nvidia-smi` (or torch, only once `nvidia-smi` sa
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,6 +28,7 @@ from lora_parity.models.config import ModelConfig
 from lora_parity.models.hub import hub_checkpoint
 from lora_parity.models.launch import LaunchSpec
 from lora_parity.models.provenance import source
+from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError
 
 __all__ = ["engine_options", "hub_checkpoint", "num_nodes", "preflight", "render", "sampler_command",
@@ -33,6 +36,34 @@ __all__ = ["engine_options", "hub_checkpoint", "num_nodes", "preflight", "render
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+_HEADER_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                 "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def checkpoint_gib(folder: Path) -> float:
+    """The weights of a checkpoint folder in GiB, from its safetensors headers alone (nothing loaded)."""
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        for name, entry in safe_read.safetensors_header(path).items():
+            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("shape"), list):
+                total += math.prod(int(d) for d in entry["shape"]) * _HEADER_BYTES.get(str(entry.get("dtype")), 4)
+    return total / GIB
+
+
+def _memory_line(cfg: ModelConfig) -> str:
+    """What one process holds: the base weights once per side, and the fp32 reference (twice that in bf16)."""
+    from lora_parity.models import synthetic
+
+    folder = synthetic.cached(cfg)
+    if folder is None:
+        return "not estimated: the checkpoint is built or fetched on the first run (then --plan says)"
+    gib = checkpoint_gib(folder)
+    dtype = cfg.model.dtype
+    fp32 = gib * 4 / _BYTES.get(dtype, 4)
+    return (f"base weights {gib:.3g} GiB ({dtype}) held by the trainer and by the sampler, {2 * gib:.3g} GiB; "
+            f"the fp32 reference, where scored, {fp32:.3g} GiB more, one point at a time")
 
 
 def weights_gib(cfg: ModelConfig) -> float:
@@ -128,7 +159,8 @@ def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None =
         flags: dict[str, str | int | None] = {"trainer": trainer, "sampler": sampler, "tp": tp}
         where = ("in one process beside SGLang's server, on one GPU (SGLang has no CPU build)" if sampler == "sglang"
                  else "in one process (the CPU or one GPU)")
-        lines = [f"lora-parity plan: {cfg.name}", f"  runs {where} on this machine: {_run_command(ref, flags)}"]
+        lines = [f"lora-parity plan: {cfg.name}", f"  runs {where} on this machine: {_run_command(ref, flags)}",
+                 f"  memory: {_memory_line(cfg)}"]
         if trainer == "megatron" and tp is not None and tp > 1:
             lines += _torchrun_lines(cfg.name, ref, flags, tp)
         return "\n".join(lines) + "\n"
