@@ -230,3 +230,23 @@ def test_the_plan_states_what_a_one_process_run_holds(tmp_path: Path) -> None:
     on_disk = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30
     assert 0.9 * on_disk < gib <= on_disk
     assert f"memory: base weights {gib:.3g} GiB (float32)" in plan.render(cfg)
+
+
+def test_report_out_never_writes_through_a_link_planted_at_a_plot_path(tmp_path: Path) -> None:
+    """Case 8: a symbolic link at one of the plot paths is refused, its target untouched; no temporary is left."""
+    import subprocess
+    import sys
+
+    receipt = tmp_path / "r.json"
+    run = subprocess.run([sys.executable, "-m", "lora_parity", "run", "--trainer", "fake", "--sampler", "fake",
+                          "--quiet", "--out", str(receipt)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "rep"
+    out.mkdir()
+    precious = tmp_path / "precious"
+    precious.write_text("keep")
+    (out / "A.trainer_vs_sampler.png").symlink_to(precious)
+    res = subprocess.run([sys.executable, "-m", "lora_parity", "report", str(receipt), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "symbolic link" in res.stderr and precious.read_text() == "keep", res.stderr
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
