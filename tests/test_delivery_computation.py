@@ -308,3 +308,18 @@ def test_every_check_records_how_many_elements_it_compared_and_none_passes_on_no
     assert empty.status == CheckStatus.NOT_REACHED and "compared nothing" in empty.reason and empty.elements == 0
     assert some.status == CheckStatus.PASS and some.elements == 1
     assert checks.verdict_of(c.checks, errored=False) == Verdict.INCONCLUSIVE
+
+
+@pytest.mark.unit
+def test_the_side_is_named_over_all_tokens_too() -> None:
+    """An engine that makes 60 % of every change is off the fp32 reference over all tokens, whatever the worst
+    token shows: the finding names it there (the Qwen3 shape's `--update step` on the H200 read "both are off:
+    precision" at its worst token while the engine was 2.6 times as far from fp32 on average)."""
+    scores = scenario(scale=0.6)
+    ev, _ = judged(scores)
+    line = findings.findings(scores, ev.checks, sequences(), True)[0]
+    overall = line.split("over all tokens", 1)[1]
+    assert "(the engine is off" in overall, line
+    off = scenario(trainer_off=0.3)
+    line = findings.findings(off, judged(off)[0].checks, sequences(), True)[0]
+    assert line.split("over all tokens", 1)[1].endswith("(the trainer is off)"), line

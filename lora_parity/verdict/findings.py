@@ -98,14 +98,18 @@ def _delivered_line(scores: Scores, sequences: Sequence[Sequence[int]]) -> str:
     off_t, off_s = abs(flat["trainer_updated"][i] - ref), abs(flat["updated"][i] - ref)
     mean_t = _mean_abs(scores["trainer_updated"], scores["reference_fp32_updated"])
     mean_s = _mean_abs(scores["updated"], scores["reference_fp32_updated"])
-    if off_s > 2 * off_t:
-        side = "the engine is off: an engine computation worth reporting upstream"
-    elif off_t > 2 * off_s:
-        side = "the trainer is off"
-    else:
-        side = "both are off: precision"
-    return (f"{head}{where}; there the engine is {off_s:.3g} from fp32, the trainer {off_t:.3g} ({side}; over all "
-            f"tokens the engine {mean_s:.3g}, the trainer {mean_t:.3g} on average)")
+    return (f"{head}{where}; there the engine is {off_s:.3g} from fp32, the trainer {off_t:.3g} "
+            f"({_which(off_s, off_t, 'both are off: precision')}); over all tokens the engine {mean_s:.3g}, the "
+            f"trainer {mean_t:.3g} on average ({_which(mean_s, mean_t, 'about equally far: precision')})")
+
+
+def _which(engine: float, trainer: float, neither: str) -> str:
+    """Which side is off the fp32 reference: the one more than twice as far as the other, else `neither`."""
+    if engine > 2 * trainer:
+        return "the engine is off: an engine computation worth reporting upstream"
+    if trainer > 2 * engine:
+        return "the trainer is off"
+    return neither
 
 
 def _mean_abs(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
