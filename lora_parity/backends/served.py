@@ -51,21 +51,6 @@ def server_value(value: object, api_key: str | None = None) -> str | int | float
     return server_text(value, api_key)
 
 
-def env_seconds(name: str, default: float) -> float:
-    """A number of seconds from environment variable `name` (unset or empty: `default`); one line naming it
-    where it is no positive finite number. Read where the module loads: a bad value stops the backend's import."""
-    raw = os.environ.get(name) or ""
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name}={one_line(raw)[:40]!r}: not a positive number of seconds")
-    return value
-
-
 def check_options(opts: PreflightOptions) -> None:
     """--api-key-env names a set variable; --shared-dir is an existing folder. Raises `ConfigError`."""
     if opts.api_key_env and not os.environ.get(opts.api_key_env):

@@ -24,7 +24,7 @@ from lora_parity.backends.base import PreflightOptions
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
-from lora_parity.util import scratch
+from lora_parity.util import env, scratch
 from lora_parity.util.errors import ConfigError
 
 SGLANG_PIN = "sglang==0.5.16"
@@ -34,7 +34,7 @@ REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call."""
 REQUEST_DEADLINE_S = 900.0
 """Longest one call may take in all: a server that trickles bytes cannot hold the run longer."""
-START_TIMEOUT_S = served.env_seconds("LORA_PARITY_SGLANG_START_TIMEOUT", 900.0)
+START_TIMEOUT_S = env.seconds(os.environ, "LORA_PARITY_SGLANG_START_TIMEOUT", 900.0)
 """Longest wait for a started server's `/health` (its first start JIT-compiles kernels)."""
 
 

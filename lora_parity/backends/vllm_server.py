@@ -46,14 +46,14 @@ from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
-from lora_parity.util import scratch
+from lora_parity.util import env, scratch
 from lora_parity.util.errors import ConfigError, ScoreError
 
 REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call (the first scoring calls on a fresh CPU server compile)."""
 REQUEST_DEADLINE_S = 900.0
 """Longest one call may take in all: a server that trickles bytes cannot hold the run longer."""
-START_TIMEOUT_S = served.env_seconds("LORA_PARITY_VLLM_SERVER_START_TIMEOUT", 600.0)
+START_TIMEOUT_S = env.seconds(os.environ, "LORA_PARITY_VLLM_SERVER_START_TIMEOUT", 600.0)
 CACHED_CONCURRENCY = 32
 """Requests in flight at once when scoring through the prefix cache (one per prefix)."""
 SAME_NAME_RELOAD_REFUSED = ("refuses a reload under a loaded name without load_inplace (vLLM answers 400: an "

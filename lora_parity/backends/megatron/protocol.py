@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from lora_parity.util import errors
+from lora_parity.util import env, errors
 
 PIPE_ENV = "LORA_PARITY_MEGATRON_PIPE"
 SPAWNED_ENV = "LORA_PARITY_MEGATRON_SPAWNED"
@@ -62,16 +61,7 @@ def is_rank_process(environ: dict[str, str]) -> bool:
 
 def rank_timeout(environ: Mapping[str, str]) -> float:
     """`RANK_TIMEOUT_ENV` in seconds (default `DEFAULT_RANK_TIMEOUT`); not a positive number: `ConfigError`."""
-    raw = environ.get(RANK_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RANK_TIMEOUT
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise errors.ConfigError(f"{RANK_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    return seconds
+    return env.seconds(environ, RANK_TIMEOUT_ENV, DEFAULT_RANK_TIMEOUT)
 
 
 def lost_error(ranks: list[int], nodes: Mapping[int, str], seconds: float, after_failure: bool) -> dict[str, Any]:
