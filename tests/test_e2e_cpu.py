@@ -66,6 +66,15 @@ def test_the_exact_sync_check_catches_every_fault_in_what_the_sampler_got(matrix
         assert exact.status == CheckStatus.FAIL and (exact.observed or 0) > 0, row.fault
 
 
+def test_an_empty_handoff_leaves_the_exact_check_not_run_on_real_backends(matrix) -> None:
+    (row,) = [r for r in matrix.rows if r.fault == "empty-handoff"]
+    receipt = load(Path(row.receipt))[0]
+    exact = {c.id: c for c in receipt.checks}["X.sync.identical"]
+    assert exact.status == CheckStatus.NOT_REACHED and exact.elements == 0 and receipt.scores["fresh"] == []
+    assert receipt.verdict == Verdict.INCONCLUSIVE and row.caught
+    assert [c.id for c in receipt.checks if c.status != CheckStatus.PASS] == ["X.sync.identical"]
+
+
 def test_repeated_clean_runs_are_bit_identical(matrix) -> None:
     assert matrix.repeats == 2 and matrix.identical_repeats
 

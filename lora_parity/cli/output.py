@@ -21,6 +21,7 @@ from lora_parity.util import escape as esc
 from lora_parity.util.errors import ConfigError
 from lora_parity.util.escape import rich as escape
 from lora_parity.verdict import explain, findings
+from lora_parity.verdict.check_rules import compared_nothing
 from lora_parity.verdict.checks import not_passing
 
 
@@ -161,7 +162,8 @@ def _fault_line(receipt: Receipt) -> str | None:
 
 def explanations(receipt: Receipt) -> list[str]:
     """One line per failing or inconclusive check (checks that mean the same thing share a line): the
-    observed value against its budget, what it means, and what to look at next."""
+    observed value against its budget, what it means, and what to look at next; one per check not run
+    because it compared nothing, and why."""
     groups: dict[tuple[str, str], list[Any]] = {}
     failing = not_passing(receipt.checks, reached=True)
     ids = frozenset(c.id for c in failing)
@@ -178,6 +180,9 @@ def explanations(receipt: Receipt) -> list[str]:
             observed = f"{_fmt(c.observed)} not {c.op} {_fmt(c.budget)}"
         names = ", ".join(x.id for x in group)
         lines.append(f"{status} {names} ({explain.measure(c.id) or 'observed'} {observed}): {meaning}")
+    for c in (c for c in receipt.checks if compared_nothing(c)):  # not run: no check passes on nothing
+        lines.append(f"not run {c.id}: {c.reason.removeprefix('not run: ')}; a comparison over nothing verifies "
+                     "nothing, so the run cannot pass")
     return lines
 
 

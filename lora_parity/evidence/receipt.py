@@ -237,6 +237,12 @@ class AdapterVersion(Strict):
     beyond the rounding to the file's dtype ([]: exactly the trainer's adapter); None where not compared."""
 
 
+HANDED_NOTHING = "the trainer handed no LoRA tensors"
+"""Why a comparison with the trainer's tensors compared nothing (X's reason, the file side's entry end with it)."""
+NOTHING_COMPARED = f"nothing compared: {HANDED_NOTHING}"
+"""The `file_differences` entry where the trainer handed no tensors (then nothing is said of the file's tensors)."""
+
+
 class PhaseRecord(Strict):
     """One step of the sequence."""
 
@@ -302,7 +308,8 @@ class Receipt(Strict):
     phases: list[PhaseRecord]
     """Phases run, in order, with status and time."""
     scores: dict[str, list[list[float]]]
-    """Raw scores per phase: one list per probe sequence, entry t = log p(token t+1 | tokens ≤ t)."""
+    """Raw scores per phase: one list per probe sequence, entry t = log p(token t+1 | tokens ≤ t); `fresh` alone
+    may be empty (no sequence: the trainer handed the exact sync check no tensors, so X compared nothing)."""
     comparisons: dict[str, ComparisonStats]
     """Statistics per comparison, recomputable from `scores`."""
     deltas: dict[str, DeltaStats]

@@ -9,12 +9,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lora_parity.evidence.receipt import NOTHING_COMPARED
 from lora_parity.models import adapter_files as af
 from lora_parity.models.fresh_adapter import RawTensor
 
 SIGNIFICANT_BITS = {"BF16": 8, "F16": 11, "F32": 24, "F64": 53}
 """A value cast to a dtype moves by at most half its spacing there: 2**-bits of itself (or a subnormal's step)."""
 SHOWN = 3
+NOTHING = NOTHING_COMPARED
+"""What `differences` says where the trainer handed no tensors (and then nothing about the file's tensors)."""
 
 
 def differences(folder: Path, trainer: Mapping[str, RawTensor], rank: int, alpha: float) -> list[str]:
@@ -29,7 +32,7 @@ def differences(folder: Path, trainer: Mapping[str, RawTensor], rank: int, alpha
     if config.get("use_rslora"):
         out.append("use_rslora is on (alpha/sqrt(r)); the trainer scales by alpha/r")
     if not trainer:  # a comparison over nothing proves nothing (a checksum dropped on the way reads as "verified")
-        out.append("nothing compared: the trainer handed no LoRA tensors")
+        return [*out, NOTHING]  # the file's tensors are not "not the trainer's": there was nothing to hold them to
     missing, extra = sorted(set(trainer) - set(tensors)), sorted(set(tensors) - set(trainer))
     other = [n for n in sorted(set(trainer) & set(tensors)) if not _same(tensors[n], trainer[n])]
     for names, what in ((missing, "missing"), (extra, "not the trainer's"), (other, "with other values")):

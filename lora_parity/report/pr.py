@@ -74,7 +74,9 @@ def _verdict_reason(receipt: Receipt) -> str:
         return f"the run errored: {code(clip(receipt.error or 'unknown error', 200))}"
     bad = checks_mod.not_passing(receipt.checks)
     if verdict == Verdict.INCONCLUSIVE and all(c.status == CheckStatus.NOT_REACHED for c in bad):
-        return f"{len(bad)} of {len(receipt.checks)} checks not reached"
+        empty = [code(c.id) for c in bad if c.elements == 0]  # not run: handed an empty set
+        said = f" ({', '.join(empty)} compared nothing)" if empty else ""
+        return f"{len(bad)} of {len(receipt.checks)} checks not reached{said}"
     ids = [c.id for c in checks_mod.not_passing(bad, reached=True) or bad]
     shown = ", ".join(code(i) for i in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
     word = "fail" if verdict == Verdict.FAIL else "inconclusive"

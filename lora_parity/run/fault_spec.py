@@ -57,6 +57,10 @@ class FaultSpec:
     needs_base: bool = False
     """Needs the engine's base route scored after the sync: not for a sampler that cannot serve the base model
     (`traits.base_unavailable`)."""
+    hands_x: bool = False
+    """Changes what the exact sync check (X) is handed: only where X runs, a trainer whose LoRA tensors can be read
+    (`TensorReadingTrainer`) and a sync that publishes an adapter (its `modes`); the selftest leaves it out elsewhere
+    (`faults.not_applicable_to_trainer` says why)."""
     needs_versions: bool = False
     """Needs the replaced version scored after the sync: not for a sampler on the trainer's own service
     (`traits.shares_trainer_state`), which has phases of its own."""

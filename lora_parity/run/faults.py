@@ -27,6 +27,7 @@ from typing import Any
 from lora_parity.backends.base import UNSERVABLE, AdapterHandle, BackendTraits, Scores
 from lora_parity.evidence.receipt import Budgets, Perturbation
 from lora_parity.models import adapter_files as af
+from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import is_lora_b, target_kind
 from lora_parity.run.fault_spec import FaultSpec as FaultSpec
 from lora_parity.run.serving_faults import SameNameNoInplace, StaleFolder, UnloadBeforeScore, WarmPrefixCache
@@ -189,6 +190,11 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("old-name-follows", "after the sync, the replaced version's name serves the new adapter (a frozen "
               "snapshot that follows the live weights)", ("D.old_kept",), "fail", modes=("new-id", "tensors"),
               needs_versions=True),
+    # The trainer's tensors reach X as an empty set: no fresh adapter is loaded, X compares nothing and is not run
+    # (0 elements), so the run can at best be inconclusive; it must never pass on a comparison over nothing.
+    FaultSpec("empty-handoff", "the trainer's tensors reach the exact sync check as an empty set (a checksum a "
+              "transport dropped reads as verified while verifying nothing: miles #2730, sglang #36190)", (EXACT,),
+              "inconclusive", modes=ADAPTER_MODES, hands_x=True),
     FaultSpec("crash-at", "an exception in the named phase (crash-at=PHASE)", (), "error",
               error_says="injected crash"),
     FaultSpec("adapter-changed", "the published adapter's files change on disk before the sampler scores with it",
@@ -235,11 +241,23 @@ def not_applicable(name: str, sampler: BackendTraits) -> str | None:
     return None
 
 
-def require_applies(spec: str | None, sampler: BackendTraits, sampler_name: str) -> None:
-    """Preflight: `ConfigError` if the injected fault does not apply to this sampler."""
-    why = not_applicable(spec.partition("=")[0], sampler) if spec and spec.partition("=")[0] in FAULTS else None
+def not_applicable_to_trainer(name: str, reads_tensors: bool) -> str | None:
+    """Why fault `name` does not apply to a trainer (`reads_tensors`: a `TensorReadingTrainer`), or None if it does."""
+    if FAULTS[name].hands_x and not reads_tensors:
+        return "its LoRA tensors cannot be read, so the exact sync check (X) it hands them to does not run"
+    return None
+
+
+def require_applies(spec: str | None, sampler: BackendTraits, sampler_name: str, reads_tensors: bool = True,
+                    trainer_name: str = "") -> None:
+    """Preflight: `ConfigError` if the injected fault does not apply to this sampler, or to the trainer."""
+    name = (spec or "").partition("=")[0]
+    why = not_applicable(name, sampler) if name in FAULTS else None
     if why is not None:
         raise ConfigError(f"fault {spec!r} does not apply to sampler {sampler_name!r}: {why}")
+    why = not_applicable_to_trainer(name, reads_tensors) if name in FAULTS else None
+    if why is not None:
+        raise ConfigError(f"fault {spec!r} does not apply to trainer {trainer_name!r}: {why}")
 
 
 ROUNDING_DTYPES = ("float32",)
@@ -251,17 +269,18 @@ C.parity.mean stayed at 0.30-0.80 of its threshold in all 45 runs; it is no faul
 
 def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False,
                targets: list[str] | None = None, update: str = "noise",
-               trainer: BackendTraits | None = None, dtype: str | None = None) -> list[str]:
+               trainer: BackendTraits | None = None, dtype: str | None = None, reads_tensors: bool = True) -> list[str]:
     """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
     one that is not served over HTTP); with `sampled`, also the generation path's; with `targets`, only
     those whose target kinds the adapter has; with `update` noise, not those only a step can reveal; with
     `trainer` traits, not the rounding faults it cannot resolve; with a `dtype` other than float32, not
-    the rounding faults either (`ROUNDING_DTYPES`)."""
+    the rounding faults either (`ROUNDING_DTYPES`); without `reads_tensors`, not those of X's hand-off."""
     traits = sampler or BackendTraits()
     rounds = (trainer is None or not trainer.rounding_unresolved) and (dtype is None or dtype in ROUNDING_DTYPES)
     names = [f for f in SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
              if (update == "step" or FAULTS[f.partition("=")[0]].needs_step is None)
-             and (rounds or not FAULTS[f.partition("=")[0]].only_rounds)]
+             and (rounds or not FAULTS[f.partition("=")[0]].only_rounds)
+             and not_applicable_to_trainer(f.partition("=")[0], reads_tensors) is None]
     return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
             or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None
             and (targets is None or set(FAULTS[f.partition("=")[0]].needs_targets) <= set(targets))]
@@ -401,6 +420,10 @@ class Faults:
     def generation_prompt_handle(self, handle: AdapterHandle | None) -> AdapterHandle | None:
         """The adapter the sampler scores the generated tokens with (prompt-no-adapter: none)."""
         return None if self.is_("prompt-no-adapter") else handle
+
+    def handed_tensors(self, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:
+        """The trainer's tensors as they reach the exact sync check (empty-handoff: none)."""
+        return {} if self.is_("empty-handoff") else tensors
 
     def sampler_scores(self, scores: Scores) -> Scores:
         """Scoring-path faults, applied to every sampler scoring (base-changed: every one from the sync on)."""

@@ -1,12 +1,12 @@
-"""The sequence: base → zero-init → perturb → stale → sync (→ fresh) → republish, then per-target coverage
-(and, where sampler and trainer share a service, the stale adapter again and the trainer once more;
-where the sampler scores through its prefix cache, stale and updated read that way too).
-With `--probes sampled` the sampler first completes the probes (`sample`), and after sync generates
-from the same prompts again (`generate_updated`); see docs/probes-and-adapters.md.
+"""The sequence: base → zero-init → perturb → stale → sync (→ fresh) → republish, then per-target coverage (and,
+where sampler and trainer share a service, the stale adapter again and the trainer once more; where the sampler
+scores through its prefix cache, stale and updated read that way too). With `--probes sampled` the sampler first
+completes the probes (`sample`), and after sync generates from the same prompts again (`generate_updated`); see
+docs/probes-and-adapters.md.
 
-`run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores,
-adapters and timing. Checks are not made here: `checks.evaluate` derives them from the recorded
-scores afterwards, the same way `lora-parity verify` does.
+`run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores, adapters and
+timing. Checks are not made here: `checks.evaluate` derives them from the recorded scores afterwards, the same way
+`lora-parity verify` does.
 """
 
 from __future__ import annotations
@@ -219,17 +219,19 @@ class Run:
 
     @property
     def checks_fresh(self) -> bool:
-        """The exact sync check (X) applies: the trainer's tensors can be read as they are, and the sync
-        publishes a LoRA adapter."""
+        """The exact sync check (X) applies: the trainer's tensors can be read, the sync publishes a LoRA adapter."""
         return isinstance(self.trainer, TensorReadingTrainer) and self.mode.sampler_lora
 
     def fresh(self) -> None:
-        """The trainer's current tensors, written by `fresh_adapter` (not the exporter), loaded on the
-        sampler under a name and id of their own (`FRESH_ID_OFFSET` above the run's), scored, retired; the
-        synced file compared with the same tensors (`engine_state.compare_file`)."""
+        """The trainer's current tensors, written by `fresh_adapter` (not the exporter), loaded on the sampler under
+        a name and id of their own (`FRESH_ID_OFFSET` above the run's), scored, retired; the synced file compared with
+        the same tensors (`engine_state.compare_file`). Handed no tensors, it loads nothing and records fresh empty."""
         assert isinstance(self.trainer, TensorReadingTrainer)
-        spec, tensors = self.cfg.adapter, self.trainer.lora_tensors()
+        spec, tensors = self.cfg.adapter, self.faults.handed_tensors(self.trainer.lora_tensors())
         engine_state.compare_file(self, tensors)
+        if not tensors:  # an adapter of no tensors is not the trainer's: X compared nothing (`checks.handed_nothing`)
+            self.scores["fresh"] = []
+            return
         folder = fresh_adapter.write(self.workdir / "fresh", tensors, spec.rank, spec.alpha, spec.targets)
         adapter_id = self.first_adapter_id + FRESH_ID_OFFSET
         handle = self.sampler.publish(folder, f"lora-parity-fresh-{adapter_id}", adapter_id)
@@ -340,8 +342,7 @@ class Run:
 
     @property
     def calibrates(self) -> bool:
-        """Whether the update's size is searched on the trainer (`perturbation.std: auto`, or the
-        learning rate of `--update step`)."""
+        """Whether the update's size is searched on the trainer (`perturbation.std: auto`, or `--update step`'s lr)."""
         return self.steps or self.cfg.perturbation.std == "auto"
 
     def _std(self, calibration: Calibration | None) -> float:
@@ -429,10 +430,9 @@ class Run:
             self.error += " (unloading its adapter failed too)"
 
     def target_coverage(self, kind: str, tag: str | None = None) -> None:
-        """From zero-init, perturb target kind `kind` alone, sync, and score both sides (under `tag`, default
-        `kind`: per-layer coverage runs it with the trainer restricted to some layers). With std auto
-        the search's last forward was taken at the chosen std on exactly this state, so it is the
-        trainer's score (not run again)."""
+        """From zero-init, perturb target kind `kind` alone, sync, and score both sides (under `tag`, default `kind`:
+        per-layer coverage runs it with the trainer restricted to some layers). With std auto the search's last forward
+        was taken at the chosen std on exactly this state, so it is the trainer's score (not run again)."""
         tag = tag or kind
         found = calibrate_trainer.search_target(self, kind, tag) if self.calibrates else None
         if found is not None:

@@ -7,7 +7,13 @@ import os
 from collections.abc import Callable
 
 from lora_parity import backends
-from lora_parity.backends.base import PreflightOptions, SamplerBackend, SteppingTrainer, TrainerBackend
+from lora_parity.backends.base import (
+    PreflightOptions,
+    SamplerBackend,
+    SteppingTrainer,
+    TensorReadingTrainer,
+    TrainerBackend,
+)
 from lora_parity.evidence import outpath
 from lora_parity.evidence.receipt import Probes, Reference
 from lora_parity.models import config
@@ -193,7 +199,8 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     sampled = generation.require(probes, sampler_cls, opts.sampler)
     Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)
-    require_applies(opts.inject, sampler_cls.traits, opts.sampler)
+    require_applies(opts.inject, sampler_cls.traits, opts.sampler, issubclass(trainer_cls, TensorReadingTrainer),
+                    opts.trainer)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     needs_checkpoint = trainer_cls.traits.needs_checkpoint or sampler_cls.traits.needs_checkpoint
     reference_preflight(opts.reference, needs_checkpoint)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lora_parity.backends.base import BackendTraits
+from lora_parity.backends.base import BackendTraits, TensorReadingTrainer
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
 from lora_parity.run import preflight
@@ -36,6 +36,7 @@ from lora_parity.run.faults import FAULTS, SAMPLED_FAULTS, SELFTEST_FAULTS, Faul
 from lora_parity.run.options import RunOptions
 from lora_parity.run.runner import Backends, Plan, prepare, run_once, warms
 from lora_parity.util.errors import ConfigError
+from lora_parity.verdict.check_rules import compared_nothing
 from lora_parity.verdict.thresholds import EXACT_PREFIXES
 
 NO_FAULTS = "none"
@@ -186,7 +187,17 @@ def margin(checks: list[Check], must_trip: tuple[str, ...], must_pass: tuple[str
 
 
 def _failing(receipt: Receipt) -> list[str]:
-    return [c.id for c in receipt.checks if c.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)]
+    return [c.id for c in receipt.checks if c.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE)
+            or compared_nothing(c)]
+
+
+def _tripped(check: Check | None, verdict: str) -> bool:
+    """A declared check caught its fault: it failed or was inconclusive; for a fault whose verdict is inconclusive,
+    also where it compared nothing (`compared_nothing`: not run, which keeps the run from passing)."""
+    if check is None:
+        return False
+    return check.status in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE) or (
+        verdict == "inconclusive" and compared_nothing(check))
 
 
 def _without_absent_targets(checks: tuple[str, ...], status: dict[str, CheckStatus]) -> tuple[str, ...]:
@@ -223,11 +234,11 @@ def judge(fault: str | None, receipt: Receipt, folder_before: set[str], folder_a
     spec = Faults(fault, targets, num_positions, receipt.budgets.mean, receipt.sync_mode, sampled=sampled,
                   update=update, start_adapter=receipt.start_adapter is not None).expected(sampler)
     status = {c.id: c.status for c in receipt.checks}
+    by_id = {c.id: c for c in receipt.checks}
     caught_by = _without_absent_targets(spec.caught_by, status)
     expected = f"{spec.verdict}: {', '.join(c.replace('|', ' or ') for c in caught_by) or 'error recorded'}"
     caught = receipt.verdict.value == spec.verdict
-    caught &= all(any(status.get(c) in (CheckStatus.FAIL, CheckStatus.INCONCLUSIVE) for c in entry.split("|"))
-                  for entry in caught_by)
+    caught &= all(any(_tripped(by_id.get(c), spec.verdict) for c in entry.split("|")) for entry in caught_by)
     # Under --budgets exact every parity statistic is bitwise: the mean no longer lets a single token hide.
     must_pass = tuple(c for c in spec.must_pass if not (receipt.budgets.exact and c.startswith(EXACT_PREFIXES)))
     caught &= all(status.get(c) == CheckStatus.PASS for c in must_pass)
@@ -309,8 +320,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     loaded = Backends(plan, say)
     targets = list(plan.cfg.adapter.targets)
     update = "step" if warms(plan) else "noise"
-    applicable = faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled, targets, update,
-                            plan.trainer_cls.traits, plan.cfg.model.dtype)
+    applicable = faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled, targets, update, plan.trainer_cls.traits,
+                            plan.cfg.model.dtype, issubclass(plan.trainer_cls, TensorReadingTrainer))
     fault_names = faults if faults is not None else applicable
     if only:
         fault_names = pick_faults(only, applicable)

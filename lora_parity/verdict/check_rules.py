@@ -43,6 +43,11 @@ def group_of(check_id: str) -> str:
     return "numerics" if check_id.startswith(NUMERICS_PREFIXES) or trainer_own else "sync"
 
 
+def compared_nothing(check: Check) -> bool:
+    """The check was not run because it was handed an empty set (0 elements), not because its phases did not run."""
+    return check.status == CheckStatus.NOT_REACHED and check.elements == 0
+
+
 def _group_verdict(checks: Sequence[Check], errored: bool) -> GroupVerdict:
     if errored:
         return GroupVerdict(verdict=Verdict.ERROR, decided_by=[])

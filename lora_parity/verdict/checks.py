@@ -13,7 +13,8 @@ checks A.fp32.*). A sampler that scores through its prefix cache (vllm-server, s
 records stale_cached and updated_cached: the same positions read the way rollouts read them
 (comparisons P.*, checks P.parity.*). Where the trainer's tensors can be read (every trainer but
 tinker) and the sync publishes an adapter, also fresh: those tensors written by a writer of the
-tool's own and loaded under a new name and id (comparison X.synced_vs_fresh, check X.sync.identical).
+tool's own and loaded under a new name and id (comparison X.synced_vs_fresh, check X.sync.identical); fresh is
+recorded empty (no sequence) where the trainer handed no tensors (`handed_nothing`): X then compared nothing.
 A comparison `b vs a` looks at b - a.
 
 Check groups (docs/verdicts.md): a check's group follows from its id, `check_rules.group_of`:
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_parity.evidence.receipt import (
+    HANDED_NOTHING,
     Budgets,
     Check,
     CheckStatus,
@@ -103,7 +105,7 @@ def compute_comparisons(
     """Statistics of every comparison whose two phases were scored."""
     out: dict[str, ComparisonStats] = {}
     for name, (a, b) in COMPARISONS.items():
-        if a in scores and b in scores:
+        if a in scores and b in scores and scores[a] and scores[b]:  # empty: only a fresh phase handed nothing
             out[name] = ComparisonStats(a=a, b=b, **stats.summarize(scores[a], scores[b], over=budgets.mean))  # type: ignore[arg-type]
     return out
 
@@ -150,14 +152,16 @@ class _Checker:
         note: str | None = None,
         undecidable: str | None = None,
         n: int | None = None,
+        nothing: str | None = None,
     ) -> None:
         """`note` says how a budget derived from measurements was derived; it ends the reason.
         `undecidable` (a reason) makes a reached check inconclusive whatever it observed. `n`: the elements it
-        compared (`Check.elements`); a check over none is not run, whatever it observed."""
+        compared (`Check.elements`); a check over none is not run, whatever it observed (`nothing`: why it had none)."""
         if not reached:
             status, reason = CheckStatus.NOT_REACHED, "not reached: the phases it needs did not run"
         elif n == 0:
             status, reason = CheckStatus.NOT_REACHED, "not run: it compared nothing (0 elements)"
+            reason = f"{reason}: {nothing}" if nothing else reason
         elif observed is None:
             status, reason = failing, f"{fail_reason} (undefined: no change to compare)"
         else:
@@ -221,10 +225,11 @@ def compute_checks(
     comparisons: Mapping[str, ComparisonStats], deltas: Mapping[str, DeltaStats], budgets: Budgets,
     thresholds: Mapping[str, check_rules.Threshold] | None = None, noise: NoiseModel | None = None,
     slope: stats.Slope | None = None, target_slopes: Mapping[str, stats.Slope | None] | None = None,
+    fresh_empty: bool = False,
 ) -> list[Check]:
     """Every check, in order A, B, C, per-target, each judged by its threshold in `thresholds`
     (`lora_parity.verdict.thresholds.derive`, computed before from the start point's `noise`; derived here
-    from the comparisons alone when not given)."""
+    from the comparisons alone when not given). `fresh_empty`: the fresh phase was handed nothing (`handed_nothing`)."""
     c = _Checker()
     get = comparisons.get
     th = thresholds if thresholds is not None else _thresholds.derive(budgets, comparisons, deltas, noise)
@@ -275,7 +280,7 @@ def compute_checks(
         slope_check(c, slope, th["C.slope"], "C.delta" in deltas, moved_failing,
                      n=tokens * runs if tokens is not None else None)
 
-    _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th)
+    _exact_sync_check(c, get("X.synced_vs_fresh"), get("C.sampler_repeat"), th, fresh_empty)
     exact_reference.add_checks(c, comparisons)
     engine_state.add_checks(c, comparisons, th)
 
@@ -315,18 +320,26 @@ def compute_checks(
     return c.checks
 
 
+def handed_nothing(scores: Mapping[str, Sequence[Sequence[float]]]) -> bool:
+    """The fresh phase was recorded empty: the trainer handed X no LoRA tensors, so no fresh adapter was loaded
+    or scored (`phases.Run.fresh`); the only score array that may be empty (`verify`)."""
+    return "fresh" in scores and len(scores["fresh"]) == 0
+
+
 def _exact_sync_check(c: _Checker, fresh: ComparisonStats | None, repeat: ComparisonStats | None,
-                      thresholds: Mapping[str, check_rules.Threshold]) -> None:
+                      thresholds: Mapping[str, check_rules.Threshold], empty: bool = False) -> None:
     """X: the synced adapter scores bit for bit as the trainer's tensors loaded fresh (`fresh` phase),
     where the sampler scored the synced adapter bit for bit the same twice. Needs no noise model: a
     deterministic engine given the same tensors gives the same numbers. Absent where the fresh load was
-    not scored, or the sampler does not repeat itself exactly."""
-    if fresh is None or repeat is None or repeat.max_abs != 0:
-        return
-    t = thresholds["X.sync.identical"]
-    c.add("X.sync.identical", "synced sampler = the trainer's tensors loaded fresh, bit for bit", fresh.max_abs,
-          "<=", t.budget, "the synced adapter is not the trainer's: its tensors, written independently and "
-          "loaded under a new name and id, score differently", note=t.note, n=fresh.n)
+    not scored, or the sampler does not repeat itself exactly; not run (0 elements) where the fresh phase
+    was handed no tensors (`empty`), whatever the sampler: a comparison over nothing never reads as verified."""
+    what, t = "synced sampler = the trainer's tensors loaded fresh, bit for bit", thresholds["X.sync.identical"]
+    why = ("the synced adapter is not the trainer's: its tensors, written independently and loaded under a new name "
+           "and id, score differently")
+    if empty:
+        c.add("X.sync.identical", what, None, "<=", t.budget, why, n=0, nothing=HANDED_NOTHING)
+    elif fresh is not None and repeat is not None and repeat.max_abs == 0:
+        c.add("X.sync.identical", what, fresh.max_abs, "<=", t.budget, why, note=t.note, n=fresh.n)
 
 
 def _prefix_cache_checks(c: _Checker, cached: ComparisonStats | None,
@@ -361,7 +374,7 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     derived = _thresholds.derive(budgets, comparisons, deltas, noise, _thresholds.own_tails(scores, after),
                                  _thresholds.sequence_growth(scores), slope, against_reference,
                                  _thresholds.batching_l2(scores), each)
-    checks = compute_checks(comparisons, deltas, budgets, derived, noise, slope, each)
+    checks = compute_checks(comparisons, deltas, budgets, derived, noise, slope, each, handed_nothing(scores))
     rule = budgets.noise
     if rule is None:
         moved = frozenset[str]()
@@ -393,7 +406,7 @@ def compute_worst_positions(
     `stats.worst_positions`); the run records them and `lora-parity verify` recomputes them."""
     out: dict[str, list[WorstPosition]] = {}
     for name, (a, b) in COMPARISONS.items():
-        if a in scores and b in scores:
+        if a in scores and b in scores and scores[a] and scores[b]:
             out[name] = [WorstPosition(**w) for w in stats.worst_positions(scores[a], scores[b], sequences, k)]  # type: ignore[arg-type]
     return out
 

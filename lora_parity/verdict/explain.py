@@ -16,6 +16,7 @@ class CheckLike(Protocol):
     id: str
     reason: str
     status: Any
+    elements: int | None
 
 
 # prefix -> what the failure means, and what to look at next
@@ -138,11 +139,15 @@ def _c_parity(check: CheckLike, failing: frozenset[str]) -> str | None:
 
 def line(check: CheckLike, failing: frozenset[str] = frozenset()) -> str:
     """One line for a failing or inconclusive check, chosen from the evidence: an inconclusive check says
-    what the noise allows (its own reason); where a failure only follows from another failing check in
-    `failing`, that; a C parity failure says whether the sampler moved; else the check's meaning (or its
-    own reason for an unknown id). Without `failing` (a lone check) the meaning is the prefix's."""
-    if getattr(check.status, "value", check.status) == "inconclusive":
+    what the noise allows (its own reason), one that compared nothing says so; where a failure only follows
+    from another failing check in `failing`, that; a C parity failure says whether the sampler moved; else the
+    check's meaning (or its own reason for an unknown id). Without `failing` (a lone check) the meaning is the
+    prefix's."""
+    status = getattr(check.status, "value", check.status)
+    if status == "inconclusive":
         return f"undecided, not a failure: {check.reason}"
+    if status == "not_reached" and check.elements == 0:
+        return "not a failure, and no pass either: a comparison handed an empty set verifies nothing"
     for prefix, (cause, text) in CONSEQUENCES.items():
         if check.id.startswith(prefix) and cause in failing:
             return text

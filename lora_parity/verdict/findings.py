@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lora_parity.evidence.receipt import NOTHING_COMPARED
 from lora_parity.verdict import check_rules, exact_reference, stats
 from lora_parity.verdict.deltas import TARGET_PREFIX, update_slopes
 
@@ -168,6 +169,11 @@ def file_line(adapters: Sequence[Any], failed: set[str]) -> str | None:
     differs = getattr(synced, "file_differences", None)
     if differs is None:
         return None
+    if NOTHING_COMPARED in differs:
+        config = [d for d in differs if d != NOTHING_COMPARED]
+        return ("the adapter file the sync handed the engine was compared with nothing (the trainer handed no LoRA "
+                "tensors): neither the file nor the exact sync check (X) can say the engine holds the trainer's adapter"
+                + (f"; its config differs: {'; '.join(config)}" if config else ""))
     if differs:
         return ("the adapter file the sync handed the engine is not the trainer's adapter: " + "; ".join(differs) +
                 " (a wrong export, or a rewrite before the engine loaded it)")

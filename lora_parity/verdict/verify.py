@@ -146,13 +146,19 @@ def _verify_thresholds(path: Path, receipt: Receipt, ev: checks.Evaluation) -> N
 
 
 def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:
-    """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs."""
+    """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs; only the fresh
+    phase may be empty (the trainer handed it no tensors: `checks.handed_nothing`), and only where the run
+    recorded that phase as done."""
     known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
     for key, scores in receipt.scores.items():
         per_target = key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler", ".reference"))
         exact = key in ("exact.zero", "exact.updated") or key.startswith("exact.target.")
         if key not in known and not per_target and not exact:
             raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
+        if key == "fresh" and not scores:
+            if not any(p.name == "fresh" and p.status == PhaseStatus.OK for p in receipt.phases):
+                raise ReceiptError(f"{path}: scores.fresh is empty, but no fresh phase ran")
+            continue
         if [len(s) for s in scores] != expected:
             raise ReceiptError(f"{path}: scores.{key} is not aligned with the probes")
         try:
