@@ -323,3 +323,37 @@ def test_the_side_is_named_over_all_tokens_too() -> None:
     off = scenario(trainer_off=0.3)
     line = findings.findings(off, judged(off)[0].checks, sequences(), True)[0]
     assert line.split("over all tokens", 1)[1].endswith("(the trainer is off)"), line
+
+
+def _identical_sides(scores: dict[str, list[list[float]]], share: float = 1.0) -> dict[str, list[list[float]]]:
+    """The sampler as the trainer's own implementation: the same scores at every point, its change at `share`."""
+    out = dict(scores)
+    out["zero"] = out["zero_repeat"] = out["base"] = out["stale"] = scores["trainer_zero"]
+
+    def moved(to: str) -> list[list[float]]:
+        return [[z + share * (u - z) for z, u in zip(zs, us, strict=True)]
+                for zs, us in zip(scores["trainer_zero"], scores[to], strict=True)]
+
+    out["updated"] = out["updated_repeat"] = out["fresh"] = moved("trainer_updated")
+    for kind in TARGETS:
+        out[f"target.{kind}.sampler"] = moved(f"target.{kind}.trainer")
+    return out
+
+
+def test_a_change_both_sides_compute_alike_passes_where_precision_leaves_fp32_undecided() -> None:
+    """--sampler hf against the hf trainer (H200, random probes): both changes equal bit for bit, each further from
+    the fp32 reference's than its own size. Against Δfp32 alone no direction can be claimed (inconclusive); against
+    Δtrainer too (`delta_direct`) the checks pass. A sampler that makes half the change is never passed that way."""
+    scores = _identical_sides(scenario(seed=3, size=0.15, trainer_off=0.25))
+    ev, status = judged(scores)
+    delta = ev.deltas["C.delta"]
+    assert delta.direct_cosine == pytest.approx(1.0) and delta.trainer_rel_l2 > 1.0
+    for check in ("C.delta.cosine", "C.delta.scale", "C.delta.rel_l2", "T.q_proj.cosine", "T.k_proj.scale"):
+        assert status[check] == CheckStatus.PASS, check
+    assert "against Δtrainer" in next(c.reason for c in ev.checks if c.id == "C.delta.cosine")
+    assert ev.verdict == Verdict.PASS
+    before = BF16.model_copy(update={"noise": BF16.noise.model_copy(update={"delta_direct": False})})
+    _, old = judged(scores, before)
+    assert old["C.delta.cosine"] == CheckStatus.INCONCLUSIVE and old["T.q_proj.cosine"] == CheckStatus.INCONCLUSIVE
+    _, half = judged(_identical_sides(scenario(seed=3, size=0.15, trainer_off=0.25), share=0.5))
+    assert half["C.delta.scale"] != CheckStatus.PASS and half["T.q_proj.scale"] != CheckStatus.PASS

@@ -186,6 +186,15 @@ class NoiseRule(Strict):
     made before it: on the H200 (SmolLM2-135M bf16, a user's adapter, seed 6) T.o_proj.cosine failed 0.910
     against 0.938 on a sync the exact check and the exact reference proved, the trainer 0.262 off fp32's change
     and the engine 0.306."""
+    delta_direct: bool = False
+    """Where triangulated (`delta_reference`), each direction, scale and rel_l2 check also compares Δsampler with
+    Δtrainer (`DeltaStats.direct_cosine` ...) against the start point's noise, and passes where that comparison
+    decides and passes: the engine computed the trainer's change, whatever both sides' distance from the true one.
+    The fp32 comparison still fails a check where it decides and the direct one does not pass; where it cannot
+    decide and the direct one fails, the check is inconclusive. False in receipts made before it: on the H200
+    (SmolLM2-135M bf16, --sampler hf, random probes, seeds 0, 4, 8 at a3e0592) both sides' changes were equal bit
+    for bit and 1.19 off the fp32 reference's (bf16 precision as large as the change), and every run was judged
+    inconclusive."""
 
 
 class Budgets(Strict):

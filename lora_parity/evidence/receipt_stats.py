@@ -71,6 +71,13 @@ class DeltaStats(Strict):
     """‖Δtrainer‖ / ‖Δfp32‖, where triangulated."""
     trainer_rel_l2: float | None = None
     """‖Δtrainer - Δfp32‖ / ‖Δfp32‖, where triangulated: what one bf16 side's change is off the true one here."""
+    direct_cosine: float | None = None
+    """cosine(Δsampler, Δtrainer), where triangulated and the rule compares the two directly too
+    (`NoiseRule.delta_direct`); None otherwise."""
+    direct_scale: float | None = None
+    """‖Δsampler‖ / ‖Δtrainer‖, there."""
+    direct_rel_l2: float | None = None
+    """‖Δsampler - Δtrainer‖ / ‖Δtrainer‖, there."""
 
 
 class Check(Strict):

@@ -110,8 +110,8 @@ def compute_comparisons(
     return out
 
 
-def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]], against_reference: bool = False
-                   ) -> dict[str, DeltaStats]:
+def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]], against_reference: bool = False,
+                   direct: bool = False) -> dict[str, DeltaStats]:
     """Delta agreement of C and of every per-target coverage run whose phases were scored; with
     `against_reference` (`NoiseRule.delta_reference`), where the fp32 reference was scored at a change's end
     point, Δsampler against Δfp32 and the trainer's own agreement with it (`DeltaStats.reference_to`)."""
@@ -126,6 +126,10 @@ def compute_deltas(scores: Mapping[str, Sequence[Sequence[float]]], against_refe
                 rel_l2=s["rel_l2"], sampler_norm=s["sampler_norm"], trainer_norm=t["sampler_norm"],  # type: ignore[arg-type]
                 reference_to=ref, reference_norm=s["trainer_norm"], trainer_cosine=t["cosine"],
                 trainer_scale=t["scale"], trainer_rel_l2=t["rel_l2"])
+            if direct:  # Δsampler against Δtrainer too (`NoiseRule.delta_direct`)
+                d = stats.delta_agreement(scores[sf], scores[st], scores[tf], scores[tt])
+                out[name] = out[name].model_copy(update={"direct_cosine": d["cosine"], "direct_scale": d["scale"],
+                                                         "direct_rel_l2": d["rel_l2"]})
             continue
         d = stats.delta_agreement(scores[sf], scores[st], scores[tf], scores[tt])
         out[name] = DeltaStats(sampler_from=sf, sampler_to=st, trainer_from=tf, trainer_to=tt, **d)  # type: ignore[arg-type]
@@ -367,7 +371,8 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
     """Comparisons, deltas, the noise model and every threshold (derived first, as data), then the
     checks and the verdict, from raw scores and budgets."""
     comparisons = compute_comparisons(scores, budgets) | exact_reference.comparisons(scores, budgets)
-    deltas = compute_deltas(scores, budgets.noise is not None and budgets.noise.delta_reference)
+    rule = budgets.noise
+    deltas = compute_deltas(scores, rule is not None and rule.delta_reference, rule is not None and rule.delta_direct)
     noise = _thresholds.noise_model(scores, comparisons)
     after = {k: COMPARISONS[k] for k in ("C.trainer_vs_sampler", *(key for key, _ in GENERATION_PARITY.values()))}
     slope, each, against_reference = update_slopes(scores)
@@ -375,7 +380,6 @@ def evaluate(scores: Mapping[str, Sequence[Sequence[float]]], budgets: Budgets, 
                                  _thresholds.sequence_growth(scores), slope, against_reference,
                                  _thresholds.batching_l2(scores), each)
     checks = compute_checks(comparisons, deltas, budgets, derived, noise, slope, each, handed_nothing(scores))
-    rule = budgets.noise
     if rule is None:
         moved = frozenset[str]()
     elif rule.x_proves_delivery and check_rules.delivered(checks):

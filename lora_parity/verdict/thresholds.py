@@ -328,6 +328,11 @@ def _fp32_balance(budgets: Budgets, trainer_fp32: ComparisonStats | None,
                      f"{factor:g} x the nearer side's {nearer:.4g} from fp32 + the mean budget {budgets.mean:g}")
 
 
+DIRECT = "@direct"
+"""Suffix of a triangulated delta check's second threshold, Δsampler against Δtrainer (`NoiseRule.delta_direct`):
+in the thresholds `derive` returns, never a check id of its own."""
+
+
 def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: NoiseModel | None,
                 moved: Threshold, batching: float | None = None) -> dict[str, Threshold]:
     """C.delta's and every target's direction, scale and rel_l2 thresholds, and T.*.moved; C.delta's noise at
@@ -339,11 +344,15 @@ def _directions(budgets: Budgets, deltas: Mapping[str, DeltaStats], noise: Noise
         eps = noise_l2
         if name == "C.delta" and batching is not None and noise_l2 is not None:
             eps = max(noise_l2, batching)
+        prefix = name if name == "C.delta" else f"T.{name[len(TARGET_PREFIX):]}"
         if d.reference_to is not None:  # triangulated: Δsampler against Δfp32, the trainer's own distance allowed
             th = delta(budgets, eps, d.reference_norm, noise, d.trainer_rel_l2, d.rel_l2)
+            if d.direct_cosine is not None or d.direct_scale is not None:  # and against Δtrainer (delta_direct)
+                direct = delta(budgets, eps, d.trainer_norm, noise)
+                out[f"{prefix}.cosine{DIRECT}"], out[f"{prefix}.scale{DIRECT}"] = direct.cosine, direct.scale
+                out[f"{prefix}.rel_l2{DIRECT}"] = direct.rel_l2
         else:
             th = delta(budgets, eps, d.trainer_norm, noise)
-        prefix = name if name == "C.delta" else f"T.{name[len(TARGET_PREFIX):]}"
         out[f"{prefix}.cosine"], out[f"{prefix}.scale"], out[f"{prefix}.rel_l2"] = th.cosine, th.scale, th.rel_l2
         if th.trainer is not None:
             out[f"{prefix}.trainer"] = th.trainer
