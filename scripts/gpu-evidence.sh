@@ -331,10 +331,10 @@ SH
     if [ -n "${MODEL:-}" ]; then ck=$MODEL; label=$MODEL; else ck=$(checkpoint smollm2-135m-bf16); label=smollm2-135m-bf16-path; fi
     for spec in "$@"; do
       p=${spec%%:*}; rest=${spec#*:}; first=${rest%%:*}; count=${rest#*:}; d=/tmp/st/hf-$label-$p; mkdir -p "$d"
-      nohup bash -c "for s in \$(seq $first $((first + count - 1))); do n=\$(printf %02d \$s); \
+      setsid nohup bash -c "for s in \$(seq $first $((first + count - 1))); do n=\$(printf %02d \$s); \
         timeout 400 python3 -m lora_parity run --model $ck --sampler hf --probes $p --seed \$s --revision $rev \
           --out $d/$label.$p.seed-\$n.${rev}__hf__hf__$device.json --json > $d/seed-\$n.summary.json \
-          2> $d/seed-\$n.err; echo \"seed \$s exit \$?\"; done" > "$d.err" 2>&1 &
+          2> $d/seed-\$n.err; echo \"seed \$s exit \$?\"; done" > "$d-$first.err" 2>&1 < /dev/null &
     done
     sleep 20; ls /tmp/st ;;
   install-min)
