@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
     prefix, jobs = Path(argv[0]), []
     for spec in argv[1:]:
         name, _, folder = spec.partition("=")
-        jobs += [(name, path) for path in sorted(Path(folder).glob("**/*.json")) if not path.name.endswith(".summary.json")]
+        jobs += [(name, path) for path in sorted(Path(folder).glob("**/*.json"))
+                 if not path.name.endswith(".summary.json")]  # the --json summaries beside hf-seeds' receipts
     with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:  # a verify takes seconds
         rows = list(pool.map(digest, *zip(*jobs, strict=True))) if jobs else []
     prefix.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -44,6 +44,9 @@ EXPECTED_NOT_PASSING = {
     # passed (the exact check too); numerics failed on C.parity.max alone, one token after BOS 1.75 nats
     # apart after the update against 0.91 predicted (docs/verdicts.md, "Third H200 session").
     "smollm2-135m-bf16-path.random.seed-03.20ae6da9__hf__vllm__h200.json",
+    # The Qwen3-0.6B shape's --update step at a3e0592: delivered (X), the engine computes 0.69 of the change: the
+    # step is finer than bf16 resolves at the adapter's values and the engine holds the adapter in bf16. A finding.
+    "qwen3-0.6b-synth.step.seed-00.a3e0592__hf__vllm__h200.json",
 }
 
 

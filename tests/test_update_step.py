@@ -188,3 +188,37 @@ def test_the_hf_step_computes_the_gradient_once_and_steps_bitwise_as_without_the
     with pytest.raises(Exception, match="not at the start point"):
         searched.step(sequences, 1e-3, 0)
         searched.step(sequences, 1e-3, 0)
+
+
+def test_a_step_finer_than_bf16_is_named_where_the_engine_holds_the_adapter_in_bf16() -> None:
+    """The Qwen3-0.6B shape's `--update step` on the H200: the engine made 0.69 of the trainer's change with
+    the trainer's tensors bit for bit. A step of 1e-5 on bf16-exact start values is mostly rounded away in bf16
+    (`TensorChange.l2_change_bf16`), and the finding names it; a step bf16 resolves, or an engine that holds
+    the adapter in fp32, or no failing change check, gives no line."""
+    import random
+    from types import SimpleNamespace
+
+    from lora_parity.models import update_step
+    from lora_parity.verdict import findings
+
+    assert update_step.bf16(1.0 + 2 ** -9) == 1.0 and update_step.bf16(1.0 + 3 * 2 ** -9) == 1.0 + 2 ** -7
+    rng = random.Random(0)
+    start = {f"layers.{i}.q_proj.lora_{s}.weight": [update_step.bf16(rng.uniform(-0.03, 0.03)) for _ in range(64)]
+             for i in range(2) for s in "AB"}
+    fine = {n: [x + rng.choice((-1, 1)) * 1e-5 for x in v] for n, v in start.items()}
+    coarse = {n: [x + rng.choice((-1, 1)) * 1e-2 for x in v] for n, v in start.items()}
+    small = update_step.tensor_changes(start, fine)
+    assert all(c.l2_change_bf16 < 0.5 * c.l2_change for c in small.values())
+    large = update_step.tensor_changes(start, coarse)
+    assert all(abs(c.l2_change_bf16 / c.l2_change - 1) < 0.05 for c in large.values())
+
+    def line(changes: dict, settings: dict, failed: set[str], backend: str = "vllm") -> str | None:
+        return findings.resolution_line(SimpleNamespace(tensor_changes=changes),
+                                        SimpleNamespace(settings=settings, backend=backend), failed)
+
+    said = line(small, {"dtype": "bfloat16"}, {"C.delta.rel_l2", "T.v_proj.slope"})
+    assert said is not None and "lora_A keeps 0." in said and "fp32" in said
+    assert line(large, {"dtype": "bfloat16"}, {"C.delta.rel_l2"}) is None
+    assert line(small, {"dtype": "bfloat16", "lora_dtype": "float32"}, {"C.delta.rel_l2"}) is None
+    assert line(small, {"dtype": "bfloat16"}, {"A.parity.max"}) is None
+    assert line(small, {"dtype": "bfloat16"}, {"C.slope"}, backend="hf") is None

@@ -109,16 +109,17 @@ def perturbation(params: Params, before: dict[str, torch.Tensor], learning_rate:
     changes: dict[str, list[float]] = {}
     with torch.no_grad():
         for name, p in params:
-            acc = changes.setdefault(update_step.group_of(name), [0, 0.0, 0.0])
+            acc = changes.setdefault(update_step.group_of(name), [0, 0.0, 0.0, 0.0])
             acc[0] += 1
             acc[1] += float(before[name].double().pow(2).sum())
             acc[2] += float((p.detach().float() - before[name]).double().pow(2).sum())
+            acc[3] += float(update_step.bf16_change(before[name], p.detach()).pow(2).sum())
     return Perturbation(kind="optimizer_step", seed=seed, std=0.0, num_tensors=len(params),
                         num_elements=sum(p.numel() for _, p in params), tensors=[n for n, _ in params],
                         learning_rate=learning_rate, optimizer=update_step.OPTIMIZER, objective=update_step.OBJECTIVE,
                         tensor_changes={g: TensorChange(num_tensors=int(n), l2_before=math.sqrt(b),
-                                                        l2_change=math.sqrt(c))
-                                        for g, (n, b, c) in sorted(changes.items())})
+                                                        l2_change=math.sqrt(c), l2_change_bf16=math.sqrt(h))
+                                        for g, (n, b, c, h) in sorted(changes.items())})
 
 
 def step(model: Any, sequences: Sequences, learning_rate: float, seed: int, only: str | None, device: torch.device,

@@ -173,6 +173,10 @@ class TensorChange(Strict):
     """L2 norm of the group before the update (over all its elements)."""
     l2_change: float
     """L2 norm of the group's change (after − before)."""
+    l2_change_bf16: float | None = None
+    """L2 norm of the change once both ends are rounded to bf16 (to nearest even): what an engine that holds the
+    adapter in bf16 (vLLM's default for a bf16 model) keeps of it; None in receipts made before it. A step finer
+    than bf16 resolves at the start adapter's values keeps less than its L2, and the engine applies another update."""
 
 
 class Perturbation(Strict):

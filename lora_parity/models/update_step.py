@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,16 +36,36 @@ def group_of(name: str) -> str:
 
 def tensor_changes(before: Mapping[str, Sequence[float]],
                    after: Mapping[str, Sequence[float]]) -> dict[str, TensorChange]:
-    """Per group (`group_of`): how many tensors, their L2 norm before, the L2 norm of their change."""
+    """Per group (`group_of`): how many tensors, their L2 norm before, the L2 norm of their change, and of the change
+    as bf16 holds it (`bf16`)."""
     sums: dict[str, list[float]] = {}
     for name, old in before.items():
         new = after[name]
-        acc = sums.setdefault(group_of(name), [0, 0.0, 0.0])
+        acc = sums.setdefault(group_of(name), [0, 0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += math.fsum(x * x for x in old)
         acc[2] += math.fsum((y - x) ** 2 for x, y in zip(old, new, strict=True))
-    return {g: TensorChange(num_tensors=int(n), l2_before=math.sqrt(b), l2_change=math.sqrt(c))
-            for g, (n, b, c) in sorted(sums.items())}
+        acc[3] += math.fsum((bf16(y) - bf16(x)) ** 2 for x, y in zip(old, new, strict=True))
+    return {g: TensorChange(num_tensors=int(n), l2_before=math.sqrt(b), l2_change=math.sqrt(c),
+                            l2_change_bf16=math.sqrt(h))
+            for g, (n, b, c, h) in sorted(sums.items())}
+
+
+def bf16(x: float) -> float:
+    """`x` rounded to bfloat16 (through float32, to nearest even), as torch's cast rounds it."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    if (bits >> 23) & 0xFF == 0xFF:  # inf or nan
+        return x
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
+
+
+def bf16_change(before: Any, after: Any) -> Any:
+    """after − before with both rounded to bfloat16, in float64 (torch tensors): the change an engine that holds
+    the adapter in bf16 applies."""
+    import torch
+
+    return after.detach().to(torch.bfloat16).double() - before.detach().to(torch.bfloat16).double()
 
 
 def warm_tensors(tensors: Mapping[str, af.Tensor], std: float, seed: int) -> dict[str, af.Tensor]:

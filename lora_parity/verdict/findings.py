@@ -157,7 +157,8 @@ def of_receipt(receipt: Any) -> list[str]:
     found = findings(receipt.scores, receipt.checks, receipt.probes.sequences,
                      bool(rule is not None and rule.x_proves_delivery))
     failed = {c.id for c in receipt.checks if _status(c) == "fail"}
-    extra = [file_line(receipt.adapters, failed), weight_version_line(receipt.adapters)]
+    extra = [file_line(receipt.adapters, failed), weight_version_line(receipt.adapters),
+             resolution_line(receipt.perturbation, receipt.sampler, failed)]
     return found + [line for line in extra if line]
 
 
@@ -194,3 +195,31 @@ def weight_version_line(adapters: Sequence[Any]) -> str | None:
     return (f"the engine's weight version did not move across the sync ({before!r} before and after): anything "
             "keyed by it (a prefix cache salted by the version, a rollout's version tag) cannot tell the new adapter "
             "from the old one; delivery is judged from the logprobs, not from it")
+
+
+KEPT_OFF = 0.1
+"""A step whose bf16-held change differs from its own L2 by more than this share is named (`resolution_line`)."""
+
+
+def resolution_line(perturbation: Any, sampler: Any, failed: set[str]) -> str | None:
+    """Where a check of the change failed, the update was an optimizer step and the engine holds the adapter in bf16
+    (its `lora_dtype`, else the model's dtype; not the HF sampler, whose PEFT adapter stays in fp32): how much of
+    the step's L2 survives rounding both ends to bf16 (`TensorChange.l2_change_bf16`). A step finer than bf16
+    resolves at the start adapter's values is partly rounded away on the engine while the trainer applies all of it."""
+    changes = getattr(perturbation, "tensor_changes", None) or {}
+    settings = getattr(sampler, "settings", None) or {}
+    held = settings.get("lora_dtype") or settings.get("dtype")
+    change_failed = any(i.startswith(("C.delta.", "C.slope", "T.")) and not i.endswith((".moved", ".trainer"))
+                        for i in failed)
+    if (not change_failed or held != "bfloat16" or getattr(sampler, "backend", "") == "hf"
+            or any(c.l2_change_bf16 is None for c in changes.values()) or not changes):
+        return None
+    kept = {side: math.sqrt(sum(c.l2_change_bf16 ** 2 for g, c in changes.items() if g.endswith(side)))
+            / max(math.sqrt(sum(c.l2_change ** 2 for g, c in changes.items() if g.endswith(side))), 1e-300)
+            for side in ("lora_A", "lora_B")}
+    if all(abs(k - 1) <= KEPT_OFF for k in kept.values()):
+        return None
+    return ("the update is finer than bf16 resolves at the start adapter's values: held in bf16, as this engine holds "
+            f"the adapter, lora_A keeps {kept['lora_A']:.2g} and lora_B {kept['lora_B']:.2g} of their change's L2, so "
+            "the engine applies another update than the trainer's fp32 tensors (hold the adapter in fp32 on the "
+            "engine, vLLM's lora_dtype, or take larger steps)")

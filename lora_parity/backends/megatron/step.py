@@ -101,12 +101,13 @@ def _changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
     sums: dict[str, list[float]] = {}
     for name in names:
         old, new = before[name].double(), after[name].double()
-        acc = sums.setdefault(update_step.group_of(name), [0, 0.0, 0.0])
+        acc = sums.setdefault(update_step.group_of(name), [0, 0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += float(old.pow(2).sum())
         acc[2] += float((new - old).pow(2).sum())
-    return {g: TensorChange(num_tensors=int(n), l2_before=b**0.5, l2_change=c**0.5)
-            for g, (n, b, c) in sorted(sums.items())}
+        acc[3] += float(update_step.bf16_change(before[name], after[name]).pow(2).sum())
+    return {g: TensorChange(num_tensors=int(n), l2_before=b**0.5, l2_change=c**0.5, l2_change_bf16=h**0.5)
+            for g, (n, b, c, h) in sorted(sums.items())}
 
 
 def step(shard: Shard, sequences: Sequences, learning_rate: float, seed: int,
