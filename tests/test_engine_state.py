@@ -148,3 +148,126 @@ def test_a_file_rounded_to_its_dtype_is_the_trainers_and_one_moved_further_is_no
     names = ["m.layers.1.mlp.down_proj.lora_B.weight", "m.layers.2.self_attn.q_proj.lora_B.weight",
              "m.layers.4.mlp.down_proj.lora_B.weight"]
     assert export_check.where(names) == "layers 1-2, 4; modules down_proj, q_proj (lora_B)"
+
+
+# The merged modes: the run ends by giving the sampler its checkpoint's base weights back and scoring the base route.
+
+def count_resets(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """One entry per `reset_base` the fake sampler is asked for (the checkpoint's base weights reloaded)."""
+    resets: list[str] = []
+    original = fake.FakeSampler.reset_base
+    monkeypatch.setattr(fake.FakeSampler, "reset_base", lambda self: (resets.append("reset"), original(self))[1])
+    return resets
+
+
+def restored(receipt: Receipt) -> Any:
+    return next(c for c in receipt.checks if c.id == "D.base_restored")
+
+
+@pytest.mark.parametrize("mode", ["merged", "memory"])
+def test_a_merged_run_ends_with_the_base_weights_back_and_scores_them(tmp_path: Path, mode: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    resets = count_resets(monkeypatch)
+    receipt = run(tmp_path, sync=mode)
+    assert receipt.verdict == Verdict.PASS
+    assert [p.name for p in receipt.phases][-2:] == ["restore_base", "base_after_restore"]
+    check = restored(receipt)
+    assert check.status == CheckStatus.PASS and check.elements is not None and check.elements > 0
+    assert check.name == "the engine's base model after the run gives its first base scores"
+    assert receipt.comparisons["D.base_vs_after_restore"].max_abs == 0
+    assert len(resets) == 1  # the restore phase reloaded the base weights; retire did not reload them again
+    assert receipt.verdicts is not None and "D.base_restored" in receipt.verdicts.sync.decided_by
+
+
+def test_a_restore_that_leaves_the_merged_weights_fails_delivery_and_retire_still_restores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    resets = count_resets(monkeypatch)
+    receipt = run(tmp_path, sync="merged", inject="base-not-restored")
+    check = restored(receipt)
+    assert check.status == CheckStatus.FAIL
+    assert check.reason.startswith("the engine did not get its base weights back after the run")
+    assert [c.id for c in receipt.checks if c.status != CheckStatus.PASS] == ["D.base_restored"]
+    assert receipt.verdicts is not None and receipt.verdicts.sync.verdict == Verdict.FAIL
+    assert len(resets) == 1  # the fault kept the merged weights for the phase; retire gave them back after it
+
+
+@pytest.mark.parametrize("phase", ["restore_base", "base_after_restore"])
+def test_a_run_stopped_in_the_restore_still_leaves_the_checkpoints_weights(tmp_path: Path, phase: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    resets = count_resets(monkeypatch)
+    receipt = run(tmp_path, sync="merged", inject=f"crash-at={phase}")
+    assert receipt.verdict == Verdict.ERROR and "D.base_restored" not in status(receipt)
+    assert len(resets) == 1  # once: by retire where the crash came before the restore, else by the restore alone
+
+
+def test_a_sampled_run_restores_where_its_base_scores_are_the_checkpoints(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.run import probes
+
+    monkeypatch.setattr(probes, "checkpoint_tokenizer",  # the fakes' config has no tokenizer: characters as ids
+                        lambda cfg, kind="text": (lambda text: [ord(ch) % 64 for ch in text], "toy"))
+    resets = count_resets(monkeypatch)
+    zero = run(tmp_path, sync="merged", probes="sampled")
+    assert restored(zero).status == CheckStatus.PASS and len(resets) == 1
+    # With a start (here the warm one of --update step), version 0 is published before the base is scored, so
+    # those scores carry it merged in: the restore is not compared with them; retire still gives the weights back.
+    warm = run(tmp_path, sync="merged", probes="sampled", update="step", force=True)
+    assert "base_after_restore" not in warm.scores and "D.base_restored" not in status(warm) and len(resets) == 2
+
+
+def test_the_selftest_catches_a_base_left_merged_and_only_the_merged_modes_get_it(tmp_path: Path) -> None:
+    from lora_parity.backends.base import BackendTraits
+    from lora_parity.run.selftest import selftest
+
+    result = selftest(RunOptions(**FAKE, sync="memory"), tmp_path, faults=["base-not-restored"])
+    clean, fault = result.rows
+    assert clean.caught and fault.fault == "base-not-restored" and fault.caught, fault
+    assert fault.expected == "fail: D.base_restored"
+    for mode in ("merged", "memory"):
+        assert "base-not-restored" in faults_for(mode)
+        assert "base-not-restored" not in faults_for(mode, BackendTraits(base_unavailable="no base route"))
+    for mode in ("new-id", "inplace", "tensors"):
+        assert "base-not-restored" not in faults_for(mode)
+
+
+def test_the_adapter_modes_have_no_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    resets = count_resets(monkeypatch)
+    for mode in ("new-id", "inplace"):
+        receipt = run(tmp_path, sync=mode)
+        assert not {"restore_base", "base_after_restore"} & {p.name for p in receipt.phases}
+        assert "D.base_restored" not in status(receipt) and "base_after_restore" not in receipt.scores
+    assert resets == []
+
+
+def test_with_a_users_adapter_the_restored_base_is_compared_with_the_adapters_base(tmp_path: Path) -> None:
+    folder = tmp_path / "start"
+    trainer = fake.FakeTrainer(config.load(None), None, 0, {})
+    trainer.perturb(0.02, 3)
+    trainer.export_adapter(folder)
+    receipt = run(tmp_path, adapter=folder, sync="merged")
+    assert receipt.comparisons["D.adapter_base_vs_after_restore"].max_abs == 0
+    assert "D.base_vs_after_restore" not in receipt.comparisons and restored(receipt).status == CheckStatus.PASS
+
+
+def test_receipts_made_before_the_restore_verify_and_the_check_is_recomputed(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from lora_parity.evidence.receipt import compute_digest
+    from lora_parity.run import engine_state
+    from lora_parity.util.errors import ReceiptError
+
+    new = tmp_path / "new.json"
+    execute(RunOptions(**FAKE, sync="merged", out=new))
+    with monkeypatch.context() as m:  # the sequence as it was: no restore phase
+        m.setattr(engine_state, "after_run", lambda run: None)
+        old = execute(RunOptions(**FAKE, sync="merged", out=tmp_path / "old.json")).receipt
+    assert "base_after_restore" not in old.scores and "D.base_restored" not in status(old)
+    assert verify(tmp_path / "old.json").verdict == Verdict.PASS
+    data = json.loads(new.read_text())  # the check removed, the receipt sealed again: verify makes it anyway
+    data["checks"] = [c for c in data["checks"] if c["id"] != "D.base_restored"]
+    data["digest"] = compute_digest(data)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    with pytest.raises(ReceiptError, match=r"D\.base_restored"):
+        verify(edited)

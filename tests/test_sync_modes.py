@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.evidence.receipt import Verdict
+from lora_parity.evidence.receipt import CheckStatus, Verdict
 from lora_parity.run.faults import FAULTS, faults_for
 from lora_parity.run.runner import RunOptions, execute
 from lora_parity.run.selftest import selftest
@@ -59,3 +59,6 @@ def test_mode_passes_and_its_silent_failure_is_caught_with_real_backends(mode: s
     assert receipt.verdict == Verdict.PASS and receipt.sync_mode == mode
     # Per-target coverage runs in every mode: each target kind reached the sampler.
     assert any(c.id == "T.down_proj.moved" for c in receipt.checks)
+    # The merged modes end with the engine's own base weights reloaded and scored: its first base scores again.
+    restored = [c for c in receipt.checks if c.id == "D.base_restored"]
+    assert [(c.status, bool(c.elements)) for c in restored] == ([] if mode == "inplace" else [(CheckStatus.PASS, True)])

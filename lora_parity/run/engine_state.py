@@ -3,8 +3,11 @@ its base route scored again after the sync (`base_after_sync`) and after per-tar
 (`base_after_coverage`), which must give the first base scores (a sync that changes the base model); and, where
 each version has a name and id of its own (`SyncMode.keeps_versions`), the version the sync replaced scored again
 once the new one is live (`old_after_sync`), which must give the stale scores (an old name that serves the new
-weights). Checks: `verdict.engine_state`. And the synced adapter file against the trainer's tensors (`compare_file`:
-a wrong export, or the engine's side)."""
+weights). In the merged modes, whose sync reloads the base weights, the run ends by giving the sampler its
+checkpoint's base weights back and scoring the base route once more (`base_after_restore`): the engine a user reuses
+after the run must give the first base scores again. Checks: `verdict.engine_state`. Then `retire` leaves the sampler
+as the run found it. And the synced adapter file against the trainer's tensors (`compare_file`: a wrong export, or
+the engine's side)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from lora_parity.backends.base import AdapterHandle, Sampler
 from lora_parity.evidence.receipt import AdapterVersion
 from lora_parity.models import export_check
 from lora_parity.models.fresh_adapter import RawTensor
+from lora_parity.util.errors import LoraParityError
 
 
 class Run(Protocol):
@@ -27,6 +31,9 @@ class Run(Protocol):
     faults: Any
     cfg: Any
     adapters: list[AdapterVersion]
+    error: str | None
+    sampled: bool
+    start_adapter: bool
 
     @property
     def sampler_scores_base(self) -> bool: ...
@@ -51,6 +58,35 @@ def after_coverage(run: Run, covered: bool) -> None:
     """The base route again after per-target coverage (where it ran)."""
     if covered and run.sampler_scores_base and run.mode.sampler_lora:
         run.step("base_after_coverage", lambda: run.sampler_score("base_after_coverage", None))
+
+
+def after_run(run: Run) -> None:
+    """The merged modes' last phases: the sampler's own base weights back, the way `retire` gives them back
+    (`restore_base`), then the base route scored again (`base_after_restore`)."""
+    if restores_base(run):
+        run.step("restore_base", lambda: run.mode.restore_base(run))
+        run.step("base_after_restore", lambda: run.sampler_score("base_after_restore", None))
+
+
+def restores_base(run: Run) -> bool:
+    """The sync reloaded the sampler's base weights (`SyncMode.reloads_base`), the sampler serves its base model, and
+    the first base scores are its checkpoint's: with `--probes sampled` they are taken once version 0 is published,
+    which in a merged mode carries the start adapter (`--adapter`, or the warm start of `--update step`)."""
+    return bool(run.sampler_scores_base and run.mode.reloads_base and not (run.sampled and run.start_adapter))
+
+
+def retire(run: Run) -> None:
+    """Unload what this run left on the sampler (the replaced version where it is still kept, the adapter); in the
+    merged modes, give the sampler its checkpoint's base weights back where `after_run` did not. A failure here after
+    the run failed (a server that died in a phase refuses the unload too) follows the run's own error instead of
+    replacing it."""
+    try:
+        retire_old(run)
+        run.mode.retire(run)
+    except LoraParityError:
+        if run.error is None:
+            raise
+        run.error += " (unloading its adapter failed too)"
 
 
 def _keeps_old(run: Run) -> bool:

@@ -96,6 +96,13 @@ class Leak(SyncWrapper):
         self.inner.overwrite(ctx)
 
 
+class KeepMerged(SyncWrapper):
+    """base-not-restored: the restore at the end of the run reloads nothing, and the merged weights stay."""
+
+    def restore_base(self, ctx: SyncContext) -> None:
+        """Nothing (`retire` still reloads them, so that the selftest's next run meets the checkpoint's weights)."""
+
+
 BASE_SHIFT = 0.05
 """base-changed: half the largest shift of a score after the sync (nats)."""
 
@@ -190,6 +197,9 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("old-name-follows", "after the sync, the replaced version's name serves the new adapter (a frozen "
               "snapshot that follows the live weights)", ("D.old_kept",), "fail", modes=("new-id", "tensors"),
               needs_versions=True),
+    FaultSpec("base-not-restored", "the merged modes' restore at the end of the run leaves the merged weights in "
+              "place (a reset that scrambled the base: miles #2520)", ("D.base_restored",), "fail",
+              modes=("merged", "memory"), sync=KeepMerged, needs_base=True),
     # The trainer's tensors reach X as an empty set: no fresh adapter is loaded, X compares nothing and is not run
     # (0 elements), so the run can at best be inconclusive; it must never pass on a comparison over nothing.
     FaultSpec("empty-handoff", "the trainer's tensors reach the exact sync check as an empty set (a checksum a "

@@ -16,8 +16,10 @@ class _PhaseLister:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.names = cfg, list[str]()
         self.covered_targets = list(cfg.adapter.targets)
-        # A sync mode with LoRA that kept the replaced version (`engine_state`).
-        self.mode, self.kept = SimpleNamespace(sampler_lora=True), SimpleNamespace(adapter_id=1)
+        # A sync mode with LoRA that kept the replaced version, and one that reloads the base weights, which the
+        # run's last phases restore: no run is both, the list has the phases of either (`engine_state`).
+        self.mode, self.kept = SimpleNamespace(sampler_lora=True, reloads_base=True), SimpleNamespace(adapter_id=1)
+        self.start_adapter = False  # the restore is not scored where a sampled run's base carries a start adapter
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         self.names.append(name)

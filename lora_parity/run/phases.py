@@ -44,7 +44,7 @@ from lora_parity.run import calibrate_trainer, engine_state, generation, layer_c
 from lora_parity.run.faults import Faults
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
-from lora_parity.util.errors import LoraParityError, ScoreError
+from lora_parity.util.errors import ScoreError
 from lora_parity.verdict import stats
 
 if TYPE_CHECKING:
@@ -105,6 +105,7 @@ def _coverage_and_reference(run: Run) -> None:
         run.step("reference_updated", functools.partial(reference_points.score, run))
     if run.exact_states:
         run.step("exact_reference_layers", functools.partial(reference_points.score_exact, run, "layers"))
+    engine_state.after_run(run)
 
 
 def _base_and_publish_zero(run: Run) -> None:
@@ -151,6 +152,8 @@ class Run:
     """The adapter the stale phase scored (the one published before the update)."""
     kept: AdapterHandle | None = None
     """The version the sync replaced, kept loaded until `engine_state` scored it (`SyncMode.keeps_versions`)."""
+    base_restored: bool = False
+    """The merged modes' restore gave the sampler its checkpoint's base weights back (`SyncMode.restore_base`)."""
     error: str | None = None
     error_detail: ErrorDetail | None = None  # where the phase that stopped the run raised
     calibration: Calibration | None = None
@@ -418,16 +421,8 @@ class Run:
             self.published_digests[self.handle.path] = generation.folder_digest(self.handle.path)
 
     def retire(self) -> None:
-        """Unload the adapter this run left on the sampler; in the merged modes, give the sampler its
-        original base weights back. A failure here after the run failed (a server that died in a phase
-        refuses the unload too) follows the run's own error instead of replacing it."""
-        try:
-            engine_state.retire_old(self)
-            self.mode.retire(self)
-        except LoraParityError:
-            if self.error is None:
-                raise
-            self.error += " (unloading its adapter failed too)"
+        """Leave the sampler as the run found it (`engine_state.retire`)."""
+        engine_state.retire(self)
 
     def target_coverage(self, kind: str, tag: str | None = None) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides (under `tag`, default `kind`:

@@ -39,6 +39,7 @@ class SyncContext(Protocol):
     kept: AdapterHandle | None
     adapters: list[AdapterVersion]
     timings: dict[str, float]
+    base_restored: bool
 
     def exported(self, version: int, folder: Path) -> None:
         """Called with every adapter folder the trainer exported, before the sampler loads it."""
@@ -54,6 +55,9 @@ class SyncMode:
     keeps_versions: bool = False
     """Each version gets a name and id of its own: the previous one stays loaded through the sync, so that it can
     be scored after the newer one is live (`old_after_sync`), and is retired then."""
+    reloads_base: bool = False
+    """The sync reloads the sampler's base weights (the merged modes): `restore_base` gives it its checkpoint's back,
+    before the run's last phase scores the base route (`base_after_restore`), and `retire` where that phase did not."""
 
     def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
         """Preflight: raise `ConfigError` if these backend classes cannot sync this way."""
@@ -73,6 +77,10 @@ class SyncMode:
         """Put the trainer's current weights behind what the sampler serves now, without a new
         version (what a leak does)."""
         raise NotImplementedError
+
+    def restore_base(self, ctx: SyncContext) -> None:
+        """Give the sampler its checkpoint's base weights back (`reloads_base`); a mode that leaves them alone has
+        nothing to restore."""
 
     def retire(self, ctx: SyncContext) -> None:
         """Unload the adapter this run left on the sampler."""
@@ -178,6 +186,7 @@ class MergedSync(SyncMode):
     name: str = "merged"
     in_memory: bool = False
     sampler_lora: bool = False
+    reloads_base: bool = True
 
     def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
         """A trainer that merges and a sampler that reloads its base weights."""
@@ -191,6 +200,7 @@ class MergedSync(SyncMode):
         start = time.perf_counter()
         folder = ctx.workdir / f"merged-v{version}{label}"
         trainer, sampler = merging(ctx.trainer), reloading(ctx.sampler)
+        ctx.base_restored = False
         if self.in_memory:
             sampler.reload_base(tensors=trainer.merged_tensors())
         else:
@@ -201,10 +211,16 @@ class MergedSync(SyncMode):
         """Reload the merged current weights (recorded as a `-leak` version)."""
         self.publish(ctx, version=len(ctx.adapters), label="-leak")
 
+    def restore_base(self, ctx: SyncContext) -> None:
+        """Reload the checkpoint's own base weights on the sampler."""
+        reloading(ctx.sampler).reset_base()
+        ctx.base_restored = True
+
     def retire(self, ctx: SyncContext) -> None:
-        """Give the sampler its checkpoint's base weights back."""
-        if ctx.adapters:
-            reloading(ctx.sampler).reset_base()
+        """Give the sampler its checkpoint's base weights back, unless the run's restore phase did (once is enough:
+        a reload of every weight costs seconds on a real model)."""
+        if ctx.adapters and not ctx.base_restored:
+            self.restore_base(ctx)
         super().retire(ctx)
 
 
@@ -232,6 +248,7 @@ class SyncWrapper(SyncMode):
         self.name = inner.name
         self.sampler_lora = inner.sampler_lora
         self.keeps_versions = inner.keeps_versions
+        self.reloads_base = inner.reloads_base
 
     def require(self, trainer_cls: type, sampler_cls: type, trainer: str, sampler: str) -> None:
         """As the inner mode."""
@@ -252,6 +269,10 @@ class SyncWrapper(SyncMode):
     def overwrite(self, ctx: SyncContext) -> None:
         """As the inner mode."""
         self.inner.overwrite(ctx)
+
+    def restore_base(self, ctx: SyncContext) -> None:
+        """As the inner mode."""
+        self.inner.restore_base(ctx)
 
     def retire(self, ctx: SyncContext) -> None:
         """As the inner mode."""

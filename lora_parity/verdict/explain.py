@@ -56,6 +56,10 @@ EXPLAIN: dict[str, str] = {
     "D.base_kept": "the engine's base model (no adapter) scores differently after the sync than before it: the sync "
                    "touched the base weights (an adapter-only sync that repacked or reloaded them); compare the "
                    "engine's base weights before and after the sync",
+    "D.base_restored": "the engine's base model (no adapter) scores differently at the end of the run, once its "
+                       "checkpoint's base weights were reloaded, than at the start: the merged weights stayed (a "
+                       "reset that reloaded nothing, or other weights), and whoever reuses the engine after the run "
+                       "serves them; compare the engine's base weights with the checkpoint's",
     "D.old_kept": "the version the sync replaced no longer gives its own scores while the new one is live: an old "
                   "adapter's name follows the live weights, so a frozen snapshot is not frozen; check how the engine "
                   "keys its adapters (name, id, path)",
