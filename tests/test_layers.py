@@ -26,7 +26,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "backends": {"util", "evidence", "models"},
     "report": {"util", "evidence", "verdict"},
     "run": {"util", "evidence", "verdict", "models", "backends"},
-    "cli": {"util", "evidence", "verdict", "models", "backends", "report", "run"},
+    "api": {"util", "evidence", "verdict", "models", "backends", "run"},
+    "cli": {"util", "evidence", "verdict", "models", "backends", "report", "run", "api"},
 }
 """Folder -> the other folders its modules may import (its own always)."""
 ENTRY_POINTS = {"lora_parity.__main__", "lora_parity.launch"}

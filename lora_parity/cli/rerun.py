@@ -98,6 +98,9 @@ def options_for(receipt: Receipt, parse: ParseCommand, mine: VerifierInputs = Ve
     verifier can give."""
     from lora_parity.run.options import RunOptions
 
+    if receipt.sync_mode == "user":
+        raise ConfigError("the receipt's run went through the Python API (lora_parity.api.check): its trainer, engine "
+                          "and sync are the caller's objects; rerun the caller's test instead")
     recorded = _command_params(list(receipt.command), parse)
     params = {k: v for k, v in recorded.items() if k in CARRIED and v is not None}
     params["model"] = mine.model or shipped_config(str(recorded.get("model") or receipt.model.name))

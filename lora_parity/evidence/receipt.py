@@ -132,11 +132,12 @@ class Environment(Strict):
 class ProbeSource(Strict):
     """Where the probe token ids came from (`--probes`)."""
 
-    kind: Literal["random", "text", "file", "sampled"]
+    kind: Literal["random", "text", "file", "sampled", "given"]
     """random: ids drawn uniformly from the vocabulary, seeded; text: windows of the public-domain
     text shipped with lora-parity, tokenized; file: a `.jsonl` file given on the command line;
     sampled: the text windows' first half as prompts, completed by the sampler at the start of
-    the run (temperature 1, seeded, zero-init adapter)."""
+    the run (temperature 1, seeded, zero-init adapter); given: the ids the caller of the Python API
+    handed in (`lora_parity.api.check`)."""
     file_name: str | None = None
     """The text or probe file's name (text and file)."""
     file_sha256: str | None = None
@@ -264,8 +265,8 @@ class PhaseRecord(Strict):
     """Its innermost frames, 'path:line function' (see `ErrorDetail.frames`), when the phase failed."""
 
 
-SyncModeName = Literal["new-id", "inplace", "merged", "memory", "tensors"]
-"""The `--sync` modes (`lora_parity.run.sync`)."""
+SyncModeName = Literal["new-id", "inplace", "merged", "memory", "tensors", "user"]
+"""The `--sync` modes (`lora_parity.run.sync`), and `user`: the caller's own sync (`lora_parity.api.check`)."""
 
 
 class Receipt(Strict):

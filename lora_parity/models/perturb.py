@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -43,6 +44,19 @@ RECIPE = ("for each tensor in `tensors` (B = lora_B / linear_out): seed = int.fr
           "B's dtype; B starts at zero or at the start adapter's B")
 """The recipe of kind lora_b_noise, recorded in every receipt (`Perturbation.recipe`): the update rebuilt
 from the receipt alone."""
+
+
+PYTHON_RECIPE = ("for each tensor in `tensors` (B = lora_B): seed as in torch's recipe (int.from_bytes(sha256("
+                 "f'{seed}:{name}')[:8], 'little') & (2**63 - 1), name the logical name); rng = random.Random(seed); "
+                 "B[i] += rng.gauss(0.0, std) for each element i in row-major order, in float64; B starts at zero")
+"""The recipe of kind lora_b_noise drawn with Python's own generator (`python_noise`: the Python API, which
+needs no torch)."""
+
+
+def python_noise(name: str, seed: int, std: float, num_elements: int) -> list[float]:
+    """`num_elements` values of N(0, std²) for tensor `name`, row-major, by `PYTHON_RECIPE`."""
+    rng = random.Random(noise_seed(name, seed))
+    return [rng.gauss(0.0, std) for _ in range(num_elements)]
 
 
 def noise_seed(name: str, seed: int) -> int:

@@ -135,7 +135,7 @@ class Run:
     seed: int
     workdir: Path
     faults: Faults
-    sync_mode: str = "new-id"
+    sync_mode: str | SyncMode = "new-id"
     per_target: bool = True
     per_layer: bool = True
     """Per-layer coverage after per-target coverage (`layer_coverage`)."""
@@ -400,7 +400,7 @@ class Run:
                 update = update.model_copy(update={"warm_std": self.cfg.perturbation.warm_std})
         else:
             update = self.faults.perturb(lambda: trainer.perturb(std, self.seed))
-        if update is not None and update.kind == "lora_b_noise":
+        if update is not None and update.kind == "lora_b_noise" and update.recipe is None:  # else the trainer's own
             update = update.model_copy(update={"recipe": RECIPE})
         if update is not None and self.calibration is not None:
             update = update.model_copy(update={"calibration": self.calibration})

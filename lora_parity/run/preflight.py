@@ -101,12 +101,10 @@ def service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampl
 
 def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     """Every option value that can be checked without importing a backend (torch, vLLM, transformers
-    come with the backends): backend names and pairs, --inject, --reference, --tp, an existing --out.
-    Bad input is refused in well under a second."""
-    for kind, name, table in (("trainer", opts.trainer, backends.TRAINERS), ("sampler", opts.sampler,
-                                                                            backends.SAMPLERS)):
-        if name not in table:
-            raise ConfigError(f"unknown {kind} backend {name!r}; choose from {', '.join(sorted(table))}")
+    come with the backends): backend names (built in or an installed plugin's) and pairs, --inject, --reference,
+    --tp, an existing --out. Bad input is refused in well under a second."""
+    backends.require_known("trainer", opts.trainer)  # an installed plugin's name too (nothing imported yet)
+    backends.require_known("sampler", opts.sampler)
     paired = next((name for name in (opts.trainer, opts.sampler) if name in backends.PAIRED), None)
     if paired is not None and opts.trainer != opts.sampler:
         raise ConfigError(f"the {paired} backends work as a pair: --trainer {paired} --sampler {paired}")

@@ -12,6 +12,7 @@
   checkpoint's tokenizer). Every line is checked here, at preflight, before any model loads.
 
 A synthetic checkpoint has no tokenizer: the text and sampled sources are refused for it with one line.
+The Python API hands its own token ids in (`given`).
 """
 
 from __future__ import annotations
@@ -204,6 +205,26 @@ def file_probes(path: Path, vocab_size: int, max_len: int, max_sequences: int,
     source = ProbeSource(kind="file", file_name=path.name, file_sha256=hashlib.sha256(raw).hexdigest(),
                          tokenizer=used[0] if used else None)
     return _probes(path.stem, 0, sequences, source)
+
+
+def given(sequences: object, max_sequences: int) -> Probes:
+    """Probes of the token ids a caller handed in (the Python API): a non-empty list of at most `max_sequences`
+    sequences, each a list of at least 2 non-negative integer ids, `MAX_TOKENS` in all; `ConfigError` naming
+    the first bad sequence (0-based). Nothing checks the ids against a vocabulary: the caller's models hold it."""
+    if not isinstance(sequences, list | tuple) or not sequences:
+        raise ConfigError("sequences: a non-empty list of token id lists")
+    if len(sequences) > max_sequences:
+        raise ConfigError(f"sequences: {len(sequences)}; at most {max_sequences}")
+    out: list[list[int]] = []
+    for i, seq in enumerate(sequences):
+        ids = list(seq) if isinstance(seq, list | tuple) else None
+        if ids is None or len(ids) < 2 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in ids):
+            raise ConfigError(f"sequences[{i}]: a list of at least 2 non-negative integer token ids")
+        out.append(ids)
+    if sum(len(s) for s in out) > MAX_TOKENS:
+        raise ConfigError(f"sequences: more than {MAX_TOKENS} tokens in all")
+    return _probes("default", 0, out, ProbeSource(kind="given"))  # the run's one set: "given probes"
 
 
 def make(cfg: ModelConfig, ref: str, vocab_size: Callable[[], int],

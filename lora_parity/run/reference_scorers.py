@@ -14,7 +14,7 @@ from lora_parity.evidence.receipt import Reference, sha256_json
 from lora_parity.models.config import ModelConfig
 from lora_parity.run import preflight, start_adapter
 from lora_parity.run.options import RunOptions
-from lora_parity.run.sync import mode as sync_mode
+from lora_parity.run.sync import SyncMode
 from lora_parity.util.errors import ConfigError
 
 
@@ -23,6 +23,7 @@ class Plan(Protocol):
 
     opts: RunOptions
     cfg: ModelConfig
+    sync: SyncMode
 
 
 class Backends(Protocol):
@@ -91,7 +92,7 @@ def exact_scorer(plan: Plan, loaded: Backends) -> Callable[..., Any] | None:
         why = "this sampler's arithmetic has no mirror here (the in-process vllm sampler on CUDA has)"
     elif not isinstance(loaded.trainer, TensorReadingTrainer):
         why = "the trainer's tensors cannot be read as they are"
-    elif not sync_mode(plan.opts.sync).sampler_lora:
+    elif not plan.sync.sampler_lora:
         why = f"--sync {plan.opts.sync} publishes merged weights, not a LoRA adapter"
     scorer = None
     if why is None:

@@ -93,6 +93,10 @@ class Plan:
     """Preflight timings (importing the backends' libraries)."""
     server: ServerProcess | None = None
     """The sampler's server, launched at preflight (`early_launch`); the sampler adopts it."""
+    trainer: Trainer | None = None
+    """A trainer the caller built (the Python API, `lora_parity.api`): used as it is, not built from `trainer_cls`."""
+    sampler: Sampler | None = None
+    """A sampler the caller built, likewise (not built from `sampler_cls`)."""
 
     @property
     def sampled(self) -> bool:
@@ -234,8 +238,8 @@ class Backends:
             model_dir = self._materialize() if plan.needs_checkpoint else None
             options = plan.backend_options()
             # A served sampler may return while its server starts: the trainer loads meanwhile.
-            self.sampler = plan.sampler_cls.create(plan.cfg, model_dir, timings, options)
-            self.trainer = plan.trainer_cls.create(plan.cfg, model_dir, timings, options)
+            self.sampler = plan.sampler or plan.sampler_cls.create(plan.cfg, model_dir, timings, options)
+            self.trainer = plan.trainer or plan.trainer_cls.create(plan.cfg, model_dir, timings, options)
             start_adapter.load(self.trainer, plan.opts.adapter)
             self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
@@ -274,7 +278,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     loaded.trainer.zero_b()
     router = router_agreement(loaded.trainer, loaded.sampler, loaded.sampler_info.backend, plan.probes.sequences)
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
-              seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.opts.sync,
+              seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.sync,
               per_target=plan.opts.per_target is not False, per_target_only=plan.opts.per_target_only, progress=say,
               per_layer=plan.opts.per_layer,
               first_adapter_id=loaded.next_adapter_id,

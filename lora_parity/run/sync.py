@@ -2,16 +2,18 @@
 
 Each mode says what it requires of the two backends (checked at preflight, before anything is
 loaded), how it publishes a version, what it does at the sync step, and how it retires what it
-left on the sampler. Faults that break a sync (`lora_parity.run.faults`) wrap a mode in a
-`SyncWrapper`; the sequence (`lora_parity.run.phases`) only calls the mode it was given.
+left on the sampler. `MODES` are the `--sync` modes; `CallerSync` is the caller's own sync (the
+Python API). Faults that break a sync (`lora_parity.run.faults`) wrap a mode in a `SyncWrapper`;
+the sequence (`lora_parity.run.phases`) only calls the mode it was given.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, get_args
+from typing import Protocol
 
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -22,10 +24,8 @@ from lora_parity.backends.base import (
     Trainer,
     WeightVersionSampler,
 )
-from lora_parity.evidence.receipt import AdapterVersion, SyncModeName
+from lora_parity.evidence.receipt import AdapterVersion
 from lora_parity.util.errors import ConfigError
-
-SYNC_MODES: tuple[str, ...] = get_args(SyncModeName)
 
 
 class SyncContext(Protocol):
@@ -233,11 +233,40 @@ MODES: dict[str, SyncMode] = {
 }
 
 
-def mode(name: str) -> SyncMode:
-    """The sync mode called `name`; `ConfigError` for an unknown one."""
+def mode(name: str | SyncMode) -> SyncMode:
+    """The sync mode called `name` (a mode given as an object is that mode: `CallerSync`); `ConfigError` for an
+    unknown name."""
+    if isinstance(name, SyncMode):
+        return name
     if name not in MODES:
-        raise ConfigError(f"unknown sync mode {name!r}; choose from {', '.join(SYNC_MODES)}")
+        raise ConfigError(f"unknown sync mode {name!r}; choose from {', '.join(MODES)}")
     return MODES[name]
+
+
+class CallerSync(SyncMode):
+    """The caller's own sync (`user`; the Python API, `lora_parity.api.check`): a callable that moves the trainer's
+    current adapter into the engine the way the caller's stack does. lora-parity exports and loads nothing: each
+    version is whatever that callable delivered. The engine serves one adapter, the last one synced, so every
+    version has the same adapter id (as `inplace`; its name says which version it is) and none is kept to be
+    scored after the next."""
+
+    name = "user"
+
+    def __init__(self, deliver: Callable[[], None]) -> None:
+        self.deliver = deliver
+
+    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
+        """Call the caller's sync; the engine's current adapter is then `version` (its handle names no folder)."""
+        start = time.perf_counter()
+        self.deliver()
+        name = f"user-sync-v{version}{label}"
+        adapter_id = ctx.first_adapter_id
+        _record(ctx, version, name, adapter_id, self.name, start)
+        ctx.handle = AdapterHandle(name, adapter_id, ctx.workdir / name)
+
+    def overwrite(self, ctx: SyncContext) -> None:
+        """The caller's sync, recorded as no new version (what a leak does)."""
+        self.deliver()
 
 
 class SyncWrapper(SyncMode):

@@ -22,8 +22,10 @@ PublicKeyOpt = Annotated[Path | None, typer.Option(
          "receipt reads 'signature not checked'.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size of the trainer (megatron only).")]
 TrainerOpt = Annotated[str, typer.Option(
-    help="Trainer backend: hf, exact (GPU: scores through vLLM's own ops), megatron or tinker.")]
-SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, sglang (GPU), hf or tinker.")]
+    help="Trainer backend: hf, exact (GPU: scores through vLLM's own ops), megatron, tinker, or an installed "
+         "plugin's (entry-point group lora_parity.trainers).")]
+SamplerOpt = Annotated[str, typer.Option(help="Sampler backend: vllm, vllm-server, sglang (GPU), hf, tinker, or an "
+                                              "installed plugin's (entry-point group lora_parity.samplers).")]
 SamplerUrlOpt = Annotated[str | None, typer.Option(
     help="Attach --sampler vllm-server or sglang to this running server instead of starting one (recorded "
          "without credentials).")]
