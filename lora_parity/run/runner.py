@@ -55,7 +55,7 @@ from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util import interrupt, scratch
 from lora_parity.util.errors import ConfigError, LoraParityError
-from lora_parity.verdict import breakdown, checks
+from lora_parity.verdict import breakdown, checks, lifecycle
 
 if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess
@@ -359,6 +359,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
     timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds}
     scores = run.scores if run else {}
     ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)
+    sampler, phases = scrub_secrets(loaded.sampler_info), scrub_secrets(run.phases) if run else []
     return seal({
         "schema_version": SCHEMA_VERSION,
         "tool_version": __version__,
@@ -368,7 +369,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "model": loaded.model_info,
         # A server's error body may echo the API key it was sent: never into the receipt.
         "trainer": scrub_secrets(loaded.trainer_info),
-        "sampler": scrub_secrets(loaded.sampler_info),
+        "sampler": sampler,
         "environment": environment(loaded.device),
         "budgets": cfg.budgets,
         "probes": probes,
@@ -376,7 +377,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "sync_mode": opts.sync,
         "adapters": run.adapters if run else [],
         "injected_fault": inject,
-        "phases": scrub_secrets(run.phases) if run else [],
+        "phases": phases,
         "scores": scores,
         "comparisons": ev.comparisons,
         "deltas": ev.deltas,
@@ -394,6 +395,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "noise": ev.noise,
         "thresholds": ev.thresholds,
         "start_adapter": start_adapter.record(opts.adapter),
+        "lifecycle": lifecycle.derive(sampler.backend, sampler.settings, phases),
     })
 
 
