@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lora_parity.backends import engine_args as user_args
 from lora_parity.backends import moe
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -56,7 +57,7 @@ def _eager_token_ranks(enforce_eager: bool) -> str:
     if "TORCHDYNAMO_DISABLE" in os.environ:
         return f"as the user set it (TORCHDYNAMO_DISABLE={os.environ['TORCHDYNAMO_DISABLE']})"
     if not enforce_eager:
-        return "on (sampler.enforce_eager: false compiles the model)"
+        return "on (enforce_eager: false)"
     import torch._dynamo
 
     torch._dynamo.config.disable = True
@@ -109,6 +110,23 @@ def _batch_invariant_environment(wanted: bool) -> str:
     return f"{'on' if on else 'off'} (VLLM_BATCH_INVARIANT={os.environ['VLLM_BATCH_INVARIANT']} set by the user)"
 
 
+def _deployment(llm: Any, device: str) -> dict[str, str]:
+    """What the started engine does about the deployment conditions (`verdict.lifecycle`), read off its own
+    config, not off the options given: CUDA graphs, sleep mode, logprobs mode."""
+    from vllm.platforms import current_platform
+
+    config = llm.llm_engine.vllm_config
+    if not current_platform.is_sleep_mode_available():
+        sleep = (f"off (vLLM-{device.upper()} has no sleep mode: the platform's is_sleep_mode_available() is False, "
+                 "and enable_sleep_mode=true stops the engine's start)")
+    elif getattr(config.model_config, "enable_sleep_mode", False):
+        sleep = "enabled; the sleep/wake phases are designed, off (docs/deployment.md)"
+    else:
+        sleep = "off (enable_sleep_mode not set; the sleep/wake phases are designed, off: docs/deployment.md)"
+    return {"cuda_graphs": user_args.graphs_truth(config.compilation_config, device), "sleep_mode": sleep,
+            "logprobs_mode": str(getattr(config.model_config, "logprobs_mode", "unknown"))}
+
+
 class VLLMSampler(SamplerBackend):
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
@@ -125,7 +143,8 @@ class VLLMSampler(SamplerBackend):
         self.torch_compile: str | None = None
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
-            self.torch_compile = _eager_token_ranks(cfg.sampler.enforce_eager)
+            self.torch_compile = _eager_token_ranks(cfg.sampler.engine_args.get("enforce_eager",
+                                                                                cfg.sampler.enforce_eager) is True)
         else:
             in_process = cfg.sampler.tensor_parallel_size == 1
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else "1")
@@ -151,6 +170,7 @@ class VLLMSampler(SamplerBackend):
         with private_dist_store():
             self.llm = LLM(**llm_kwargs(self.engine_args))
         timings["sampler.start"] = time.perf_counter() - start
+        self.deployment = _deployment(self.llm, "cuda" if self.cuda else "cpu")
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         self._SamplingParams = SamplingParams
         # An in-process engine holds only this process's memory; a multiprocess one owns workers.
@@ -264,6 +284,10 @@ class VLLMSampler(SamplerBackend):
                         batch_invariant=self.batch_invariant)
         if self.torch_compile is not None:
             settings["torch_compile"] = self.torch_compile
+        settings.update(self.deployment)
+        if self.cfg.sampler.engine_args:
+            settings["engine_args"] = user_args.record(self.cfg.sampler.engine_args)
+            settings["engine_args_effect"] = user_args.notes(self.cfg.sampler.engine_args)
         return BackendInfo(backend="vllm", versions={"vllm": self._vllm.__version__, "torch": torch.__version__},
                            settings=settings)
 

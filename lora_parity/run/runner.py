@@ -137,6 +137,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
+    cfg = _with_engine_args(cfg, opts)
     # The fake backends run a toy layout of their own, not the model's config.json shapes.
     cfg = start_adapter.apply(cfg, opts.adapter, model_shapes=opts.trainer != "fake")
     sync = sync_mode_named(opts.sync)
@@ -161,6 +162,16 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
         raise
     plan.server = server
     return plan
+
+
+def _with_engine_args(cfg: config.ModelConfig, opts: RunOptions) -> config.ModelConfig:
+    """The config's `sampler.engine_args` with `--engine-arg` over them, checked (`backends.engine_args`)."""
+    from lora_parity.backends import engine_args
+
+    given = engine_args.check({**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
+    if given and opts.sampler not in ("vllm", "vllm-server"):
+        raise ConfigError(f"engine arguments are vLLM's (--sampler vllm or vllm-server), not {opts.sampler!r}'s")
+    return cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"engine_args": given})})
 
 
 def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, sampler_cls: type[SamplerBackend],

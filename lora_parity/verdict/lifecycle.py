@@ -95,9 +95,11 @@ def _batch_variant(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
 
 
 def _engine_args(settings: Mapping[str, Any]) -> LifecycleRow:
-    given = settings.get("engine_args")
+    given, effect = settings.get("engine_args"), settings.get("engine_args_effect")
     if isinstance(given, list) and given:
-        return _row("the user's engine arguments", True, "as given: " + ", ".join(str(g) for g in given))
+        said = "; ".join(str(e) for e in effect) if isinstance(effect, list) and effect else ""
+        return _row("the user's engine arguments", True, "as given: " + ", ".join(str(g) for g in given)
+                    + (f" ({said})" if said else ""))
     return _row("the user's engine arguments", False, "lora-parity's defaults only (no --engine-arg or "
                                                       "sampler.engine_args)")
 
