@@ -109,3 +109,20 @@ def test_graphs_are_read_off_the_started_engine() -> None:
     assert on == "on (cudagraph_mode FULL_AND_PIECEWISE, 4 capture sizes up to 8)"
     assert engine_args.graphs_truth(SimpleNamespace(cudagraph_mode="NONE", cudagraph_capture_sizes=[8]),
                                     "cuda").startswith("off (cudagraph_mode NONE")
+
+
+def test_prefix_caching_on_makes_the_in_process_sampler_read_its_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends import vllm
+    from lora_parity.backends.base import BackendOptions, CachedScoringSampler
+
+    monkeypatch.setattr(vllm.VLLMSampler, "__init__", lambda self, *a, **k: None)
+    on = with_args(enable_prefix_caching=True)
+    assert isinstance(vllm.VLLMSampler.create(on, Path("ckpt"), {}, BackendOptions()), CachedScoringSampler)
+    assert not isinstance(vllm.VLLMSampler.create(config.load(None), Path("ckpt"), {}, BackendOptions()),
+                          CachedScoringSampler)
+    merged = BackendOptions(lora=False)  # the merged modes score no adapter: nothing to read per adapter
+    assert not isinstance(vllm.VLLMSampler.create(on, Path("ckpt"), {}, merged), CachedScoringSampler)
+    # Blocks of 32 on the CPU, so that the probes' prefixes have full blocks to read back; the user's size wins.
+    assert engine_options(on, "ckpt", cuda=False)["block_size"] == 32
+    assert "block_size" not in engine_options(on, "ckpt", cuda=True)
+    assert engine_options(with_args(enable_prefix_caching=True, block_size=64), "ckpt", cuda=False)["block_size"] == 64

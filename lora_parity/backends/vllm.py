@@ -182,7 +182,10 @@ class VLLMSampler(SamplerBackend):
                options: BackendOptions) -> VLLMSampler:
         """Start the engine, with batch-invariant kernels unless `options` turn them off."""
         assert model_dir is not None
-        return cls(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
+        # With prefix caching on (the user's engine arguments) the engine also scores as rollouts read its cache.
+        caching = cfg.sampler.engine_args.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True
+        kind = VLLMCachedSampler if caching and options.lora else cls
+        return kind(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
 
     def weight_version(self) -> str | None:
         """The engine's weight version (vLLM 0.32's `LLMEngine.get_weight_version`; None before it existed)."""
@@ -293,3 +296,40 @@ class VLLMSampler(SamplerBackend):
 
     def close(self) -> None:
         del self.llm
+
+
+class VLLMCachedSampler(VLLMSampler):
+    """The `vllm` sampler with prefix caching on: it also scores the way rollouts read the cache
+    (`score_cached`: a `CachedScoringSampler`, the phases stale_cached and updated_cached, checks P.*)."""
+
+    def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), read through the prefix cache: per group
+        of sequences one generate call of the whole sequences (a prompt_logprobs request never reads the
+        cache, this one fills it), then one call of every prefix, each request forcing its next token with
+        `allowed_token_ids` and returning that token's raw logprob (`logprobs=0`): the prefixes' full blocks
+        come from the cache, only their tails are computed. Batched, not one request per prefix."""
+        request = self._request(adapter)
+        warm = self._SamplingParams(max_tokens=1, temperature=1.0, detokenize=False)
+        out: Scores = []
+        for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
+            group = sequences[part]
+            self.llm.generate([self._TokensPrompt(prompt_token_ids=seq) for seq in group], warm,
+                              lora_request=request, use_tqdm=False)
+            prompts, params = [], []
+            for seq in group:
+                for t in range(len(seq) - 1):
+                    prompts.append(self._TokensPrompt(prompt_token_ids=seq[:t + 1]))
+                    params.append(self._SamplingParams(max_tokens=1, temperature=1.0, logprobs=0, detokenize=False,
+                                                       allowed_token_ids=[seq[t + 1]]))
+            results = iter(self.llm.generate(prompts, params, lora_request=request, use_tqdm=False))
+            for s, seq in enumerate(group, start=part.start):
+                row = []
+                for t in range(len(seq) - 1):
+                    completion = next(results).outputs[0]
+                    tokens, logprobs = list(completion.token_ids), completion.logprobs
+                    if tokens != [seq[t + 1]] or not logprobs or seq[t + 1] not in logprobs[0]:
+                        raise ScoreError(f"vLLM cached scoring of sequence {s} at position {t}: forced token "
+                                         f"{seq[t + 1]} not returned ({tokens})")
+                    row.append(logprobs[0][seq[t + 1]].logprob)
+                out.append(row)
+        return out
