@@ -16,7 +16,7 @@ from typing import Any
 from lora_parity.evidence.receipt import PhaseStatus, Receipt, Verdict, sha256_json, validate
 from lora_parity.evidence.receipt_io import parse_json, read_bounded
 from lora_parity.util.errors import ReceiptError, ScoreError
-from lora_parity.verdict import breakdown, checks, stats
+from lora_parity.verdict import breakdown, checks, routes, stats
 
 PROVES = ("intact means internally consistent and not accidentally corrupted, "
           "not who made the receipt (sign it for that: run --sign, verify --public-key)")
@@ -183,8 +183,12 @@ def _verify_worst_positions(path: Path, receipt: Receipt) -> None:
 
 
 def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
-    """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed."""
+    """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed, and route
+    replay's routes too, with its route changes re-derived from them (`routes.problem`)."""
     _verify_worst_positions(path, receipt)
+    problem = routes.problem(receipt.route_replay, receipt.probes.sequences) if receipt.route_replay else None
+    if problem:
+        raise ReceiptError(f"{path}: route_replay: {problem}")
     r = receipt.router
     if r is None:
         return
@@ -203,6 +207,9 @@ def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
         raise ReceiptError(f"{path}: router: agreement outside [0, 1]")
     if not math.isclose(r.agreement, math.fsum(r.per_layer) / len(r.per_layer), rel_tol=1e-12, abs_tol=1e-12):
         raise ReceiptError(f"{path}: router: agreement is not the mean of per_layer")
+    if r.flipped_tokens is not None and not (0 <= r.flipped_tokens <= tokens and (r.flipped_tokens == 0) == (
+            r.agreement == 1.0)):
+        raise ReceiptError(f"{path}: router: flipped_tokens does not match the probe tokens and the agreement")
 
 
 def _verify_calibration(path: Path, receipt: Receipt) -> None:
