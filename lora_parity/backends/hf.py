@@ -224,7 +224,8 @@ class HFTrainer(TrainerBackend):
         return len(routers(self.model))
 
     def replayed_weights(self) -> str:
-        return REPLAYED_WEIGHTS
+        kinds = sorted({f"{type(r).__name__} norm_topk_prob={r.norm_topk_prob}" for r in routers(self.model)})
+        return f"{REPLAYED_WEIGHTS}; this model: {', '.join(kinds)}"
 
     @contextlib.contextmanager
     def replaying(self, routes: RouteTable) -> Iterator[None]:

@@ -68,22 +68,30 @@ def lines(replay: Any, router: Any) -> list[str]:
     return out
 
 
+def _shape(routes: Sequence[TokenRoutes]) -> tuple[int, int]:
+    """(MoE layers, top-k) of the first token's routes; (0, 0) for none."""
+    first = next((token for seq in routes for token in seq), None)
+    return (len(first), len(first[0]) if first else 0) if first is not None else (0, 0)
+
+
+def _holds(token: Sequence[Sequence[int]], shape: tuple[int, int]) -> bool:
+    """A token's routes: one set of `shape[1]` distinct expert ids (non-negative) per each of `shape[0]` layers."""
+    return shape[1] > 0 and len(token) == shape[0] and all(
+        len(e) == shape[1] and len(set(e)) == len(e) and min(e) >= 0 for e in token)
+
+
 def problem(replay: Any, sequences: Sequence[Sequence[int]]) -> str | None:
     """What is wrong with a recorded route replay (`RouteReplay`), or None: every pass's routes cover the probes
     token for token, one top-k of distinct experts per layer, the same shape in every pass; every source a
     recorded pass; `changes` what the routes give; a replay that did not happen records no routes."""
     if replay.status != "replayed":
         return None if not (replay.routes or replay.sources or replay.changes) else "routes recorded without replay"
-    shape: tuple[int, int] | None = None
+    shape = _shape(next(iter(replay.routes.values()), []))
     for key, routes in replay.routes.items():
         if len(routes) != len(sequences) or any(len(r) != len(s) for r, s in zip(routes, sequences, strict=False)):
             return f"routes of {key} do not cover the probe tokens"
-        for token in (t for seq in routes for t in seq):
-            here = (len(token), len(token[0]) if token else 0)
-            if shape is None:
-                shape = here
-            if here != shape or shape[1] < 1 or any(len(set(e)) != len(e) or min(e) < 0 for e in token):
-                return f"routes of {key}: each token needs one top-{shape[1]} of distinct experts per MoE layer"
+        if not all(_holds(token, shape) for seq in routes for token in seq):
+            return f"routes of {key}: each token needs one top-{shape[1]} of distinct experts per MoE layer"
     missing = sorted(set(replay.sources.values()) - set(replay.routes))
     if missing:
         return f"sources name engine passes without routes: {', '.join(missing[:3])}"
