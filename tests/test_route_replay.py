@@ -122,6 +122,23 @@ def test_an_update_that_moves_routes_is_named_and_replayed(tmp_path: Path, monke
 
 
 @unit
+def test_a_searched_update_is_reproduced_from_the_routes_the_search_replayed(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The update's search (here a step's learning rate, per target too) runs before the engine's updated pass
+    # exists: it replays the zero pass's routes, and the updated trainer is scored that way too, so that verify
+    # re-derives the chosen change from scores while trainer_updated replays the updated pass's routes.
+    monkeypatch.setattr(fake, "ROUTE_GAIN", 3.0)
+    r = _run(tmp_path, update="step", per_target=True)  # _run verifies
+    rr = r.route_replay
+    assert rr is not None and r.perturbation is not None and r.perturbation.calibration is not None
+    assert rr.changes["updated"] > 0 and rr.sources["trainer_updated_zero_routes"] == "zero"
+    assert r.scores["trainer_updated_zero_routes"] != r.scores["trainer_updated"]  # the routes differ there
+    kinds = list(r.perturbation.target_calibrations or {})
+    assert kinds and all(rr.sources[f"target.{k}.trainer_zero_routes"] == "zero" for k in kinds)
+    assert all(rr.sources[f"target.{k}.trainer"] == f"target.{k}.sampler" for k in kinds)
+
+
+@unit
 def test_replaying_the_trainers_own_routes_changes_nothing_and_other_routes_move_it() -> None:
     cfg = config.load("tiny-qwen3-moe")
     trainer = fake.FakeTrainer(cfg, None, 0, {})

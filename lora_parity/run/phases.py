@@ -48,6 +48,7 @@ from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import ScoreError
 from lora_parity.verdict import stats
+from lora_parity.verdict.routes import SEARCH_KEY
 
 if TYPE_CHECKING:
     from lora_parity.backends import fp32_points
@@ -398,6 +399,8 @@ class Run:
             update = update.model_copy(update={"calibration": self.calibration})
         self.perturbation = update
         reference_points.snapshot(self, "updated")
+        if self.replay.on and self.calibration is not None:  # as the search saw it: what verify re-derives it from
+            self.trainer_score(SEARCH_KEY)
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
@@ -436,6 +439,8 @@ class Run:
                     self.trainer.perturb(self._std(self.target_calibrations.get(tag)), self.seed, only=kind)
         if not self.replay.on:
             self._record(f"{key}.trainer", found) if found is not None else self.trainer_score(f"{key}.trainer")
+        elif found is not None:  # the search's last forward, with the zero pass's routes (verify re-derives it)
+            self._record(self.replay.searched(key), found)
         reference_points.snapshot(self, key)
         self.mode.publish(self, version=len(self.adapters), label=f"-{tag.replace('@', '-layers-')}")
         self.sampler_score(f"{key}.sampler", self.handle)

@@ -46,7 +46,7 @@ NO_ROUTES = "the sampler does not return the routes of its scoring passes"
 NO_REPLAY = "the trainer cannot replay routes"
 SOURCES = {"trainer_zero": ZERO, "trainer_zero_repeat": ZERO, "reference_fp32": ZERO, "calibrate": ZERO,
            "perturb": ZERO, "trainer_updated": "updated", "trainer_updated_alt": "updated",
-           "reference_fp32_updated": "updated"}
+           "reference_fp32_updated": "updated", route_stats.SEARCH_KEY: ZERO}
 """Trainer-side pass (a score key, or a phase whose forwards are not recorded) -> the engine pass it replays.
 Per-target points: `target.T.trainer` and `target.T.reference` replay `target.T.sampler`, and the target's
 std search (`target.T.calibrate`) the zero pass."""
@@ -148,6 +148,13 @@ class Replay:
             return contextlib.nullcontext()
         assert isinstance(trainer, RouteReplayingTrainer)
         return trainer.replaying(self.table(key, sequences, source))
+
+    def searched(self, point: str) -> str:
+        """The score key of per-target point `point`'s search at its chosen std (`routes.TARGET_SEARCH_SUFFIX`),
+        recorded as replaying the zero pass."""
+        key = point + route_stats.TARGET_SEARCH_SUFFIX
+        self.sources[key] = ZERO
+        return key
 
     def record(self) -> RouteReplay | None:
         """The receipt's record (None: a dense model)."""

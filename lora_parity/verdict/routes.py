@@ -16,6 +16,13 @@ from typing import Any
 TokenRoutes = Sequence[Sequence[Sequence[int]]]
 """[token][MoE layer] -> expert ids."""
 ZERO = "zero"
+SEARCH_KEY = "trainer_updated_zero_routes"
+"""With route replay, the update's search (std auto, a step's learning rate) measures the trainer's change with
+the zero pass's routes, before the engine's updated pass exists: the updated trainer is also scored that way under
+this key, so that `verify` re-derives the search's chosen change from scores (`calibrate.check_perturbation`)."""
+TARGET_SEARCH_SUFFIX = ".trainer_zero_routes"
+"""The same for a per-target point's search: `target.K` + this."""
+SCORE_KEYS = (SEARCH_KEY,)
 
 
 def changes(routes: Mapping[str, Sequence[TokenRoutes]]) -> dict[str, int]:

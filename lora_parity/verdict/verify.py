@@ -149,9 +149,10 @@ def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:
     """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs; only the fresh
     phase may be empty (the trainer handed it no tensors: `checks.handed_nothing`), and only where the run
     recorded that phase as done."""
-    known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
+    known = {phase for pair in checks.COMPARISONS.values() for phase in pair} | set(routes.SCORE_KEYS)
     for key, scores in receipt.scores.items():
-        per_target = key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler", ".reference"))
+        per_target = key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler", ".reference",
+                                                                             routes.TARGET_SEARCH_SUFFIX))
         exact = key in ("exact.zero", "exact.updated") or key.startswith("exact.target.")
         if key not in known and not per_target and not exact:
             raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
