@@ -219,6 +219,22 @@ def test_vllm_cannot_return_routes_auto_goes_on_and_on_is_refused() -> None:
 
 
 @unit
+def test_a_dense_model_never_replays_and_on_says_why(tmp_path: Path) -> None:
+    dense = config.load("tiny-qwen3")
+    assert route_replay.preflight(RunOptions(), dense, fake.FakeTrainer, fake.FakeSampler) is False
+    with pytest.raises(ConfigError, match=r"^--route-replay on: the model is dense"):
+        route_replay.preflight(RunOptions(route_replay="on"), dense, fake.FakeTrainer, fake.FakeSampler)
+    # A checkpoint by path: its config.json decides before anything loads (and so which faults the selftest runs).
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    by_path = dense.model_copy(update={"model": config.ModelSpec(path=str(folder))})
+    (folder / "config.json").write_text(json.dumps({"num_experts": 8, "num_experts_per_tok": 2}))
+    assert route_replay.preflight(RunOptions(), by_path, fake.FakeTrainer, fake.FakeSampler) is True
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert route_replay.preflight(RunOptions(), by_path, fake.FakeTrainer, fake.FakeSampler) is False
+
+
+@unit
 def test_the_config_key_and_the_option(tmp_path: Path) -> None:
     cfg = config.load("tiny-qwen3-moe")
     assert cfg.route_replay is None and route_replay.mode_of(None, cfg) == "auto"

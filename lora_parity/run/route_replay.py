@@ -35,6 +35,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.moe import route_table
 from lora_parity.evidence.receipt import RouteReplay
 from lora_parity.models.config import ModelConfig
+from lora_parity.models.hub import hub_checkpoint
 from lora_parity.run.moe_faults import ROUTE_FAULT_NAMES
 from lora_parity.run.options import RunOptions
 from lora_parity.util.errors import ConfigError, PhaseError
@@ -69,6 +70,17 @@ def is_moe(cfg: ModelConfig, model_dir: Path | None) -> bool:
     return config is not None and config.is_file() and routes_experts(json.loads(config.read_text()))
 
 
+def _moe_before_loading(cfg: ModelConfig) -> bool:
+    """`is_moe` before anything is built: the config's folder or the cached hub snapshot where there is one; a hub
+    model not in the cache counts as MoE (its run stops at preflight anyway), a GGUF model as dense."""
+    if cfg.model.synthetic is not None or cfg.model.path is not None:
+        return is_moe(cfg, Path(cfg.model.path) if cfg.model.path is not None else None)
+    if cfg.model.hf_id is not None:
+        folder = hub_checkpoint(cfg.model.hf_id)
+        return folder is None or is_moe(cfg, folder)
+    return False
+
+
 def _is(backend: object, protocol: type) -> bool:
     return issubclass(backend, protocol) if isinstance(backend, type) else isinstance(backend, protocol)
 
@@ -83,14 +95,14 @@ def unavailable(trainer: type[TrainerBackend] | Trainer, sampler: type[SamplerBa
 
 
 def preflight(opts: RunOptions, cfg: ModelConfig, trainer: type[TrainerBackend], sampler: type[SamplerBackend]) -> bool:
-    """Whether this run will replay routes, as far as the config and the backends' classes tell (a checkpoint by
-    path is found to be MoE only once read: then True where the backends can). `ConfigError`: `on` where a side
-    cannot, or a route fault injected into a run that does not replay."""
+    """Whether this run will replay routes, as far as the config (`_moe_before_loading`) and the backends' classes
+    tell. `ConfigError`: `on` where a side cannot, or a route fault injected into a run that does not replay."""
     mode = mode_of(opts.route_replay, cfg)
-    moe = cfg.model.synthetic is None or cfg.model.synthetic.moe is not None
+    moe = _moe_before_loading(cfg)
     why = unavailable(trainer, sampler) if moe else "the model is dense: there are no routes to replay"
     if mode == "on" and why is not None:
-        raise ConfigError(f"--route-replay on: {opts.sampler if why != NO_REPLAY else 'the trainer'}: {why}")
+        side = opts.sampler if why != NO_REPLAY else "the trainer"
+        raise ConfigError(f"--route-replay on: {side + ': ' if moe else ''}{why}")
     replays = mode != "off" and why is None
     fault = (opts.inject or "").partition("=")[0]
     if fault in ROUTE_FAULT_NAMES and not replays:
