@@ -417,3 +417,15 @@ def test_hf_route_faults_are_caught_in_every_seed(tmp_path: Path) -> None:
     clean = rc.load(Path(result.rows[0].receipt))[0]
     assert clean.route_replay is not None and clean.route_replay.status == "replayed"
     assert clean.comparisons["A.trainer_vs_sampler"].max_abs == 0.0  # one HF forward on both sides, same routes
+
+
+@cpu_e2e
+def test_the_fp32_reference_replays_the_engines_routes_as_returned(tmp_path: Path) -> None:
+    # A route fault corrupts what the trainer is handed, never the reference's: on the fp32 checkpoint the reference
+    # equals the engine (same routes, same arithmetic), and the disagreement sits on the trainer's side.
+    r = _run(tmp_path, trainer="hf", sampler="hf", reference="fp32", inject="routes-shifted")
+    assert r.route_replay is not None and r.route_replay.sources["reference_fp32"] == "zero"
+    assert r.route_replay.sources["reference_fp32_updated"] == "updated"
+    c = r.comparisons
+    assert c["R.sampler_vs_fp32"].max_abs == 0.0 and c["R.sampler_updated_vs_fp32"].max_abs == 0.0
+    assert c["R.trainer_vs_fp32"].mean_abs == c["A.trainer_vs_sampler"].mean_abs > 0.1

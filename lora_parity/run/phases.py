@@ -294,7 +294,7 @@ class Run:
         """The fp32 reference scores (informational: comparisons R.*, no checks)."""
         assert self.reference is not None
         reference, key = self.reference, "reference_fp32"
-        routes = self.replay.table(key, self.sequences) if self.replay.on else None
+        routes = self.replay.table(key, self.sequences, trainer=False) if self.replay.on else None
         self._record(key, self._timed(key, lambda: reference(self.sequences, routes)))
 
     def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None:

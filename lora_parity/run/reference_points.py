@@ -76,7 +76,7 @@ def score_exact(run: Run, which: str = "") -> None:
 def _score_kept(run: Run, scorer: Callable[..., Any], states: dict[str, dict[str, RawTensor]], timing: str,
                 replays: bool = False) -> None:
     keys = list(states)
-    routes = [run.replay.table(k, run.sequences) for k in keys] if replays else None
+    routes = [run.replay.table(k, run.sequences, trainer=False) for k in keys] if replays else None
     scored = run._timed(timing, lambda: scorer(run.sequences, [states[k] for k in keys], *([routes] if routes else [])))
     for key, scores in zip(keys, scored, strict=True):
         run._record(key, scores)

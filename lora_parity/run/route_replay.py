@@ -144,14 +144,17 @@ class Replay:
         self.routes[key] = routes
         return scores
 
-    def table(self, key: str, sequences: Sequences, source: str | None = None) -> dict[tuple[int, ...], list]:
+    def table(self, key: str, sequences: Sequences, source: str | None = None,
+              trainer: bool = True) -> dict[tuple[int, ...], list]:
         """The routes trainer-side pass `key` replays: those of engine pass `source` (default `source_of(key)`),
-        as the injected fault hands them over; recorded in `sources`."""
+        as the injected fault hands them to the `trainer` (the fp32 reference, lora-parity's own, gets them as the
+        engine returned them); recorded in `sources`."""
         source = source or source_of(key)
         if source not in self.routes:
             raise PhaseError(f"route replay: {key} needs the routes of the engine's {source} pass, which did not run")
         self.sources[key] = source
-        return route_table(sequences, self.corrupt(sequences, self.routes[source]))
+        routes = self.routes[source]
+        return route_table(sequences, self.corrupt(sequences, routes) if trainer else routes)
 
     def replaying(self, trainer: Trainer, key: str, sequences: Sequences,
                   source: str | None = None) -> AbstractContextManager[None]:
