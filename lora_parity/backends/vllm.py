@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lora_parity.backends import engine_args as user_args
 from lora_parity.backends import moe
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -56,7 +57,7 @@ def _eager_token_ranks(enforce_eager: bool) -> str:
     if "TORCHDYNAMO_DISABLE" in os.environ:
         return f"as the user set it (TORCHDYNAMO_DISABLE={os.environ['TORCHDYNAMO_DISABLE']})"
     if not enforce_eager:
-        return "on (sampler.enforce_eager: false compiles the model)"
+        return "on (enforce_eager: false)"
     import torch._dynamo
 
     torch._dynamo.config.disable = True
@@ -109,6 +110,23 @@ def _batch_invariant_environment(wanted: bool) -> str:
     return f"{'on' if on else 'off'} (VLLM_BATCH_INVARIANT={os.environ['VLLM_BATCH_INVARIANT']} set by the user)"
 
 
+def _deployment(llm: Any, device: str) -> dict[str, str]:
+    """What the started engine does about the deployment conditions (`verdict.lifecycle`), read off its own
+    config, not off the options given: CUDA graphs, sleep mode, logprobs mode."""
+    from vllm.platforms import current_platform
+
+    config = llm.llm_engine.vllm_config
+    if not current_platform.is_sleep_mode_available():
+        sleep = (f"off (vLLM-{device.upper()} has no sleep mode: the platform's is_sleep_mode_available() is False, "
+                 "and enable_sleep_mode=true stops the engine's start)")
+    elif getattr(config.model_config, "enable_sleep_mode", False):
+        sleep = "enabled; the sleep/wake phases are designed, off (docs/deployment.md)"
+    else:
+        sleep = "off (enable_sleep_mode not set; the sleep/wake phases are designed, off: docs/deployment.md)"
+    return {"cuda_graphs": user_args.graphs_truth(config.compilation_config, device), "sleep_mode": sleep,
+            "logprobs_mode": str(getattr(config.model_config, "logprobs_mode", "unknown"))}
+
+
 class VLLMSampler(SamplerBackend):
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
@@ -128,7 +146,8 @@ class VLLMSampler(SamplerBackend):
         self.torch_compile: str | None = None
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
-            self.torch_compile = _eager_token_ranks(cfg.sampler.enforce_eager)
+            self.torch_compile = _eager_token_ranks(cfg.sampler.engine_args.get("enforce_eager",
+                                                                                cfg.sampler.enforce_eager) is True)
         else:
             in_process = cfg.sampler.tensor_parallel_size == 1
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else "1")
@@ -154,6 +173,7 @@ class VLLMSampler(SamplerBackend):
         with private_dist_store():
             self.llm = LLM(**llm_kwargs(self.engine_args))
         timings["sampler.start"] = time.perf_counter() - start
+        self.deployment = _deployment(self.llm, "cuda" if self.cuda else "cpu")
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         self._SamplingParams = SamplingParams
         # An in-process engine holds only this process's memory; a multiprocess one owns workers.
@@ -165,7 +185,10 @@ class VLLMSampler(SamplerBackend):
                options: BackendOptions) -> VLLMSampler:
         """Start the engine, with batch-invariant kernels unless `options` turn them off."""
         assert model_dir is not None
-        return cls(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
+        # With prefix caching on (the user's engine arguments) the engine also scores as rollouts read its cache.
+        caching = cfg.sampler.engine_args.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True
+        kind = VLLMCachedSampler if caching and options.lora else cls
+        return kind(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
 
     def weight_version(self) -> str | None:
         """The engine's weight version (vLLM 0.32's `LLMEngine.get_weight_version`; None before it existed)."""
@@ -267,8 +290,49 @@ class VLLMSampler(SamplerBackend):
                         batch_invariant=self.batch_invariant)
         if self.torch_compile is not None:
             settings["torch_compile"] = self.torch_compile
+        settings.update(self.deployment)
+        if self.cfg.sampler.engine_args:
+            settings["engine_args"] = user_args.record(self.cfg.sampler.engine_args)
+            settings["engine_args_effect"] = user_args.notes(self.cfg.sampler.engine_args)
         return BackendInfo(backend="vllm", versions={"vllm": self._vllm.__version__, "torch": torch.__version__},
                            settings=settings)
 
     def close(self) -> None:
         del self.llm
+
+
+class VLLMCachedSampler(VLLMSampler):
+    """The `vllm` sampler with prefix caching on: it also scores the way rollouts read the cache
+    (`score_cached`: a `CachedScoringSampler`, the phases stale_cached and updated_cached, checks P.*)."""
+
+    def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), read through the prefix cache: per group
+        of sequences one generate call of the whole sequences (a prompt_logprobs request never reads the
+        cache, this one fills it), then one call of every prefix, each request forcing its next token with
+        `allowed_token_ids` and returning that token's raw logprob (`logprobs=0`): the prefixes' full blocks
+        come from the cache, only their tails are computed. Batched, not one request per prefix."""
+        request = self._request(adapter)
+        warm = self._SamplingParams(max_tokens=1, temperature=1.0, detokenize=False)
+        out: Scores = []
+        for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
+            group = sequences[part]
+            self.llm.generate([self._TokensPrompt(prompt_token_ids=seq) for seq in group], warm,
+                              lora_request=request, use_tqdm=False)
+            prompts, params = [], []
+            for seq in group:
+                for t in range(len(seq) - 1):
+                    prompts.append(self._TokensPrompt(prompt_token_ids=seq[:t + 1]))
+                    params.append(self._SamplingParams(max_tokens=1, temperature=1.0, logprobs=0, detokenize=False,
+                                                       allowed_token_ids=[seq[t + 1]]))
+            results = iter(self.llm.generate(prompts, params, lora_request=request, use_tqdm=False))
+            for s, seq in enumerate(group, start=part.start):
+                row = []
+                for t in range(len(seq) - 1):
+                    completion = next(results).outputs[0]
+                    tokens, logprobs = list(completion.token_ids), completion.logprobs
+                    if tokens != [seq[t + 1]] or not logprobs or seq[t + 1] not in logprobs[0]:
+                        raise ScoreError(f"vLLM cached scoring of sequence {s} at position {t}: forced token "
+                                         f"{seq[t + 1]} not returned ({tokens})")
+                    row.append(logprobs[0][seq[t + 1]].logprob)
+                out.append(row)
+        return out

@@ -46,7 +46,8 @@ def _extras(cfg: ModelConfig, cuda: bool) -> dict[str, Any]:
 
 def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) -> dict[str, Any]:
     """The engine's options for `cfg` (JSON-able: the receipt records them, less `model`). `lora`:
-    LoRA enabled for the adapter's own target modules (off in the merged sync modes)."""
+    LoRA enabled for the adapter's own target modules (off in the merged sync modes). The user's
+    `sampler.engine_args` (checked by `engine_args.check`) replace lora-parity's defaults key by key."""
     options: dict[str, Any] = {
         "model": model,
         "dtype": cfg.model.dtype,
@@ -70,6 +71,12 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
         if cfg.sampler.gpu_kv_cache_gib is not None:
             options["kv_cache_memory_bytes"] = int(cfg.sampler.gpu_kv_cache_gib * 2**30)
     options.update(_extras(cfg, cuda))
+    user = cfg.sampler.engine_args
+    if not cuda and user.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True:
+        # vLLM-CPU's default block of 128 tokens would leave the probes' prefixes almost no full block to read
+        # back (as the served sampler's --block-size 32), and the prefix-cache phases nothing to test.
+        options["block_size"] = 32
+    options.update(user)  # as the user deploys: their values over lora-parity's defaults
     return options
 
 

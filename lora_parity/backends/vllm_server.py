@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity.backends import bounded_http, served
+from lora_parity.backends import bounded_http, engine_args, served
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
@@ -86,25 +86,29 @@ def check_server_args(cfg: ModelConfig) -> None:
 
 def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> list[str]:
     """`vllm serve` with the run's rank, targets and dtype; LoRA limited to the adapter's own targets
-    (the CPU build crashes on batched prompt_logprobs otherwise), prefix caching on (as served)."""
+    (the CPU build crashes on batched prompt_logprobs otherwise), prefix caching on (as served). The user's
+    `sampler.engine_args` replace lora-parity's defaults key by key (`engine_args.serve_flags`)."""
     check_server_args(cfg)
     rank = max_lora_rank(cfg.adapter.rank)
+    user = cfg.sampler.engine_args
     # An absolute path: a folder named like an option (`-x`) can never read as one.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model_dir).absolute()),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.model.dtype,
-            "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1",
-            "--lora-target-modules", *cfg.adapter.targets, "--skip-tokenizer-init",
-            "--max-model-len", str(cfg.sampler.max_model_len), "--seed", "0", "--enable-prefix-caching",
+            "--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *cfg.adapter.targets,
+            "--skip-tokenizer-init", "--seed", "0",
             # As the in-process engine (`vllm.LLM` logs no stats); no access-log line per request.
             "--disable-log-stats", "--disable-uvicorn-access-log"]
+    defaults: dict[str, Any] = {"max_loras": 1, "max_model_len": cfg.sampler.max_model_len,
+                                "enable_prefix_caching": True}
     if not cuda:
         # The CPU build's default block of 128 tokens would leave the probes' prefixes (64 to 128
         # tokens) almost no full block to read back, and the prefix-cache phases nothing to test.
-        argv += ["--block-size", "32"]
+        defaults["block_size"] = 32
     if cfg.sampler.enforce_eager:
-        argv.append("--enforce-eager")
+        defaults["enforce_eager"] = True
     if cfg.sampler.lora_dtype is not None:
-        argv += ["--lora-dtype", cfg.sampler.lora_dtype]
+        defaults["lora_dtype"] = cfg.sampler.lora_dtype
+    argv += engine_args.serve_flags({**defaults, **user})
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
     extra = os.environ.get("LORA_PARITY_VLLM_SERVER_ARGS")
@@ -388,6 +392,9 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
         if self.server is not None:
             settings["batch_invariant"] = self.server.env.get("VLLM_BATCH_INVARIANT", "unset")
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
+        if self.cfg.sampler.engine_args:
+            settings["engine_args"] = engine_args.record(self.cfg.sampler.engine_args)
+            settings["engine_args_effect"] = engine_args.notes(self.cfg.sampler.engine_args)
         versions: dict[str, str] = {}
         try:
             versions["vllm"] = served.server_text(self._call("/version", None, "version")["version"], self.api_key)

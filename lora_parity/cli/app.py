@@ -24,6 +24,7 @@ from lora_parity.cli.commands.options import (
     ApiKeyEnvOpt,
     BatchInvariantOpt,
     BudgetsOpt,
+    EngineArgOpt,
     ExactReferenceOpt,
     GithubSummaryOpt,
     JsonOpt,
@@ -104,6 +105,7 @@ def run(
     reference: ReferenceOpt = None,
     exact_reference: ExactReferenceOpt = True,
     batch_invariant: BatchInvariantOpt = True,
+    engine_arg: EngineArgOpt = None,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
@@ -146,7 +148,8 @@ def run(
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, exact_reference=exact_reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
-                      shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter)
+                      shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter,
+                      engine_args=tuple(engine_arg or ()))
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)

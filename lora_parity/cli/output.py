@@ -20,7 +20,7 @@ from lora_parity.evidence.receipt import Receipt
 from lora_parity.util import escape as esc
 from lora_parity.util.errors import ConfigError
 from lora_parity.util.escape import rich as escape
-from lora_parity.verdict import explain, findings
+from lora_parity.verdict import explain, findings, lifecycle
 from lora_parity.verdict.check_rules import compared_nothing
 from lora_parity.verdict.checks import not_passing
 
@@ -123,7 +123,21 @@ def summary(receipt: Receipt, path: str) -> dict[str, Any]:
                    for c in receipt.checks],
         "comparisons": {k: {"mean_abs": v.mean_abs, "p99": v.p99, "max_abs": v.max_abs, "equal": v.equal}
                         for k, v in receipt.comparisons.items()},
+        "lifecycle": [r.model_dump(mode="json") for r in _lifecycle(receipt)],
     }
+
+
+def _lifecycle(receipt: Receipt) -> list[Any]:
+    return list(receipt.lifecycle) if receipt.lifecycle is not None else lifecycle.of_receipt(receipt)
+
+
+def not_covered_line(receipt: Receipt) -> str | None:
+    """'not covered (the engine as deployed): CUDA graphs, ...': the lifecycle conditions this run did not
+    exercise, said outright (never implied as a pass); None when every one was covered."""
+    missing = [r.condition for r in lifecycle.not_covered(_lifecycle(receipt))]
+    if not missing:
+        return None
+    return f"not covered (the engine as deployed; not a pass): {', '.join(missing)} - see the report's table"
 
 
 def print_json(data: Any) -> None:
@@ -219,6 +233,9 @@ def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log
             line(f"next: lora-parity report {path}  (worst positions, error breakdown, every comparison)")
         if log:
             line(f"third-party logs: {log}")
+        uncovered = not_covered_line(receipt)
+        if uncovered:
+            line(uncovered)
     style = _STYLE.get(receipt.verdict.value, "")
     text = closing_line(receipt, path, seconds)
     verdict, _, rest = text.partition(":")

@@ -33,6 +33,7 @@ from lora_parity.evidence.receipt_models import (
 from lora_parity.evidence.receipt_models import ErrorDetail as ErrorDetail
 from lora_parity.evidence.receipt_models import GroupVerdict as GroupVerdict
 from lora_parity.evidence.receipt_models import JsonScalar as JsonScalar
+from lora_parity.evidence.receipt_models import LifecycleRow as LifecycleRow
 from lora_parity.evidence.receipt_models import NoiseModel as NoiseModel
 from lora_parity.evidence.receipt_models import NoiseRule as NoiseRule
 from lora_parity.evidence.receipt_models import (
@@ -356,6 +357,9 @@ class Receipt(Strict):
     `budgets`. None in receipts made before it was recorded."""
     start_adapter: StartAdapter | None = None
     """The user's adapter both sides started from (`--adapter`); None: zero-init."""
+    lifecycle: list[LifecycleRow] | None = None
+    """The engine as deployed: each condition (graphs, sleep, prefix cache, decode path, ...) and whether this
+    run covered it; recomputable from `phases` and `sampler.settings`. None in receipts made before it."""
     digest: str
     """sha256 of the canonical JSON of this receipt without `digest`."""
 

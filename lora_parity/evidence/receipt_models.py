@@ -383,3 +383,17 @@ class Reference(Strict):
     """Bytes of the fp32 copy's parameters, where measured."""
     available_bytes: int | None = None
     """Memory available for it (free GPU memory, else available host RAM), where measured."""
+
+
+class LifecycleRow(Strict):
+    """One condition of the engine as deployed, and whether this run exercised it (`verdict.lifecycle`).
+
+    Derived from what the run recorded (its phases and the sampler's settings); `verify` recomputes it.
+    """
+
+    condition: str
+    """The deployment condition: CUDA graphs, sleep and wake, a warm prefix cache, ..."""
+    status: Literal["covered", "not covered"]
+    """covered: a phase or setting of this run exercised it; not covered: nothing here tested it (never a pass)."""
+    detail: str
+    """What ran, or why it did not."""

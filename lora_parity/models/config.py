@@ -248,6 +248,8 @@ class SamplerSpec(_Cfg):
     """The dtype vLLM holds and computes the adapter in (its `lora_dtype`; None: vLLM's default, the model's
     dtype). A trainer keeps LoRA in fp32; an update smaller than bf16's resolution of A and B is rounded on the
     engine side only."""
+    engine_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    """The user's vLLM engine arguments as deployed (`backends.engine_args`; `--engine-arg KEY=VALUE` wins)."""
 
 
 class ScoringSpec(_Cfg):

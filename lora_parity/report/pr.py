@@ -1,5 +1,6 @@
 """The PR report of one verified receipt: verdict (and its sync / numerics halves), who signed it, the
-A/B/C table with the thresholds that decided, plots, failing checks with their reasons, comparisons with
+A/B/C table with the thresholds that decided, plots, failing checks with their reasons, the engine as deployed
+(what the run covered and what not: `report.lifecycle`), comparisons with
 their worst positions, the error breakdown, update agreement, perturbation and sync, provenance,
 timings. As markdown (a PR comment or a job summary), plain text, or JSON-ready data.
 
@@ -17,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lora_parity.evidence.receipt import Check, CheckStatus, Receipt, Verdict
+from lora_parity.report import lifecycle as lifecycle_section
 from lora_parity.report.document import (
     Block,
     Bullets,
@@ -55,12 +57,8 @@ from lora_parity.verdict import checks as checks_mod
 from lora_parity.verdict import explain, findings
 
 REPORT_FORMATS = ("md", "text", "json", "html")
-_KEY_TIMINGS = {
-    "total": "the sequence (after loading)",
-    "backends.import": "importing the backends",
-    "sampler.start": "starting the sampler",
-    "trainer.load": "loading the trainer",
-}
+_KEY_TIMINGS = {"total": "the sequence (after loading)", "backends.import": "importing the backends",
+                "sampler.start": "starting the sampler", "trainer.load": "loading the trainer"}
 
 
 # --- the headline ---------------------------------------------------------------------------------------
@@ -374,8 +372,9 @@ def report_blocks(receipt: Receipt, path: str, plots: Mapping[str, str] | None =
     thresholds that decided, plots, failing checks, comparisons, error breakdown, checks, update
     agreement, perturbation and sync, provenance, timings. `path` is printed as given; `plots` maps a
     comparison name to its image link; `signature` is `verify`'s signature status (None: unsigned)."""
-    return [*_head_blocks(receipt, path, plots, signature), *_comparison_blocks(receipt),
-            *_perturbation_blocks(receipt), *_provenance_blocks(receipt), *_timing_blocks(receipt)]
+    return [*_head_blocks(receipt, path, plots, signature), *lifecycle_section.blocks(receipt),
+            *_comparison_blocks(receipt), *_perturbation_blocks(receipt), *_provenance_blocks(receipt),
+            *_timing_blocks(receipt)]
 
 
 def report_markdown(receipt: Receipt, path: str, plots: Mapping[str, str] | None = None,
@@ -431,6 +430,7 @@ def report_data(receipt: Receipt, path: str, plots: Mapping[str, str] | None = N
         "sampler": receipt.sampler.model_dump(mode="json"),
         "environment": receipt.environment.model_dump(mode="json"),
         "phases": [p.model_dump(mode="json") for p in receipt.phases],
+        "lifecycle": [r.model_dump(mode="json") for r in lifecycle_section.rows(receipt)],
         "timings": dict(receipt.timings),
         "plots": dict(plots or {}),
     }

@@ -47,6 +47,8 @@ class RunOptions:
     """Score the exact reference where the sampler can be mirrored bit for bit (`reference_scorers.exact_scorer`)."""
     batch_invariant: bool = True
     """vLLM on CUDA: batch-invariant (deterministic) kernels, where the build has them."""
+    engine_args: tuple[str, ...] = ()
+    """`--engine-arg KEY=VALUE`: the user's vLLM engine arguments, over the config's `sampler.engine_args`."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     adapter: Path | None = None

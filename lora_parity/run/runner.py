@@ -55,7 +55,7 @@ from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util import interrupt, scratch
 from lora_parity.util.errors import ConfigError, LoraParityError
-from lora_parity.verdict import breakdown, checks
+from lora_parity.verdict import breakdown, checks, lifecycle
 
 if TYPE_CHECKING:
     from lora_parity.backends.server_process import ServerProcess
@@ -139,6 +139,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
     if cfg.model.trust_remote_code and not opts.trust_remote_code:
         raise ConfigError(f"{cfg.name} sets model.trust_remote_code: true (runs the checkpoint's own Python code); "
                           "pass --trust-remote-code to allow it")
+    cfg = _with_engine_args(cfg, opts)
     # The fake backends run a toy layout of their own, not the model's config.json shapes.
     cfg = start_adapter.apply(cfg, opts.adapter, model_shapes=opts.trainer != "fake")
     sync = sync_mode_named(opts.sync)
@@ -163,6 +164,16 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
         raise
     plan.server = server
     return plan
+
+
+def _with_engine_args(cfg: config.ModelConfig, opts: RunOptions) -> config.ModelConfig:
+    """The config's `sampler.engine_args` with `--engine-arg` over them, checked (`backends.engine_args`)."""
+    from lora_parity.backends import engine_args
+
+    given = engine_args.check({**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
+    if given and opts.sampler not in ("vllm", "vllm-server"):
+        raise ConfigError(f"engine arguments are vLLM's (--sampler vllm or vllm-server), not {opts.sampler!r}'s")
+    return cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"engine_args": given})})
 
 
 def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, sampler_cls: type[SamplerBackend],
@@ -366,6 +377,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
     timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds}
     scores = run.scores if run else {}
     ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)
+    sampler, phases = scrub_secrets(loaded.sampler_info), scrub_secrets(run.phases) if run else []
     return seal({
         "schema_version": SCHEMA_VERSION,
         "tool_version": __version__,
@@ -375,7 +387,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "model": loaded.model_info,
         # A server's error body may echo the API key it was sent: never into the receipt.
         "trainer": scrub_secrets(loaded.trainer_info),
-        "sampler": scrub_secrets(loaded.sampler_info),
+        "sampler": sampler,
         "environment": environment(loaded.device),
         "budgets": cfg.budgets,
         "probes": probes,
@@ -383,7 +395,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "sync_mode": opts.sync,
         "adapters": run.adapters if run else [],
         "injected_fault": inject,
-        "phases": scrub_secrets(run.phases) if run else [],
+        "phases": phases,
         "scores": scores,
         "comparisons": ev.comparisons,
         "deltas": ev.deltas,
@@ -402,6 +414,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "noise": ev.noise,
         "thresholds": ev.thresholds,
         "start_adapter": start_adapter.record(opts.adapter),
+        "lifecycle": lifecycle.derive(sampler.backend, sampler.settings, phases),
     })
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from lora_parity.evidence.receipt import PhaseStatus, Receipt, Verdict, sha256_json, validate
 from lora_parity.evidence.receipt_io import parse_json, read_bounded
 from lora_parity.util.errors import ReceiptError, ScoreError
-from lora_parity.verdict import breakdown, checks, routes, stats
+from lora_parity.verdict import breakdown, checks, lifecycle, routes, stats
 
 PROVES = ("intact means internally consistent and not accidentally corrupted, "
           "not who made the receipt (sign it for that: run --sign, verify --public-key)")
@@ -114,7 +114,21 @@ def verify(path: Path, public_key: Path | None = None) -> Verified:
     _verify_moe_fields(path, receipt)
     _verify_calibration(path, receipt)
     breakdown.require_reproduces(path, receipt.breakdown, receipt.scores)
+    _verify_lifecycle(path, receipt)
     return Verified(receipt, ev.verdict, signature)
+
+
+def _verify_lifecycle(path: Path, receipt: Receipt) -> None:
+    """The lifecycle table must follow from the recorded phases and sampler settings (`verdict.lifecycle`);
+    receipts made before it have none."""
+    if receipt.lifecycle is None:
+        return
+    recorded = {r.condition: r.model_dump(mode="json") for r in receipt.lifecycle}
+    computed = {r.condition: r.model_dump(mode="json") for r in lifecycle.of_receipt(receipt)}
+    if recorded != computed or len(receipt.lifecycle) != len(computed):
+        which = next((k for k in [*computed, *recorded] if recorded.get(k) != computed.get(k)), "order")
+        raise ReceiptError(f"{path}: lifecycle row {which!r} does not follow from the recorded phases and "
+                           "sampler settings")
 
 
 def _verify_comparisons(path: Path, receipt: Receipt, ev: checks.Evaluation) -> None:

