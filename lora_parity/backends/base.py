@@ -11,7 +11,8 @@ drops it and checks the length. Sequences are grouped into forwards or requests 
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
-`CachedScoringSampler`, `RoutingIntrospection`, `GeneratingSampler`, `StartAdapterTrainer`,
+`CachedScoringSampler`, `RoutingIntrospection`, `RouteReturningSampler`, `RouteReplayingTrainer`,
+`GeneratingSampler`, `StartAdapterTrainer`,
 `SteppingTrainer`, `TensorReadingTrainer`), which callers
 test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
 `create(cfg, model_dir, timings, options)`.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
+from lora_parity.backends.grouping import groups as groups
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
@@ -36,24 +38,8 @@ Sequences = list[list[int]]
 Scores = list[list[float]]
 Routes = list[list[list[list[int]]]]
 """[sequence][token][MoE layer] -> the token's top-k expert ids, ascending."""
-
-
-def groups(sequences: Sequences, batch_size: int = 1, pack_tokens: int = 0) -> list[slice]:
-    """Consecutive groups of `sequences`, one forward or generate call each: `batch_size` sequences, or
-    with `pack_tokens` as many as fit in that many tokens once right-padded to the group's longest (at
-    least one), so a scoring pass takes calls in proportion to its tokens, not to its sequences."""
-    out: list[slice] = []
-    start = 0
-    while start < len(sequences):
-        end, width = start + 1, len(sequences[start])
-        while end < len(sequences):
-            grown = max(width, len(sequences[end]))
-            if (grown * (end + 1 - start) > pack_tokens) if pack_tokens else end - start >= batch_size:
-                break
-            end, width = end + 1, grown
-        out.append(slice(start, end))
-        start = end
-    return out
+RouteTable = Mapping[tuple[int, ...], list[list[list[int]]]]
+"""Each sequence's routes by its tokens ([token][MoE layer] -> expert ids): what a trainer replays."""
 
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -295,6 +281,34 @@ class RoutingIntrospection(Protocol):
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k expert ids per MoE layer ([sequence][token][layer]); None for a
         dense model."""
+        ...
+
+
+@runtime_checkable
+class RouteReturningSampler(Protocol):
+    """A sampler that returns the experts each scoring pass routed every token to (route replay, docs/moe.md);
+    `traits.routing_unavailable`, where an instance sets it, says why this one cannot after all."""
+
+    def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
+        """`score`'s values, and the top-k experts of every token in each MoE layer of the same pass."""
+        ...
+
+
+@runtime_checkable
+class RouteReplayingTrainer(Protocol):
+    """A trainer whose MoE routers can be made to take given experts (route replay, R3)."""
+
+    def moe_layers(self) -> int:
+        """The model's MoE layers (0: a dense model, nothing to replay)."""
+        ...
+
+    def replayed_weights(self) -> str:
+        """How the routing weights of replayed experts are computed (for the receipt)."""
+        ...
+
+    def replaying(self, routes: RouteTable) -> AbstractContextManager[None]:
+        """Within: every forward (score, step) of a sequence in `routes` sends each token to those experts in each
+        MoE layer, the routing weights still its own router's over them; any other sequence is refused."""
         ...
 
 

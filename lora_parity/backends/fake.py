@@ -4,20 +4,34 @@ The fake model's logprob of token `tok` after `prev` at position t is a fixed ba
 for each target kind K, (alpha/r) · Σ_layers (B_K,l · A_K,l) · feature_K(prev, tok, t) over
 `NUM_LAYERS` layers. It is linear in B (and in A), like a LoRA's first-order effect, so deltas,
 per-target coverage, an optimizer step on A and B (`step`, exact gradients) and every fault behave
-as on the real backends. Adapters travel as real PEFT folders (see `adapter_files`), and the fake sampler keeps
-what it loaded under an id unless asked to reload in place, as vLLM does.
+as on the real backends. With a config of an MoE model (`model.synthetic.moe`) the fake routes too: each
+token goes to the top-k of `_route_logit` over the config's experts in each of its layers, and each chosen
+expert adds its own term to the token's score (`_expert_term`), so routes given to the trainer (route replay)
+move its scores as an MoE model's would. Adapters travel as real PEFT folders (see `adapter_files`), and the fake
+sampler keeps what it loaded under an id unless asked to reload in place, as vLLM does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
+from lora_parity.backends.base import (
+    AdapterHandle,
+    BackendTraits,
+    Routes,
+    RouteTable,
+    SamplerBackend,
+    Scores,
+    Sequences,
+    TrainerBackend,
+)
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.config import ModelConfig
@@ -51,13 +65,63 @@ def _feature(k: int, prev: int, tok: int, t: int) -> float:
     return 3.0 * math.sin(1.3 * (k + 1) + 0.7 * prev + 0.11 * tok + 0.05 * t)
 
 
-def _score(sequences: Sequences, coefficients: dict[str, float], kinds: list[str]) -> Scores:
-    out: Scores = []
+@dataclass(frozen=True)
+class Experts:
+    """The fake's MoE shape, from the config's `model.synthetic.moe`."""
+
+    num_experts: int
+    top_k: int
+
+
+def _experts_of(cfg: ModelConfig) -> Experts | None:
+    moe = cfg.model.synthetic.moe if cfg.model.synthetic is not None else None
+    return Experts(moe.num_experts, moe.num_experts_per_tok) if moe is not None else None
+
+
+EXPERT_SCALE = 0.3
+"""Each routed expert's term in a token's score: a wrong expert moves it by tenths of a nat."""
+ROUTE_GAIN = 0.0
+"""How far the adapter (the sum of its coefficients) moves the router logits; 0: routing ignores the adapter.
+Unit tests set it, so that an update changes some routes."""
+
+
+def _route_logit(layer: int, expert: int, token: int, t: int, shift: float) -> float:
+    return (math.sin(1.7 * (expert + 1) * (layer + 1) + 0.61 * token + 0.023 * (expert + 1) * t)
+            + shift * math.sin(2.9 * expert + 0.37 * token + layer))
+
+
+def _routes(sequences: Sequences, experts: Experts, coefficients: dict[str, float], noise: float = 0.0) -> Routes:
+    """Each token's top-k experts in each of the `NUM_LAYERS` MoE layers ([sequence][token][layer], ascending);
+    `noise` moves the logits (a side whose routers compute a little otherwise)."""
+    shift = ROUTE_GAIN * math.fsum(coefficients.values())
+    out: Routes = []
     for seq in sequences:
+        rows = []
+        for t, token in enumerate(seq):
+            layers = []
+            for layer in range(NUM_LAYERS):
+                logits = [_route_logit(layer, e, token, t, shift) + noise * math.sin(5.3 * e + 1.1 * token + 0.7 * t)
+                          for e in range(experts.num_experts)]
+                layers.append(sorted(sorted(range(experts.num_experts), key=lambda e: -logits[e])[:experts.top_k]))
+            rows.append(layers)
+        out.append(rows)
+    return out
+
+
+def _expert_term(chosen: list[list[int]], prev: int, tok: int) -> float:
+    """What the experts a token is routed to (`chosen`, per layer) add to its score; every one weighs the same."""
+    return EXPERT_SCALE * math.fsum(math.sin(0.9 * (e + 1) + 0.31 * tok + 0.13 * prev + 0.5 * layer)
+                                    for layer, experts in enumerate(chosen) for e in experts)
+
+
+def _score(sequences: Sequences, coefficients: dict[str, float], kinds: list[str],
+           routes: Routes | None = None) -> Scores:
+    out: Scores = []
+    for s, seq in enumerate(sequences):
         row = []
         for t in range(len(seq) - 1):
             prev, tok = seq[t], seq[t + 1]
-            value = _base_logprob(prev, tok)
+            value = _base_logprob(prev, tok) + (_expert_term(routes[s][t], prev, tok) if routes is not None else 0.0)
             for k, kind in enumerate(kinds):
                 value += coefficients.get(kind, 0.0) * _feature(k, prev, tok, t)
             row.append(min(value, 0.0))  # a logprob: a search for a huge update (A broken) must not leave the domain
@@ -117,6 +181,9 @@ class FakeTrainer(TrainerBackend):
         self.trainable_base = False
         self.start = {name: list(values) for name, values in self.params.items()}
         """Every LoRA tensor at the start point (A as initialized or loaded; B zero or the start adapter's)."""
+        self.experts = _experts_of(cfg)
+        self.forced: RouteTable | None = None
+        """The routes `replaying` forces now; None: the fake's own routing."""
 
     def load_start_adapter(self, folder: Path) -> None:
         """Take A and B from a PEFT folder of the fake's layout (the config matches it)."""
@@ -139,7 +206,35 @@ class FakeTrainer(TrainerBackend):
         return out
 
     def score(self, sequences: Sequences) -> Scores:
-        return _score(sequences, self._coefficients(), self.kinds)
+        return _score(sequences, self._coefficients(), self.kinds, self._routes(sequences))
+
+    def _routes(self, sequences: Sequences) -> Routes | None:
+        if self.experts is None:
+            return None
+        if self.forced is None:
+            return _routes(sequences, self.experts, self._coefficients())
+        missing = next((seq for seq in sequences if tuple(seq) not in self.forced), None)
+        if missing is not None:
+            raise PhaseError(f"route replay: no routes for this sequence of {len(missing)} tokens")
+        return [list(self.forced[tuple(seq)]) for seq in sequences]
+
+    def router_topk(self, sequences: Sequences) -> Routes | None:
+        """The fake's own routes under the current adapter (None: a dense config)."""
+        return _routes(sequences, self.experts, self._coefficients()) if self.experts is not None else None
+
+    def moe_layers(self) -> int:
+        return NUM_LAYERS if self.experts is not None else 0
+
+    def replayed_weights(self) -> str:
+        return "the fake's: every routed expert weighs the same (its terms add up)"
+
+    @contextlib.contextmanager
+    def replaying(self, routes: RouteTable) -> Iterator[None]:
+        self.forced = routes
+        try:
+            yield
+        finally:
+            self.forced = None
 
     def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
         if self.trainable_base:
@@ -249,6 +344,8 @@ class FakeSampler(SamplerBackend):
     """Unit tests set it: `exact_scorer` then mirrors this sampler (the exact reference, E)."""
     reported_weight_version: str | None = None
     """Unit tests set it: the weight version this engine reports (None: none, as most engines)."""
+    route_noise: float = 0.0
+    """Unit tests set it: how far this sampler's router logits differ from the trainer's (near-ties flip)."""
 
     def __init__(self, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float], lora: bool = True) -> None:
         self.kinds = list(cfg.adapter.targets)
@@ -256,11 +353,24 @@ class FakeSampler(SamplerBackend):
         self.base: dict[str, float] = {}
         self.loaded: dict[int, dict[str, float]] = {}
         self.reloads_without_inplace = 0
+        self.experts = _experts_of(cfg)
+
+    def _routes(self, sequences: Sequences, coefficients: dict[str, float]) -> Routes | None:
+        return _routes(sequences, self.experts, coefficients, self.route_noise) if self.experts is not None else None
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        return self.score_with_routes(sequences, adapter)[0]
+
+    def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
+        """`score`, and the routes it took (none for a dense config)."""
         coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
-        scores = _score(sequences, coefficients, self.kinds)
-        return _with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores
+        routes = self._routes(sequences, coefficients)
+        scores = _score(sequences, coefficients, self.kinds, routes)
+        return (_with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores), routes or []
+
+    def router_topk(self, sequences: Sequences) -> Routes | None:
+        """The base model's routes (None: a dense config)."""
+        return self._routes(sequences, self.base)
 
     def weight_version(self) -> str | None:
         return self.reported_weight_version
@@ -281,7 +391,7 @@ class FakeSampler(SamplerBackend):
                         kind = target_kind(name)
                         coefficients[kind] = coefficients.get(kind, 0.0) + self.scale * math.fsum(
                             x * y for x, y in zip(a, values[name], strict=True))
-                scores = _score(sequences, coefficients, self.kinds)
+                scores = _score(sequences, coefficients, self.kinds, self._routes(sequences, coefficients))
                 out.append(_with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores)
             return out
 
@@ -298,7 +408,7 @@ class FakeSampler(SamplerBackend):
             for _ in range(max_tokens):
                 seq.append(_sample(seq[-1], len(seq) - 1, coefficients, self.kinds, rng))
             sequences.append(seq)
-        return sequences, _score(sequences, coefficients, self.kinds)
+        return sequences, _score(sequences, coefficients, self.kinds, self._routes(sequences, coefficients))
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         if adapter_id not in self.loaded or inplace:

@@ -9,14 +9,18 @@ reader that is wrong for the engine is not asked here.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import peft
 import torch
 
-from lora_parity.backends.base import Scores, Sequences
+from lora_parity.backends.base import RouteTable, Scores, Sequences
 from lora_parity.backends.hf import load_base, pack_tokens, pick_device, score_sequences
+from lora_parity.backends.moe import forced_routes
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.util.errors import ConfigError
@@ -24,7 +28,9 @@ from lora_parity.util.errors import ConfigError
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 States = Sequence[Mapping[str, RawTensor]]
-PointScorer = Callable[[Sequences, States], list[Scores]]
+PointScorer = Callable[..., list[Scores]]
+"""(sequences, states[, routes]) -> one `Scores` per state; routes, where given, one `RouteTable` (or None) per
+state, replayed at that point (`moe.forced_routes`)."""
 
 
 def from_raw(raw: RawTensor) -> torch.Tensor:
@@ -49,11 +55,12 @@ Forward = Callable[[torch.nn.Module, Sequences, torch.device], Scores]
 def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward, what: str = "fp32 reference",
                 device: torch.device | None = None) -> PointScorer:
     """A scorer of the base model in `dtype` with each given set of LoRA tensors, by `forward`, in one load freed
-    afterwards. A set that lacks a tensor the config's targets need, or has one of another shape, is refused:
-    the reference must carry exactly the trainer's adapter. Each tensor is copied into the PEFT model's own
-    parameter dtype, as the trainer holds it."""
+    afterwards (with `routes`, each state's replayed: `PointScorer`). A set that lacks a tensor the config's
+    targets need, or has one of another shape, is refused: the reference must carry exactly the trainer's
+    adapter. Each tensor is copied into the PEFT model's own parameter dtype, as the trainer holds it."""
 
-    def score(sequences: Sequences, states: States) -> list[Scores]:
+    def score(sequences: Sequences, states: States,
+              routes: Sequence[RouteTable | None] | None = None) -> list[Scores]:
         where = device or pick_device()
         base = load_base(cfg, model_dir, where, dtype=dtype)
         spec = cfg.adapter
@@ -63,7 +70,7 @@ def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward,
         params = {n.replace(".default.weight", ".weight"): p for n, p in model.named_parameters() if "lora_" in n}
         try:
             out = []
-            for state in states:
+            for i, state in enumerate(states):
                 with torch.no_grad():
                     for name, p in params.items():
                         if name not in state:
@@ -72,7 +79,9 @@ def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward,
                         if list(value.shape) != list(p.shape):
                             raise ConfigError(f"{what}: {name} is {list(value.shape)}, expected {list(p.shape)}")
                         p.copy_(value.to(device=where, dtype=p.dtype))
-                out.append(forward(model, sequences, where))
+                table = routes[i] if routes is not None else None
+                with forced_routes(model, table) if table is not None else contextlib.nullcontext():
+                    out.append(forward(model, sequences, where))
             return out
         finally:
             del model, base
@@ -80,3 +89,28 @@ def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward,
                 torch.cuda.empty_cache()
 
     return score
+
+
+def _available_host_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def fp32_reference_memory(model_dir: Path) -> tuple[int, int]:
+    """(bytes of the fp32 copy's parameters, bytes available for it now: free GPU memory where the
+    reference would run on CUDA, else the host's available RAM). Reads only the safetensors headers."""
+    from safetensors import safe_open
+
+    num_params = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            num_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    if pick_device().type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return 4 * num_params, int(free)
+    return 4 * num_params, _available_host_bytes()

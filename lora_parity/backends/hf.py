@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import shutil
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -20,6 +18,7 @@ from lora_parity.backends import hf_step, layer_subset
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendTraits,
+    RouteTable,
     SamplerBackend,
     Scores,
     Sequences,
@@ -27,9 +26,9 @@ from lora_parity.backends.base import (
     groups,
     routes_experts,
 )
-from lora_parity.backends.moe import Routes, hf_router_topk
+from lora_parity.backends.moe import REPLAYED_WEIGHTS, Routes, forced_routes, hf_router_topk, recorded_routes, routers
 from lora_parity.backends.raw_tensors import to_raw
-from lora_parity.evidence.receipt import BackendInfo, Perturbation
+from lora_parity.evidence.receipt import BackendInfo, Perturbation, sha256_json
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import add_noise, is_lora_b, noise_seed, target_kind
@@ -126,49 +125,27 @@ def forward_description(cfg: ModelConfig, pack: int = 0) -> str:
     return f"{grouping}, log-softmax in fp32"
 
 
-def fp32_reference(cfg: ModelConfig, model_dir: Path, adapter: Path | None = None) -> Callable[[Sequences], Scores]:
+def fp32_reference(cfg: ModelConfig, model_dir: Path,
+                   adapter: Path | None = None) -> Callable[[Sequences, RouteTable | None], Scores]:
     """A scorer of the start point in fp32: the base model (at zero-init both sides equal it), or the base
     model with the user's start adapter (`--adapter`, its safetensors loaded by PEFT), which both sides
-    then approximate. Loaded when called and freed afterwards, so it holds memory only while it scores."""
+    then approximate; with routes, replaying them (`forced_routes`). Loaded when called and freed afterwards,
+    so it holds memory only while it scores."""
 
-    def score(sequences: Sequences) -> Scores:
+    def score(sequences: Sequences, routes: RouteTable | None = None) -> Scores:
         device = pick_device()
         model = load_base(cfg, model_dir, device, dtype="float32")
         if adapter is not None:
             model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device).eval()
         try:
-            return score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model))
+            with forced_routes(model, routes) if routes is not None else contextlib.nullcontext():
+                return score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model))
         finally:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     return score
-
-
-def _available_host_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def fp32_reference_memory(model_dir: Path) -> tuple[int, int]:
-    """(bytes of the fp32 copy's parameters, bytes available for it now: free GPU memory where the
-    reference would run on CUDA, else the host's available RAM). Reads only the safetensors headers."""
-    from safetensors import safe_open
-
-    num_params = 0
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            num_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    if pick_device().type == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return 4 * num_params, int(free)
-    return 4 * num_params, _available_host_bytes()
 
 
 def versions() -> dict[str, str]:
@@ -240,6 +217,26 @@ class HFTrainer(TrainerBackend):
         """Each token's top-k experts per MoE layer under the current adapter (None: dense model)."""
         return hf_router_topk(self.model, sequences, self.device)
 
+    replay_key = ""
+    """A digest of the routes `replaying` forces now ('' : none), so a cached gradient is one of the same routes."""
+
+    def moe_layers(self) -> int:
+        return len(routers(self.model))
+
+    def replayed_weights(self) -> str:
+        kinds = sorted({f"{type(r).__name__} norm_topk_prob={r.norm_topk_prob}" for r in routers(self.model)})
+        return f"{REPLAYED_WEIGHTS}; this model: {', '.join(kinds)}"
+
+    @contextlib.contextmanager
+    def replaying(self, routes: RouteTable) -> Iterator[None]:
+        """Every forward within routes the tokens of `routes`' sequences as given (`moe.forced_routes`)."""
+        self.replay_key = sha256_json(sorted([list(k), v] for k, v in routes.items()))
+        try:
+            with forced_routes(self.model, routes):
+                yield
+        finally:
+            self.replay_key = ""
+
     layers_only: frozenset[int] | None = None
     """Per-layer coverage: the perturbation touches these decoder layers only (`restricted_to`)."""
 
@@ -281,7 +278,7 @@ class HFTrainer(TrainerBackend):
         gradient at the start point is computed once per sequences and kind (`hf_step`). Refuses unless every
         LoRA tensor is at the start point, or if a non-adapter parameter is trainable."""
         return hf_step.step(self.model, sequences, learning_rate, seed, only, self.device, self.start_a, self.start_b,
-                            self.gradients)
+                            self.gradients, self.replay_key)
 
     @torch.no_grad()
     def zero_b(self) -> None:
@@ -374,6 +371,12 @@ class HFSampler(SamplerBackend):
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         with self._serving(adapter):
             return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
+
+    def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
+        """`score`, and the experts its own forwards routed each token to (`moe.recorded_routes`)."""
+        with self._serving(adapter), recorded_routes(self.model) as routes:
+            scores = score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size)
+        return scores, routes
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:

@@ -124,13 +124,13 @@ def perturbation(params: Params, before: dict[str, torch.Tensor], learning_rate:
 
 def step(model: Any, sequences: Sequences, learning_rate: float, seed: int, only: str | None, device: torch.device,
          start_a: dict[str, torch.Tensor], start_b: dict[str, torch.Tensor] | None,
-         cache: GradientCache) -> Perturbation:
+         cache: GradientCache, routes: str = "") -> Perturbation:
     """One AdamW step on every lora_A and lora_B of `model` (or target kind `only`'s), the gradient taken at
-    the start point (computed once per sequences and kind: `cache`)."""
+    the start point (computed once per sequences, kind and `routes`, the digest of the routes replayed: `cache`)."""
     params: Params = [(n, p) for n, p in model.named_parameters()
                       if "lora_" in n and (only is None or target_kind(n) == only)]
     check_start(model, params, start_a, start_b, only)
-    grads = cache.get(sequences_key(sequences, only), lambda: gradient(model, params, sequences, device))
+    grads = cache.get(sequences_key(sequences, only) + routes, lambda: gradient(model, params, sequences, device))
     before = {n: p.detach().float().clone() for n, p in params}
     adamw_step(params, grads, learning_rate)
     return perturbation(params, before, learning_rate, seed)

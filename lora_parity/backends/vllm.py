@@ -130,6 +130,9 @@ def _deployment(llm: Any, device: str) -> dict[str, str]:
 class VLLMSampler(SamplerBackend):
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
+    # Route replay (docs/moe.md): the GPU build returns routed experts with enable_return_routed_experts (Model
+    # Runner V2); a `score_with_routes` (`RouteReturningSampler`) reading them, with the instance's traits clearing
+    # routing_unavailable where the engine was started so, is the GPU part of issue 52. Until then: not available.
     traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE, at_checkpoint_precision=True)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True,

@@ -34,6 +34,7 @@ from lora_parity.cli.commands.options import (
     ProbesOpt,
     ReferenceOpt,
     RevisionOpt,
+    RouteReplayOpt,
     SamplerOpt,
     SamplerUrlOpt,
     SeedOpt,
@@ -91,6 +92,7 @@ def run(
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
     per_target: PerTargetOpt = None,
+    route_replay: RouteReplayOpt = None,
     per_layer: PerLayerOpt = True,
     tinker_url: Annotated[
         str | None,
@@ -142,7 +144,7 @@ def run(
     key = _signing().load_private_key(sign) if sign is not None else None
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, out=out, revision=revision,
                       seed=seed, force=force, inject=inject, sync=sync, update=update, per_target=per_target,
-                      per_layer=per_layer,
+                      per_layer=per_layer, route_replay=route_replay,
                       command=tuple(sys.argv[1:]), tinker_url=tinker_url, base_model=base_model, tp=tp,
                       reference=reference, exact_reference=exact_reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
@@ -245,6 +247,7 @@ def selftest(
         help="Only these of the applicable faults, comma-separated (the clean run always runs): to fill in "
              "the runs a split selftest did not reach; `none` runs only the clean runs.")] = None,
     per_target: PerTargetOpt = None,
+    route_replay: RouteReplayOpt = None,
     exact_reference: ExactReferenceOpt = True,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
@@ -267,7 +270,7 @@ def selftest(
 
     opts = RunOptions(model=model, trainer=trainer, sampler=sampler, probes=probes, seed=seed,
                       per_target=per_target, exact_reference=exact_reference, command=tuple(sys.argv[1:]), tp=tp,
-                      sync=sync, update=update,
+                      sync=sync, update=update, route_replay=route_replay,
                       revision=revision, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, adapter=adapter)

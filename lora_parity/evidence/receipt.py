@@ -51,6 +51,7 @@ from lora_parity.evidence.receipt_models import (
     Verdict as Verdict,
 )
 from lora_parity.evidence.receipt_models import Verdicts as Verdicts
+from lora_parity.evidence.receipt_routes import RouteReplay as RouteReplay
 from lora_parity.evidence.receipt_stats import Check as Check
 from lora_parity.evidence.receipt_stats import ComparisonStats as ComparisonStats
 from lora_parity.evidence.receipt_stats import DeltaStats as DeltaStats
@@ -333,6 +334,9 @@ class Receipt(Strict):
     `scores` and the probes; None in receipts made before it was recorded."""
     router: RouterAgreement | None = None
     """Router top-k agreement between trainer and sampler (MoE models); None for dense models."""
+    route_replay: RouteReplay | None = None
+    """Whether the trainer replayed the engine's expert routes, and which (MoE models); None: a dense model, or a
+    receipt made before route replay."""
     breakdown: dict[str, ErrorBreakdown] | None = None
     """|diff| of A and C (trainer vs sampler) by probability bucket and position quartile; None in
     receipts made before it was recorded."""

@@ -65,6 +65,9 @@ class RouterAgreement(Strict):
     """Fraction of (token, layer) pairs whose top-k expert sets are equal on both sides."""
     per_layer: list[float] | None = None
     """That fraction per MoE layer, in layer order."""
+    flipped_tokens: int | None = None
+    """Tokens the two sides route to another expert set in at least one MoE layer: without route replay their
+    difference is in A. None where not measured (or a receipt made before it was recorded)."""
 
 
 class BucketStats(Strict):

@@ -288,6 +288,8 @@ class ModelConfig(_Cfg):
     scoring: ScoringSpec = ScoringSpec()
     per_target: bool = True
     """Run per-target coverage after C (on by default for small models)."""
+    route_replay: Literal["on", "off", "auto"] | None = None
+    """MoE models: the trainer replays the engine's expert routes (`--route-replay`, docs/moe.md); None: auto."""
     launch: LaunchSpec | None = None
     """Resources and parallel layout a model too big for one process needs (see `lora-parity run --plan`);
     None: runs in one process, on the CPU or one GPU."""
@@ -300,8 +302,9 @@ class ModelConfig(_Cfg):
         return self
 
     def digest(self) -> str:
-        """sha256 of the config's canonical JSON."""
-        return sha256_json(self.model_dump(mode="json"))
+        """sha256 of the config's canonical JSON (`route_replay` left out where unset: older digests hold)."""
+        unset = {"route_replay"} if self.route_replay is None else None
+        return sha256_json(self.model_dump(mode="json", exclude=unset))
 
 
 def configs_dir() -> Path:

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from lora_parity.backends.base import AdapterHandle, Sampler
+from lora_parity.backends.base import AdapterHandle, Sampler, TensorReadingTrainer
 from lora_parity.evidence.receipt import AdapterVersion
-from lora_parity.models import export_check
+from lora_parity.models import export_check, fresh_adapter
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.util.errors import LoraParityError
 
@@ -120,3 +120,23 @@ def compare_file(run: Run, tensors: Mapping[str, RawTensor]) -> None:
     spec = run.cfg.adapter
     differs = export_check.differences(handle.path, tensors, spec.rank, spec.alpha)
     run.adapters[synced] = run.adapters[synced].model_copy(update={"file_differences": differs})
+
+
+def fresh(run: Any, id_offset: int) -> None:
+    """The trainer's current tensors of `phases.Run` `run`, written by `fresh_adapter` (not the exporter), loaded on
+    the sampler under a name and id of their own (`id_offset` above the run's), scored, retired; the synced file
+    compared with the same tensors (`compare_file`). Handed no tensors, it loads nothing and records fresh empty."""
+    assert isinstance(run.trainer, TensorReadingTrainer)
+    spec, tensors = run.cfg.adapter, run.faults.handed_tensors(run.trainer.lora_tensors())
+    compare_file(run, tensors)
+    if not tensors:  # an adapter of no tensors is not the trainer's: X compared nothing (`checks.handed_nothing`)
+        run.scores["fresh"] = []
+        return
+    folder = fresh_adapter.write(run.workdir / "fresh", tensors, spec.rank, spec.alpha, spec.targets)
+    adapter_id = run.first_adapter_id + id_offset
+    handle = run.sampler.publish(folder, f"lora-parity-fresh-{adapter_id}", adapter_id)
+    try:
+        run._record("fresh", run.faults.sampler_scores(
+            run._timed("fresh", lambda: run.sampler.score(run.sequences, handle))))
+    finally:
+        run.sampler.retire(handle)

@@ -64,3 +64,6 @@ class FaultSpec:
     needs_versions: bool = False
     """Needs the replaced version scored after the sync: not for a sampler on the trainer's own service
     (`traits.shares_trainer_state`), which has phases of its own."""
+    needs_replay: bool = False
+    """Changes the expert routes the trainer replays: only where the run replays routes (an MoE model with
+    `--route-replay` on or auto, and backends that can: `lora_parity.run.route_replay`)."""

@@ -2,7 +2,8 @@
 
 Adapter-file faults rewrite the exported PEFT folder before the sampler loads it (an exported update's
 tensors: `lora_parity.run.update_faults`); sync faults wrap the run's sync mode (`lora_parity.run.sync`)
-in a `SyncWrapper` defined here, beside their spec, that changes what the sync does; scoring-path faults
+in a `SyncWrapper` (`lora_parity.run.sync_faults`) that changes what the sync does; route faults change the
+expert routes the trainer replays (`lora_parity.run.moe_faults`); scoring-path faults
 change what the sampler returns (the only faults that touch scores, because there the fault *is* in the
 scores). Each fault names the check that must catch it; `lora-parity selftest` runs them all and asserts
 exactly that.
@@ -22,85 +23,31 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from lora_parity.backends.base import UNSERVABLE, AdapterHandle, BackendTraits, Scores
+from lora_parity.backends.base import UNSERVABLE, AdapterHandle, BackendTraits, Routes, Scores, Sequences
 from lora_parity.evidence.receipt import Budgets, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import is_lora_b, target_kind
 from lora_parity.run.fault_spec import FaultSpec as FaultSpec
+from lora_parity.run.moe_faults import ROUTE_FAULTS, corrupt_routes
 from lora_parity.run.serving_faults import SameNameNoInplace, StaleFolder, UnloadBeforeScore, WarmPrefixCache
-from lora_parity.run.sync import AdapterSync, SyncContext, SyncMode, SyncWrapper, merging, reloading
+from lora_parity.run.sync import SyncMode
+from lora_parity.run.sync_faults import (
+    KeepMerged,
+    Leak,
+    ReuseAdapterId,
+    SkipSync,
+    StalePath,
+    StaleTensors,
+    no_reload_flag,
+)
 from lora_parity.run.update_faults import FP16_MAX as FP16_MAX
 from lora_parity.run.update_faults import UPDATE_FILE_FAULTS as UPDATE_FILE_FAULTS
 from lora_parity.run.update_faults import rewrite_update
 from lora_parity.util.errors import ConfigError, PhaseError
 
 ADAPTER_MODES = ("new-id", "inplace", "tensors")
-
-
-class SkipSync(SyncWrapper):
-    """skip-sync: the sync step does nothing."""
-
-    def sync(self, ctx: SyncContext) -> None:
-        """Nothing."""
-
-
-class ReuseAdapterId(SyncWrapper):
-    """reuse-adapter-id: the update is republished under the old name and id, without an in-place reload."""
-
-    def sync(self, ctx: SyncContext) -> None:
-        """Export, then load under the handle the sampler already has."""
-        assert ctx.handle is not None
-        folder = ctx.trainer.export_adapter(ctx.workdir / "adapter-v1")
-        ctx.sampler.publish(folder, ctx.handle.name, ctx.handle.adapter_id, inplace=False)
-
-
-def no_reload_flag(mode: SyncMode) -> SyncMode:
-    """no-reload-flag: the in-place mode, without asking the sampler to reload in place."""
-    assert isinstance(mode, AdapterSync)
-    return replace(mode, load_inplace=False)
-
-
-class StalePath(SyncWrapper):
-    """stale-path: the updated weights are written, but the sampler reloads the zero-init folder."""
-
-    def sync(self, ctx: SyncContext) -> None:
-        """Export merged-v1, reload merged-v0."""
-        merging(ctx.trainer).export_merged(ctx.workdir / "merged-v1")
-        reloading(ctx.sampler).reload_base(folder=ctx.workdir / "merged-v0")
-
-
-class StaleTensors(SyncWrapper):
-    """stale-tensors: the sampler is handed a copy of the weights taken before the update."""
-
-    zero: Any = None
-
-    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
-        """Keep the zero-init merged weights, then publish as the mode does."""
-        if version == 0 and self.zero is None:
-            self.zero = merging(ctx.trainer).merged_tensors()
-        self.inner.publish(ctx, version, label)
-
-    def sync(self, ctx: SyncContext) -> None:
-        """Reload the copy kept at zero-init."""
-        reloading(ctx.sampler).reload_base(tensors=self.zero)
-
-
-class Leak(SyncWrapper):
-    """leak: the sampler gets the update before the stale phase."""
-
-    def before_stale(self, ctx: SyncContext) -> None:
-        """Overwrite what the sampler serves with the updated weights."""
-        self.inner.overwrite(ctx)
-
-
-class KeepMerged(SyncWrapper):
-    """base-not-restored: the restore at the end of the run reloads nothing, and the merged weights stay."""
-
-    def restore_base(self, ctx: SyncContext) -> None:
-        """Nothing (`retire` still reloads them, so that the selftest's next run meets the checkpoint's weights)."""
 
 
 BASE_SHIFT = 0.05
@@ -214,6 +161,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("prompt-no-adapter", "after sync the sampler scores the generated tokens without the adapter "
               "(generation has it)", ("G.updated.parity.mean",), "fail", must_pass=("G.trainer.parity.mean",),
               modes=ADAPTER_MODES, needs_sampled=True),
+    *ROUTE_FAULTS,
 )}
 SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name, spec in FAULTS.items()
                    if not spec.needs_sampled]
@@ -278,19 +226,21 @@ C.parity.mean stayed at 0.30-0.80 of its threshold in all 45 runs; it is no faul
 
 
 def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False,
-               targets: list[str] | None = None, update: str = "noise",
-               trainer: BackendTraits | None = None, dtype: str | None = None, reads_tensors: bool = True) -> list[str]:
+               targets: list[str] | None = None, update: str = "noise", trainer: BackendTraits | None = None,
+               dtype: str | None = None, reads_tensors: bool = True, replays: bool = False) -> list[str]:
     """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
     one that is not served over HTTP); with `sampled`, also the generation path's; with `targets`, only
     those whose target kinds the adapter has; with `update` noise, not those only a step can reveal; with
     `trainer` traits, not the rounding faults it cannot resolve; with a `dtype` other than float32, not
-    the rounding faults either (`ROUNDING_DTYPES`); without `reads_tensors`, not those of X's hand-off."""
+    the rounding faults either (`ROUNDING_DTYPES`); without `reads_tensors`, not those of X's hand-off; without
+    `replays` (the run replays expert routes), not the route faults."""
     traits = sampler or BackendTraits()
     rounds = (trainer is None or not trainer.rounding_unresolved) and (dtype is None or dtype in ROUNDING_DTYPES)
     names = [f for f in SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
              if (update == "step" or FAULTS[f.partition("=")[0]].needs_step is None)
              and (rounds or not FAULTS[f.partition("=")[0]].only_rounds)
-             and not_applicable_to_trainer(f.partition("=")[0], reads_tensors) is None]
+             and not_applicable_to_trainer(f.partition("=")[0], reads_tensors) is None
+             and (replays or not FAULTS[f.partition("=")[0]].needs_replay)]
     return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
             or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None
             and (targets is None or set(FAULTS[f.partition("=")[0]].needs_targets) <= set(targets))]
@@ -430,6 +380,10 @@ class Faults:
     def generation_prompt_handle(self, handle: AdapterHandle | None) -> AdapterHandle | None:
         """The adapter the sampler scores the generated tokens with (prompt-no-adapter: none)."""
         return None if self.is_("prompt-no-adapter") else handle
+
+    def routes(self, sequences: Sequences, routes: Routes) -> Routes:
+        """The engine's routes as they reach the trainer's routers (the route faults: `moe_faults`)."""
+        return corrupt_routes(self.name, sequences, routes)
 
     def handed_tensors(self, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:
         """The trainer's tensors as they reach the exact sync check (empty-handoff: none)."""

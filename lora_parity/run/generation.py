@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from lora_parity.backends.base import AdapterHandle, GeneratingSampler, Scores, Sequences
 from lora_parity.evidence.receipt import Probes, sha256_json
@@ -85,3 +86,20 @@ def check_unchanged(folder: Path, digests: dict[Path, str]) -> None:
     expected = digests.get(Path(folder))
     if expected is not None and folder_digest(folder) != expected:
         raise PhaseError(f"the published adapter {Path(folder).name} changed on disk after it was published")
+
+
+def after_sync(run: Any) -> None:
+    """The generation path after sync, for `phases.Run` `run`: the sampler generates from the same prompts with
+    the synced adapter; its rollout logprobs, its prompt logprobs and the trainer's scores of those tokens (the
+    trainer's own routing on an MoE model: route replay covers the probes' passes, not the generated tokens)."""
+    lengths = [len(s) for s in run.sequences]
+    handle = run.faults.generation_handle(run.handle)
+    seed = run.seed + UPDATED_SEED_OFFSET
+    run.generated, logprobs = run._timed("updated_generation", lambda: generate(
+        run.sampler, run.prompts, lengths, seed, handle))
+    run._record("updated_generation", logprobs)
+    prompt_handle = run.faults.generation_prompt_handle(run.handle)
+    scored = run._timed("updated_generation_prompt", lambda: run.sampler.score(run.generated, prompt_handle))
+    run._record("updated_generation_prompt", run.faults.sampler_scores(scored))
+    run._record("updated_generation_trainer",
+                run._timed("updated_generation_trainer", lambda: run.trainer.score(run.generated)))

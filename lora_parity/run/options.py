@@ -27,6 +27,8 @@ class RunOptions:
     per_target: bool | None = None
     """`--per-target/--no-per-target`: coverage on or off whatever the config says; None: the config's
     `per_target` (`runner.prepare` resolves it, so the plan's is the one setting the sequence reads)."""
+    route_replay: str | None = None
+    """`--route-replay on|off|auto` (MoE models, docs/moe.md); None: the config's `route_replay`, else auto."""
     per_layer: bool = True
     """`--per-layer/--no-per-layer`: per-layer coverage after per-target coverage (`run/layer_coverage.py`)."""
     per_target_only: tuple[str, ...] | None = None

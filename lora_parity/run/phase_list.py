@@ -20,6 +20,7 @@ class _PhaseLister:
         # run's last phases restore: no run is both, the list has the phases of either (`engine_state`).
         self.mode, self.kept = SimpleNamespace(sampler_lora=True, reloads_base=True), SimpleNamespace(adapter_id=1)
         self.start_adapter = False  # the restore is not scored where a sampled run's base carries a start adapter
+        self.replay = SimpleNamespace(on=False)  # route replay moves trainer_updated after updated: the same names
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         self.names.append(name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -36,16 +37,18 @@ from lora_parity.evidence.receipt import (
     PhaseRecord,
     PhaseStatus,
 )
-from lora_parity.models import fresh_adapter, update_step
+from lora_parity.models import update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import RECIPE
 from lora_parity.run import calibrate_trainer, engine_state, generation, layer_coverage, reference_points
 from lora_parity.run.faults import Faults
+from lora_parity.run.route_replay import Replay
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import ScoreError
 from lora_parity.verdict import stats
+from lora_parity.verdict.routes import SEARCH_KEY
 
 if TYPE_CHECKING:
     from lora_parity.backends import fp32_points
@@ -71,13 +74,13 @@ def run_sequence(run: Run) -> None:
     if run.calibrates:
         run.step("calibrate", run.calibrate)
     run.step("perturb", run.perturb)
-    run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
-    run.step("trainer_updated_alt", run.trainer_score_alone)
+    _trainer_updated(run, after_engine=False)
     run.step("stale", run.stale)
     if run.sampler_reads_prefix_cache:  # warm the prefix cache with the old adapter
         run.step("stale_cached", lambda: run.cached_score("stale_cached", run.handle))
     run.step("sync", run.sync)
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
+    _trainer_updated(run, after_engine=True)
     if run.checks_fresh:  # the trainer's tensors loaded fresh must score exactly as the synced adapter
         run.step("fresh", run.fresh)
     if run.sampler_reads_prefix_cache:  # ... and read it after sync: no block of the old adapter may serve
@@ -90,6 +93,14 @@ def run_sequence(run: Run) -> None:
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
         run.step("trainer_after_stale", lambda: run.trainer_score("trainer_after_stale"))
     _coverage_and_reference(run)
+
+
+def _trainer_updated(run: Run, after_engine: bool) -> None:
+    """The updated trainer, scored two ways: right after the update, or with route replay after the engine's
+    updated pass, whose routes it replays (`after_engine`)."""
+    if run.replay.on == after_engine:
+        run.step("trainer_updated", lambda: run.trainer_score("trainer_updated"))
+        run.step("trainer_updated_alt", run.trainer_score_alone)
 
 
 def _coverage_and_reference(run: Run) -> None:
@@ -162,8 +173,9 @@ class Run:
     """Each target kind's own std search (per-target coverage, std auto)."""
     first_adapter_id: int = 1
     """Adapter ids of this run start here, so that runs sharing a sampler never reuse an id."""
-    reference: Callable[[list[list[int]]], Scores] | None = None
-    """Scores the base model in fp32 (`--reference fp32`): what both sides approximate at zero-init."""
+    reference: Callable[..., Scores] | None = None
+    """Scores the base model in fp32 (`--reference fp32`): what both sides approximate at zero-init (sequences[,
+    the routes it replays])."""
     reference_points: fp32_points.PointScorer | None = None
     """Scores the fp32 model with given LoRA tensors (`reference_points`): the updated and per-target points."""
     reference_states: dict[str, dict[str, RawTensor]] = field(default_factory=dict)
@@ -186,6 +198,8 @@ class Run:
     warm_start: bool = False
     """`--update step` from zero-init: the trainer first moves to the seeded warm adapter (`update_step`),
     which is then the start point (version 0), as a user's adapter would be."""
+    replay: Replay = field(default_factory=Replay)
+    """Route replay on an MoE model (`route_replay`): the engine's routes of each pass, replayed by the trainer."""
     mode: SyncMode = field(init=False)
     """How weights reach the sampler: the `sync_mode` strategy, as the injected fault (if any) changes it."""
 
@@ -226,23 +240,8 @@ class Run:
         return isinstance(self.trainer, TensorReadingTrainer) and self.mode.sampler_lora
 
     def fresh(self) -> None:
-        """The trainer's current tensors, written by `fresh_adapter` (not the exporter), loaded on the sampler under
-        a name and id of their own (`FRESH_ID_OFFSET` above the run's), scored, retired; the synced file compared with
-        the same tensors (`engine_state.compare_file`). Handed no tensors, it loads nothing and records fresh empty."""
-        assert isinstance(self.trainer, TensorReadingTrainer)
-        spec, tensors = self.cfg.adapter, self.faults.handed_tensors(self.trainer.lora_tensors())
-        engine_state.compare_file(self, tensors)
-        if not tensors:  # an adapter of no tensors is not the trainer's: X compared nothing (`checks.handed_nothing`)
-            self.scores["fresh"] = []
-            return
-        folder = fresh_adapter.write(self.workdir / "fresh", tensors, spec.rank, spec.alpha, spec.targets)
-        adapter_id = self.first_adapter_id + FRESH_ID_OFFSET
-        handle = self.sampler.publish(folder, f"lora-parity-fresh-{adapter_id}", adapter_id)
-        try:
-            self._record("fresh", self.faults.sampler_scores(
-                self._timed("fresh", lambda: self.sampler.score(self.sequences, handle))))
-        finally:
-            self.sampler.retire(handle)
+        """The trainer's current tensors loaded fresh and scored (`engine_state.fresh`)."""
+        engine_state.fresh(self, FRESH_ID_OFFSET)
 
     @property
     def trainer_has_per_target(self) -> bool:
@@ -294,8 +293,9 @@ class Run:
     def reference_score(self) -> None:
         """The fp32 reference scores (informational: comparisons R.*, no checks)."""
         assert self.reference is not None
-        reference = self.reference
-        self._record("reference_fp32", self._timed("reference_fp32", lambda: reference(self.sequences)))
+        reference, key = self.reference, "reference_fp32"
+        routes = self.replay.table(key, self.sequences, trainer=False) if self.replay.on else None
+        self._record(key, self._timed(key, lambda: reference(self.sequences, routes)))
 
     def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None:
         """Sampler scores under `handle` (None: base model), twice with `repeat`."""
@@ -303,7 +303,7 @@ class Run:
             self.faults.before_scoring(handle.path)
             generation.check_unchanged(handle.path, self.published_digests)
         for k in (key, f"{key}_repeat") if repeat else (key,):
-            raw = self._timed(k, lambda: self.sampler.score(self.sequences, handle))
+            raw = self._timed(k, functools.partial(self.replay.score, self.sampler, k, self.sequences, handle))
             self._record(k, self.faults.sampler_scores(raw))
 
     def cached_score(self, key: str, handle: AdapterHandle | None) -> None:
@@ -316,7 +316,8 @@ class Run:
     def trainer_score(self, key: str, repeat: bool = False) -> None:
         """Trainer scores of its current state, twice with `repeat`."""
         for k in (key, f"{key}_repeat") if repeat else (key,):
-            self._record(k, self._timed(k, lambda: self.trainer.score(self.sequences)))
+            with self.replay.replaying(self.trainer, k, self.sequences):
+                self._record(k, self._timed(k, lambda: self.trainer.score(self.sequences)))
 
     def trainer_zero(self) -> None:
         """The trainer at the start point, twice; its tensors kept for the exact reference."""
@@ -326,8 +327,9 @@ class Run:
     def trainer_score_alone(self) -> None:
         """The trainer's updated state scored a second way, one sequence per call (another packing and batch
         composition): what batching alone moves at the point C is judged (`trainer_updated_alt`)."""
-        self._record("trainer_updated_alt", self._timed("trainer_updated_alt", lambda: [
-            self.trainer.score([seq])[0] for seq in self.sequences]))
+        with self.replay.replaying(self.trainer, "trainer_updated_alt", self.sequences):
+            self._record("trainer_updated_alt", self._timed("trainer_updated_alt", lambda: [
+                self.trainer.score([seq])[0] for seq in self.sequences]))
 
     def exported(self, version: int, folder: Path) -> None:
         """Adapter-file faults rewrite each exported folder before the sampler loads it."""
@@ -362,8 +364,9 @@ class Run:
     def calibrate(self) -> None:
         """std auto: the smallest std of the ladder whose trainer change stands out of A's noise; with
         `--update step`, the learning rate in the same window."""
-        self.calibration = calibrate_trainer.on_trainer(self.trainer, self.sequences, self.scores, self.seed,
-                                                        self.cfg, steps=self.steps)
+        with self.replay.replaying(self.trainer, "calibrate", self.sequences):
+            self.calibration = calibrate_trainer.on_trainer(self.trainer, self.sequences, self.scores, self.seed,
+                                                            self.cfg, steps=self.steps)
 
     def sample(self) -> None:
         """Replace each probe sequence by its prompt + a completion sampled with the zero-init adapter
@@ -375,19 +378,8 @@ class Run:
         self._record("sampled_generation", logprobs)
 
     def generate_updated(self) -> None:
-        """The generation path after sync: the sampler generates from the same prompts with the synced
-        adapter; its rollout logprobs, its prompt logprobs and the trainer's scores of those tokens."""
-        lengths = [len(s) for s in self.sequences]
-        handle = self.faults.generation_handle(self.handle)
-        seed = self.seed + generation.UPDATED_SEED_OFFSET
-        self.generated, logprobs = self._timed("updated_generation", lambda: generation.generate(
-            self.sampler, self.prompts, lengths, seed, handle))
-        self._record("updated_generation", logprobs)
-        prompt_handle = self.faults.generation_prompt_handle(self.handle)
-        scored = self._timed("updated_generation_prompt", lambda: self.sampler.score(self.generated, prompt_handle))
-        self._record("updated_generation_prompt", self.faults.sampler_scores(scored))
-        self._record("updated_generation_trainer",
-                     self._timed("updated_generation_trainer", lambda: self.trainer.score(self.generated)))
+        """The generation path after sync (`generation.after_sync`)."""
+        generation.after_sync(self)
 
     def perturb(self) -> None:
         """The deterministic trainer-only update of the LoRA B tensors (not published)."""
@@ -395,7 +387,8 @@ class Run:
         trainer = self.trainer
         if isinstance(trainer, SteppingTrainer) and self.steps:
             lr = self._learning_rate(self.calibration)
-            update = self.faults.perturb(lambda: trainer.step(self.sequences, lr, self.seed))
+            with self.replay.replaying(trainer, "perturb", self.sequences):
+                update = self.faults.perturb(lambda: trainer.step(self.sequences, lr, self.seed))
             if update is not None and self.warm_start:
                 update = update.model_copy(update={"warm_std": self.cfg.perturbation.warm_std})
         else:
@@ -406,6 +399,8 @@ class Run:
             update = update.model_copy(update={"calibration": self.calibration})
         self.perturbation = update
         reference_points.snapshot(self, "updated")
+        if self.replay.on and self.calibration is not None:  # as the search saw it: what verify re-derives it from
+            self.trainer_score(SEARCH_KEY)
 
     def stale(self) -> None:
         """Sampler scores of the published zero-init adapter while the trainer has moved on."""
@@ -427,19 +422,27 @@ class Run:
     def target_coverage(self, kind: str, tag: str | None = None) -> None:
         """From zero-init, perturb target kind `kind` alone, sync, and score both sides (under `tag`, default `kind`:
         per-layer coverage runs it with the trainer restricted to some layers). With std auto the search's last forward
-        was taken at the chosen std on exactly this state, so it is the trainer's score (not run again)."""
+        was taken at the chosen std on exactly this state, so it is the trainer's score (not run again), except with
+        route replay: the trainer is scored after the engine, with that pass's routes (the search replays the zero
+        pass's, the start point's)."""
         tag = tag or kind
-        found = calibrate_trainer.search_target(self, kind, tag) if self.calibrates else None
-        if found is not None:
-            self._record(f"target.{tag}.trainer", found)
-        else:
-            self.trainer.zero_b()
-            if isinstance(self.trainer, SteppingTrainer) and self.steps:
-                lr = self._learning_rate(self.target_calibrations.get(tag))
-                self.trainer.step(self.sequences, lr, self.seed, only=kind)
-            else:
-                self.trainer.perturb(self._std(self.target_calibrations.get(tag)), self.seed, only=kind)
-            self.trainer_score(f"target.{tag}.trainer")
-        reference_points.snapshot(self, f"target.{tag}")
+        key = f"target.{tag}"
+        searches = self.calibrates or self.steps
+        with self.replay.replaying(self.trainer, f"{key}.calibrate", self.sequences) if searches else nullcontext():
+            found = calibrate_trainer.search_target(self, kind, tag) if self.calibrates else None
+            if found is None:
+                self.trainer.zero_b()
+                if isinstance(self.trainer, SteppingTrainer) and self.steps:
+                    lr = self._learning_rate(self.target_calibrations.get(tag))
+                    self.trainer.step(self.sequences, lr, self.seed, only=kind)
+                else:
+                    self.trainer.perturb(self._std(self.target_calibrations.get(tag)), self.seed, only=kind)
+        if not self.replay.on:
+            self._record(f"{key}.trainer", found) if found is not None else self.trainer_score(f"{key}.trainer")
+        elif found is not None:  # the search's last forward, with the zero pass's routes (verify re-derives it)
+            self._record(self.replay.searched(key), found)
+        reference_points.snapshot(self, key)
         self.mode.publish(self, version=len(self.adapters), label=f"-{tag.replace('@', '-layers-')}")
-        self.sampler_score(f"target.{tag}.sampler", self.handle)
+        self.sampler_score(f"{key}.sampler", self.handle)
+        if self.replay.on:
+            self.trainer_score(f"{key}.trainer")

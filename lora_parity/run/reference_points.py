@@ -25,6 +25,7 @@ class Run(Protocol):
     reference_states: dict[str, dict[str, RawTensor]]
     exact_points: Callable[..., Any] | None
     exact_states: dict[str, dict[str, RawTensor]]
+    replay: Any
 
     def _timed(self, key: str, fn: Callable[[], T]) -> T: ...
 
@@ -59,9 +60,10 @@ def snapshot(run: Run, point: str) -> None:
 
 
 def score(run: Run) -> None:
-    """Score every kept point in fp32 (one load) and record each under its key."""
+    """Score every kept point in fp32 (one load) and record each under its key; with route replay, each point
+    replays the routes of the engine's pass there (`route_replay.source_of`)."""
     assert run.reference_points is not None
-    _score_kept(run, run.reference_points, run.reference_states, UPDATED)
+    _score_kept(run, run.reference_points, run.reference_states, UPDATED, replays=run.replay.on)
 
 
 def score_exact(run: Run, which: str = "") -> None:
@@ -71,9 +73,11 @@ def score_exact(run: Run, which: str = "") -> None:
     _score_kept(run, run.exact_points, run.exact_states, f"exact_reference{'_' + which if which else ''}")
 
 
-def _score_kept(run: Run, scorer: Callable[..., Any], states: dict[str, dict[str, RawTensor]], timing: str) -> None:
+def _score_kept(run: Run, scorer: Callable[..., Any], states: dict[str, dict[str, RawTensor]], timing: str,
+                replays: bool = False) -> None:
     keys = list(states)
-    scored = run._timed(timing, lambda: scorer(run.sequences, [states[k] for k in keys]))
+    routes = [run.replay.table(k, run.sequences, trainer=False) for k in keys] if replays else None
+    scored = run._timed(timing, lambda: scorer(run.sequences, [states[k] for k in keys], *([routes] if routes else [])))
     for key, scores in zip(keys, scored, strict=True):
         run._record(key, scores)
     states.clear()

@@ -37,13 +37,14 @@ class Backends(Protocol):
     trainer: Any
 
 
-def start_scorer(plan: Plan, loaded: Backends, warm_folder: Path | None) -> Callable[[list[list[int]]], Any] | None:
+def start_scorer(plan: Plan, loaded: Backends, warm_folder: Path | None) -> Callable[..., Any] | None:
     """The start point's fp32 scorer where `reference_decision` says to score it (kept in `loaded.reference`);
-    it carries the start adapter: the user's, or the warm start the sequence writes (`warm_folder`)."""
+    it carries the start adapter: the user's, or the warm start the sequence writes (`warm_folder`); called with
+    the sequences and the routes it replays (None: its own routing)."""
     model_dir = loaded.model_dir
 
     def measure() -> tuple[int, int]:
-        from lora_parity.backends.hf import fp32_reference_memory
+        from lora_parity.backends.fp32_points import fp32_reference_memory
 
         assert model_dir is not None
         return fp32_reference_memory(model_dir)
@@ -57,12 +58,14 @@ def start_scorer(plan: Plan, loaded: Backends, warm_folder: Path | None) -> Call
     adapter = plan.opts.adapter or warm_folder
     score = fp32_reference(plan.cfg, model_dir, adapter)
 
-    def once_per_probe_set(sequences: list[list[int]]) -> Any:
-        # The reference depends on the checkpoint, the start adapter and the tokens only: every run of a
-        # selftest on one load scores each probe set from each start point once (it loads the fp32 model).
-        key = sha256_json([sequences, start_adapter.digest(adapter) if adapter is not None else None])
+    def once_per_probe_set(sequences: list[list[int]], routes: Any = None) -> Any:
+        # The reference depends on the checkpoint, the start adapter, the tokens and the routes it replays only:
+        # every run of a selftest on one load scores each probe set from each start point once (it loads the
+        # fp32 model).
+        replayed = sorted([list(k), v] for k, v in routes.items()) if routes is not None else None
+        key = sha256_json([sequences, start_adapter.digest(adapter) if adapter is not None else None, replayed])
         if key not in loaded.reference_scores:
-            loaded.reference_scores[key] = score(sequences)
+            loaded.reference_scores[key] = score(sequences, routes)
         return loaded.reference_scores[key]
 
     return once_per_probe_set

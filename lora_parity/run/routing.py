@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from lora_parity.backends.base import Routes, RoutingIntrospection, Sampler, Trainer
 from lora_parity.evidence.receipt import RouterAgreement
 from lora_parity.verdict import stats
+from lora_parity.verdict.routes import flipped_tokens
 
 ROUTER_STATE = "zero-init trainer (B = 0) vs the sampler's base model"
 
@@ -24,7 +25,7 @@ def _measured(trainer_routes: Routes, sampler_routes: Routes, sequences: list[li
     return RouterAgreement(status="measured", state=ROUTER_STATE, num_layers=len(per_layer),
                            top_k=len(first[0]) if first else 0, num_tokens=sum(len(s) for s in sequences),
                            agreement=math.fsum(per_layer) / len(per_layer) if per_layer else 0.0,
-                           per_layer=per_layer)
+                           per_layer=per_layer, flipped_tokens=flipped_tokens(trainer_routes, sampler_routes))
 
 
 def router_agreement(trainer: Trainer, sampler: Sampler, sampler_name: str,

@@ -43,7 +43,7 @@ from lora_parity.evidence.receipt import (
 from lora_parity.models import config, realmodel, synthetic
 from lora_parity.models.checkpoint import Checkpoint, weights_digest
 from lora_parity.models.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
-from lora_parity.run import early_launch, generation, preflight, reference_scorers, start_adapter
+from lora_parity.run import early_launch, generation, preflight, reference_scorers, route_replay, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, one_token_ceiling, rewrites_files
 from lora_parity.run.options import RunOptions
@@ -97,6 +97,8 @@ class Plan:
     """A trainer the caller built (the Python API, `lora_parity.api`): used as it is, not built from `trainer_cls`."""
     sampler: Sampler | None = None
     """A sampler the caller built, likewise (not built from `sampler_cls`)."""
+    replays: bool = False
+    """Route replay, as far as the config and the backends' classes tell (`route_replay.preflight`)."""
 
     @property
     def sampled(self) -> bool:
@@ -182,8 +184,10 @@ def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, 
     import_seconds += time.perf_counter() - start
     preflight.backend_checks(opts, cfg, trainer_cls, sampler_cls, pre, sync, probes)
     cfg = balance_where_it_holds(cfg, trainer_cls.traits, sampler_cls.traits)
+    opts = replace(opts, route_replay=route_replay.mode_of(opts.route_replay, cfg))
+    replays = route_replay.preflight(opts, cfg, trainer_cls, sampler_cls)
     return Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
-                {"backends.import": import_seconds})
+                {"backends.import": import_seconds}, replays=replays)
 
 
 def balance_where_it_holds(cfg: config.ModelConfig, trainer: BackendTraits,
@@ -288,6 +292,9 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     assert loaded.trainer is not None and loaded.sampler is not None
     loaded.trainer.zero_b()
     router = router_agreement(loaded.trainer, loaded.sampler, loaded.sampler_info.backend, plan.probes.sequences)
+    replay = route_replay.start(route_replay.mode_of(plan.opts.route_replay, plan.cfg),
+                                route_replay.is_moe(plan.cfg, loaded.model_dir), loaded.trainer, loaded.sampler,
+                                loaded.sampler_info.backend, faults.routes)
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.sync,
               per_target=plan.opts.per_target is not False, per_target_only=plan.opts.per_target_only, progress=say,
@@ -297,7 +304,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
               reference_points=reference_scorers.points_scorer(plan, loaded),
               exact_points=reference_scorers.exact_scorer(plan, loaded),
               sampled=plan.sampled, start_adapter=plan.opts.adapter is not None or warms(plan),
-              warm_start=warms(plan) and plan.opts.adapter is None)
+              warm_start=warms(plan) and plan.opts.adapter is None, replay=replay)
     try:
         run_sequence(run)
     except StopRun:
@@ -399,6 +406,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "timings": {k: round(v, 6) for k, v in timings.items()},
         "worst_positions": checks.compute_worst_positions(scores, probes.sequences),
         "router": router,
+        "route_replay": run.replay.record() if run else None,
         "breakdown": breakdown.compute(scores),
         "error_detail": scrub_secrets((run.error_detail if run else None) or (loaded.error_detail if error else None)),
         "reference": loaded.reference if run else None,

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from lora_parity.evidence.receipt import Budgets, Calibration, CalibrationStep, Perturbation
+from lora_parity.verdict.routes import SEARCH_KEY, TARGET_SEARCH_SUFFIX
 
 START_STD = 2e-3
 """First std of the ladder."""
@@ -197,14 +198,17 @@ def check_perturbation(p: Perturbation, scores: dict[str, list[list[float]]], bu
         start = {k: v for k, v in scores.items() if k in ("zero", "zero_repeat", "trainer_zero", "trainer_zero_repeat",
                                                            "adapter_base", "base")}
         floor, ceiling = stimulus_threshold(start, budgets), rule.calibration_ceiling
+    # With route replay the search replayed the zero pass's routes: its chosen change is in the scores so scored.
+    updated = SEARCH_KEY if SEARCH_KEY in scores else "trainer_updated"
     if p.calibration is not None:
         chosen = p.learning_rate if p.calibration.searched == "learning_rate" else p.std
-        problem = check(p.calibration, chosen if chosen is not None else math.nan, scores, "trainer_updated", floor,
-                        ceiling)
+        problem = check(p.calibration, chosen if chosen is not None else math.nan, scores, updated, floor, ceiling)
         if problem:
             return f"perturbation.calibration: {problem}"
     for kind, cal in (p.target_calibrations or {}).items():
-        problem = check(cal, cal.std, scores, f"target.{kind}.trainer", floor, ceiling)
+        searched = f"target.{kind}{TARGET_SEARCH_SUFFIX}"
+        problem = check(cal, cal.std, scores, searched if searched in scores else f"target.{kind}.trainer", floor,
+                        ceiling)
         if problem:
             return f"perturbation.target_calibrations.{kind}: {problem}"
     return None

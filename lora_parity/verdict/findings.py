@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lora_parity.evidence.receipt import NOTHING_COMPARED
-from lora_parity.verdict import check_rules, exact_reference, stats
+from lora_parity.verdict import check_rules, exact_reference, routes, stats
 from lora_parity.verdict.deltas import TARGET_PREFIX, update_slopes
 
 Scores = Mapping[str, Sequence[Sequence[float]]]
@@ -151,15 +151,15 @@ def _swap_line(failing: set[str]) -> str | None:
 
 
 def of_receipt(receipt: Any) -> list[str]:
-    """`findings` of a receipt (its raw scores, checks, probes and noise rule), and what the engine's weight
-    version did across the sync (`weight_version_line`)."""
+    """`findings` of a receipt (its raw scores, checks, probes and noise rule), what the engine's weight
+    version did across the sync (`weight_version_line`), and its MoE routing (`routes.lines`)."""
     rule = receipt.budgets.noise
     found = findings(receipt.scores, receipt.checks, receipt.probes.sequences,
                      bool(rule is not None and rule.x_proves_delivery))
     failed = {c.id for c in receipt.checks if _status(c) == "fail"}
     extra = [file_line(receipt.adapters, failed), weight_version_line(receipt.adapters),
              resolution_line(receipt.perturbation, receipt.sampler, failed)]
-    return found + [line for line in extra if line]
+    return found + [line for line in extra if line] + routes.lines(receipt.route_replay, receipt.router)
 
 
 def file_line(adapters: Sequence[Any], failed: set[str]) -> str | None:

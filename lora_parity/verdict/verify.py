@@ -16,7 +16,7 @@ from typing import Any
 from lora_parity.evidence.receipt import PhaseStatus, Receipt, Verdict, sha256_json, validate
 from lora_parity.evidence.receipt_io import parse_json, read_bounded
 from lora_parity.util.errors import ReceiptError, ScoreError
-from lora_parity.verdict import breakdown, checks, lifecycle, stats
+from lora_parity.verdict import breakdown, checks, lifecycle, routes, stats
 
 PROVES = ("intact means internally consistent and not accidentally corrupted, "
           "not who made the receipt (sign it for that: run --sign, verify --public-key)")
@@ -163,9 +163,10 @@ def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:
     """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs; only the fresh
     phase may be empty (the trainer handed it no tensors: `checks.handed_nothing`), and only where the run
     recorded that phase as done."""
-    known = {phase for pair in checks.COMPARISONS.values() for phase in pair}
+    known = {phase for pair in checks.COMPARISONS.values() for phase in pair} | set(routes.SCORE_KEYS)
     for key, scores in receipt.scores.items():
-        per_target = key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler", ".reference"))
+        per_target = key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler", ".reference",
+                                                                             routes.TARGET_SEARCH_SUFFIX))
         exact = key in ("exact.zero", "exact.updated") or key.startswith("exact.target.")
         if key not in known and not per_target and not exact:
             raise ReceiptError(f"{path}: scores.{key} is not a phase lora-parity records")
@@ -197,8 +198,12 @@ def _verify_worst_positions(path: Path, receipt: Receipt) -> None:
 
 
 def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
-    """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed."""
+    """Worst positions must reproduce from the scores; router agreement (raw data) must be well formed, and route
+    replay's routes too, with its route changes re-derived from them (`routes.problem`)."""
     _verify_worst_positions(path, receipt)
+    problem = routes.problem(receipt.route_replay, receipt.probes.sequences) if receipt.route_replay else None
+    if problem:
+        raise ReceiptError(f"{path}: route_replay: {problem}")
     r = receipt.router
     if r is None:
         return
@@ -217,6 +222,9 @@ def _verify_moe_fields(path: Path, receipt: Receipt) -> None:
         raise ReceiptError(f"{path}: router: agreement outside [0, 1]")
     if not math.isclose(r.agreement, math.fsum(r.per_layer) / len(r.per_layer), rel_tol=1e-12, abs_tol=1e-12):
         raise ReceiptError(f"{path}: router: agreement is not the mean of per_layer")
+    if r.flipped_tokens is not None and not (0 <= r.flipped_tokens <= tokens and (r.flipped_tokens == 0) == (
+            r.agreement == 1.0)):
+        raise ReceiptError(f"{path}: router: flipped_tokens does not match the probe tokens and the agreement")
 
 
 def _verify_calibration(path: Path, receipt: Receipt) -> None:

@@ -65,6 +65,10 @@ EngineArgOpt = Annotated[list[str] | None, typer.Option(
          "and vllm serve as given; unknown or unsafe keys are refused (docs/deployment.md).")]
 PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
+RouteReplayOpt = Annotated[str | None, typer.Option(
+    "--route-replay", help="MoE models: the trainer's routers replay the experts the engine's pass of each point "
+                           "chose (R3, as MoE RL stacks train): on (refused where a side cannot), off, or auto "
+                           "(on where both sides can; default: the config's route_replay, else auto). docs/moe.md.")]
 PerLayerOpt = Annotated[bool, typer.Option(
     "--per-layer/--no-per-layer", help="Per-layer coverage after per-target coverage: each target in each group "
                                        "of 4 decoder layers alone, for models of more than 4 layers (default on).")]
