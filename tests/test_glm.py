@@ -172,6 +172,7 @@ def test_hub_id_resolves_to_the_local_cache(monkeypatch: pytest.MonkeyPatch, tmp
     data = yaml.safe_load((ROOT / "configs" / "glm-5.3.yaml").read_text())
     data.pop("launch")
     data["name"] = "glm-local"
+    data["route_replay"] = "auto"  # the stand-in snapshot's config.json names no experts: a dense model to preflight
     single.write_text(yaml.safe_dump(data))
     prepared = prepare(RunOptions(model=str(single), trainer="fake", sampler="fake"))
     assert all(0 <= t < 1024 for s in prepared.probes.sequences for t in s)
