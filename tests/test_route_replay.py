@@ -27,6 +27,7 @@ from lora_parity.verdict import routes as route_stats
 from lora_parity.verdict.verify import verify
 
 from .conftest import cli
+from .test_moe import reseal
 
 unit = pytest.mark.unit
 cpu_e2e = pytest.mark.cpu_e2e
@@ -39,14 +40,6 @@ def _run(tmp_path: Path, name: str = "r.json", **kw) -> rc.Receipt:
     receipt = execute(RunOptions(**{**FAKE_MOE, "out": out, "per_target": False, **kw})).receipt
     verify(out)
     return receipt
-
-
-def reseal(src: Path, dst: Path, mutate) -> Path:
-    data = json.loads(src.read_text())
-    mutate(data)
-    data["digest"] = rc.compute_digest(data)
-    dst.write_text(json.dumps(data))
-    return dst
 
 
 # ---------- unit: the wiring on the fakes ----------
