@@ -20,7 +20,7 @@ from lora_parity.evidence.receipt_io import MAX_RECEIPT_BYTES, read_bounded
 from lora_parity.models import config
 from lora_parity.run.runner import RunOptions, execute
 from lora_parity.util.errors import ConfigError, ReceiptError, ReceiptExistsError
-from lora_parity.verdict import breakdown, checks
+from lora_parity.verdict import breakdown, checks, lifecycle
 from lora_parity.verdict.verify import verify
 
 from .conftest import ROOT, cli
@@ -55,7 +55,10 @@ def errored_like(data: dict[str, Any], phases: list[dict[str, Any]], scores: dic
             "noise": ev.noise.model_dump(mode="json") if ev.noise else None,
             "thresholds": {k: v.model_dump(mode="json") for k, v in (ev.thresholds or {}).items()},
             "worst_positions": {k: [w.model_dump(mode="json") for w in v] for k, v in worst.items()},
-            "breakdown": {k: v.model_dump(mode="json") for k, v in error_breakdown.items()}}
+            "breakdown": {k: v.model_dump(mode="json") for k, v in error_breakdown.items()},
+            "lifecycle": [r.model_dump(mode="json") for r in lifecycle.derive(
+                data["sampler"]["backend"], data["sampler"]["settings"],
+                [rc.PhaseRecord.model_validate(p) for p in phases])]}
 
 
 # --- error and phase statuses -------------------------------------------------------------------

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.backends.fake import FakeTrainer
+from lora_parity.backends.fake import FakeSampler, FakeTrainer
 from lora_parity.evidence.receipt import CheckStatus, PhaseStatus, Verdict
 from lora_parity.run.faults import FAULTS, faults_for
 from lora_parity.run.runner import RunOptions, execute
@@ -21,7 +21,7 @@ FAKE = {"trainer": "fake", "sampler": "fake"}
 def test_selftest_catches_every_fault_on_fakes(tmp_path: Path) -> None:
     result = selftest(RunOptions(**FAKE), tmp_path, repeat=3)
     assert [r.fault for r in result.rows] == ["none #1", "none #2", "none #3",
-                                              *faults_for("new-id", trainer=FakeTrainer.traits)]
+                                              *faults_for("new-id", FakeSampler.traits, trainer=FakeTrainer.traits)]
     assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
     assert result.identical_repeats and result.ok
     for row in result.rows:
@@ -41,7 +41,7 @@ def test_selftest_without_per_target_coverage_catches_every_fault(tmp_path: Path
     assert not [p for p in clean["phases"] if p["name"].startswith("target.")]
 
 
-@pytest.mark.parametrize("fault", [f for f in faults_for("new-id", trainer=FakeTrainer.traits)
+@pytest.mark.parametrize("fault", [f for f in faults_for("new-id", FakeSampler.traits, trainer=FakeTrainer.traits)
                                    if not f.startswith("crash-at")])
 def test_each_fault_trips_its_check(fault: str, tmp_path: Path) -> None:
     receipt = execute(RunOptions(**FAKE, inject=fault, out=tmp_path / "r.json")).receipt

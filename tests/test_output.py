@@ -51,7 +51,7 @@ def test_failing_run_explains_itself_and_ends_with_a_count_line(tmp_path: Path) 
     res = cli("run", *FAKE, "--inject", "skip-sync", "--out", str(out))
     assert res.returncode == 1
     lines = res.stdout.strip().splitlines()
-    assert re.fullmatch(rf"fail: 40 passed, 9 failed in \d+\.\d s · receipt {re.escape(str(out))}", lines[-1])
+    assert re.fullmatch(rf"fail: 42 passed, 9 failed in \d+\.\d s · receipt {re.escape(str(out))}", lines[-1])
     assert "injected fault: skip-sync (the sync step does nothing); expected: fail, caught by C.parity.mean" \
         in res.stdout
     assert "fail C.delta.cosine, C.delta.scale, C.delta.rel_l2 (cosine undefined): follows from C.moved.sampler" \
@@ -69,7 +69,7 @@ def test_failing_run_explains_itself_and_ends_with_a_count_line(tmp_path: Path) 
 def test_quiet_prints_only_the_closing_line_and_verbose_every_phase(tmp_path: Path) -> None:
     res = cli("run", *FAKE, "--quiet", "--out", str(tmp_path / "q.json"))
     assert res.returncode == 0 and res.stderr == ""
-    assert re.fullmatch(r"pass: 50 passed in \d+\.\d s · receipt \S+q\.json\n", res.stdout)
+    assert re.fullmatch(r"pass: 53 passed in \d+\.\d s · receipt \S+q\.json\n", res.stdout)
     res = cli("run", *FAKE, "--verbose", "--out", str(tmp_path / "v.json"))
     assert res.returncode == 0 and "ok publish_zero" in res.stderr.replace("  ", " ")
     assert not (tmp_path / "v.log").exists()  # verbose: nothing redirected, no log
@@ -160,7 +160,7 @@ def test_live_line_with_phase_and_elapsed_time_on_a_terminal() -> None:
 def test_colour_on_a_terminal(tmp_path: Path) -> None:
     text = _in_pty([sys.executable, "-m", "lora_parity", "run", *FAKE, "--inject", "skip-sync", "--out",
                     str(tmp_path / "t.json")])
-    assert "\x1b[" in text and re.search(r"40 passed, 9 failed in", text)
+    assert "\x1b[" in text and re.search(r"42 passed, 9 failed in", text)
 
 
 _SPY = textwrap.dedent("""

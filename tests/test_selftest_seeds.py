@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lora_parity.backends.fake import FakeTrainer
+from lora_parity.backends.fake import FakeSampler, FakeTrainer
 from lora_parity.evidence.receipt import Check, CheckStatus, Receipt
 from lora_parity.evidence.receipt import load as load_receipt
 from lora_parity.run import selftest as st
@@ -65,7 +65,7 @@ def _ratio(receipt_path: str, check_id: str) -> float:
 
 def test_three_seeds_vary_probes_and_update_and_tally_from_the_receipts(tmp_path: Path) -> None:
     result = st.selftest(RunOptions(**FAKE), tmp_path, seeds=3)
-    faults = faults_for("new-id", trainer=FakeTrainer.traits)
+    faults = faults_for("new-id", FakeSampler.traits, trainer=FakeTrainer.traits)
     assert result.seeds == [0, 1, 2] and result.ok and result.false_alarms == 0
     assert [r.fault for r in result.rows] == (["none", *faults]) * 3
     receipts = {s: read_receipt(tmp_path / f"seed-{s:02d}" / "clean.json") for s in (0, 1, 2)}
@@ -147,7 +147,7 @@ def test_cli_seeds_prints_rates_margins_and_a_one_line_summary(tmp_path: Path) -
                           stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=300)
     assert both.returncode == 0, both.stdout
     last = both.stdout.strip().splitlines()[-1]
-    n = len(faults_for("new-id", trainer=FakeTrainer.traits))
+    n = len(faults_for("new-id", FakeSampler.traits, trainer=FakeTrainer.traits))
     assert re.fullmatch(rf"selftest ok, 2 seeds: 0/2 false alarms; {n}/{n} faults caught in every seed "
                         r"\(closest: \S+ \S+ margin [0-9.e+]+\) in \d+\.\d s", last), last
     res = cli("selftest", "--trainer", "fake", "--sampler", "fake", "--seeds", "2", "--out-dir", str(tmp_path))
@@ -185,7 +185,7 @@ def test_cli_exits_1_when_a_fault_is_missed_in_one_seed(tmp_path: Path) -> None:
 
 
 def test_pick_faults_keeps_the_selftest_order_and_takes_the_file_names() -> None:
-    applicable = faults_for("new-id", trainer=FakeTrainer.traits)
+    applicable = faults_for("new-id", FakeSampler.traits, trainer=FakeTrainer.traits)
     assert "crash-at=stale" in applicable
     picked = st.pick_faults(("wrong-scale", "crash-at-stale", "skip-sync"), applicable)
     assert picked == [f for f in applicable if f in {"wrong-scale", "crash-at=stale", "skip-sync"}]
@@ -208,7 +208,7 @@ def test_faults_none_runs_only_the_clean_runs(tmp_path: Path) -> None:
     assert result.ok
     assert sorted(p.name for p in tmp_path.glob("seed-*/*.json")) == ["clean.json", "clean.json"]
     with pytest.raises(st.ConfigError, match="none not among"):  # none with a fault is no fault's name
-        st.pick_faults(("none", "skip-sync"), faults_for("new-id", trainer=FakeTrainer.traits))
+        st.pick_faults(("none", "skip-sync"), faults_for("new-id", FakeSampler.traits, trainer=FakeTrainer.traits))
 
 
 def test_cli_faults_option_refuses_a_name_it_does_not_run_in_one_line(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ class ServiceFakeSampler(FakeSampler):
     a client whose snapshot is not the one last loaded loads it into the trainer (`revert`), else the
     trainer's live weights are served. With `revert=False` every client serves its own snapshot."""
 
-    traits = replace(FakeSampler.traits, shares_trainer_state=True)
+    traits = replace(FakeSampler.traits, shares_trainer_state=True, mixed_batch_unavailable="one route per call")
 
     def __init__(self, cfg: config.ModelConfig, trainer: FakeTrainer, revert: bool) -> None:
         super().__init__(cfg, None, {})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.backends.fake import FakeTrainer
+from lora_parity.backends.fake import FakeSampler, FakeTrainer
 from lora_parity.evidence.receipt import CheckStatus, Verdict
 from lora_parity.models import config
 from lora_parity.run.faults import FAULTS, faults_for
@@ -59,7 +59,7 @@ def test_step_receipt_records_the_step_and_verify_replays_the_learning_rate_sear
 
 def test_selftest_step_catches_every_fault_old_and_new(tmp_path: Path) -> None:
     result = selftest(RunOptions(**FAKE, update="step"), tmp_path, seeds=3)
-    names = faults_for("new-id", update="step", trainer=FakeTrainer.traits)
+    names = faults_for("new-id", FakeSampler.traits, update="step", trainer=FakeTrainer.traits)
     assert set(STEP_ONLY) <= set(names) and {"partial-export", "up-gets-gate"} <= set(names)
     assert all(r.caught for r in result.rows), [r for r in result.rows if not r.caught]
     assert result.ok and len(result.rows) == 3 * (1 + len(names))

@@ -12,10 +12,9 @@ drops it and checks the length. Sequences are grouped into forwards or requests 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
 `CachedScoringSampler`, `RoutingIntrospection`, `RouteReturningSampler`, `RouteReplayingTrainer`,
-`GeneratingSampler`, `StartAdapterTrainer`,
-`SteppingTrainer`, `TensorReadingTrainer`), which callers
-test with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through
-`create(cfg, model_dir, timings, options)`.
+`GeneratingSampler`, `StartAdapterTrainer`, `SteppingTrainer`, `TensorReadingTrainer`; `mixed_batch`'s
+`MixedBatchSampler`), which callers test with `isinstance`/`issubclass`, never by probing attributes. Every
+backend is built through `create(cfg, model_dir, timings, options)`.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ RouteTable = Mapping[tuple[int, ...], list[list[list[int]]]]
 """Each sequence's routes by its tokens ([token][MoE layer] -> expert ids): what a trainer replays."""
 
 
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-"""config.json fields that name a model's experts."""
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # config.json fields naming experts
 
 
 def routes_experts(config: Mapping[str, object]) -> bool:
@@ -100,9 +98,11 @@ class BackendTraits:
     """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
     old adapter), so the faults that do only that do not apply; or None."""
     at_checkpoint_precision: bool = False
-    """Scores in the checkpoint's own dtype on this machine (not fp32-exact, not a remote service of
-    unknown precision): two such sides are about equally far from the fp32 reference, so the noise
-    rule's `fp32_balance` applies to the run only when trainer and sampler both are."""
+    """Scores in the checkpoint's own dtype on this machine (not fp32-exact, not a service of unknown precision):
+    two such sides are about equally far from fp32, so `fp32_balance` applies only when trainer and sampler are."""
+    mixed_batch_unavailable: str | None = "it scores one route per call (no `MixedBatchSampler`)"
+    """Why this sampler cannot score the base model and adapter versions in one batch (the mixed-batch phase and
+    its fault do not apply), or None for a `MixedBatchSampler`."""
     reload_gets_fresh_cache: str | None = None
     """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here
     (each load gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache)

@@ -18,7 +18,7 @@ import json
 import math
 import random
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -336,7 +336,9 @@ def _with_noise(scores: Scores, sequences: Sequences, coefficients: dict[str, fl
 class FakeSampler(SamplerBackend):
     """A sampler that scores with the coefficients of the adapter folders it loaded, by id."""
 
-    traits = BackendTraits(needs_checkpoint=False)
+    traits = BackendTraits(needs_checkpoint=False, mixed_batch_unavailable=None)
+    adapters_per_batch: int = 2
+    """`MixedBatchSampler`: adapters one batch serves (the engine's max_loras)."""
     noise: float = 0.0
     """Std of the bf16-like noise added to every score (`_with_noise`); 0: exact. Unit tests set it."""
 
@@ -360,6 +362,10 @@ class FakeSampler(SamplerBackend):
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         return self.score_with_routes(sequences, adapter)[0]
+
+    def score_mixed(self, sequences: Sequences, routes: Sequence[AdapterHandle | None]) -> list[Scores]:
+        """`MixedBatchSampler`: each route's scores, as alone (a fake has no batch to mix)."""
+        return [self.score(sequences, handle) for handle in routes]
 
     def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
         """`score`, and the routes it took (none for a dense config)."""

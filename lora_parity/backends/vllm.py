@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from lora_parity.backends.base import (
     Sequences,
     groups,
 )
+from lora_parity.backends.mixed_batch import cpu_lora_defect
 from lora_parity.backends.vllm_options import engine_options, llm_kwargs, packing, private_dist_store
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
@@ -133,7 +135,8 @@ class VLLMSampler(SamplerBackend):
     # Route replay (docs/moe.md): the GPU build returns routed experts with enable_return_routed_experts (Model
     # Runner V2); a `score_with_routes` (`RouteReturningSampler`) reading them, with the instance's traits clearing
     # routing_unavailable where the engine was started so, is the GPU part of issue 52. Until then: not available.
-    traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE, at_checkpoint_precision=True)
+    traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE, at_checkpoint_precision=True,
+                           mixed_batch_unavailable=None)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True,
                  batch_invariant: bool = True) -> None:
@@ -178,7 +181,8 @@ class VLLMSampler(SamplerBackend):
         self._SamplingParams = SamplingParams
         # An in-process engine holds only this process's memory; a multiprocess one owns workers.
         self.traits = replace(self.traits,
-                              releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
+                              releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+                              mixed_batch_unavailable=None if self.cuda or not lora else cpu_lora_defect())
 
     @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
@@ -216,14 +220,25 @@ class VLLMSampler(SamplerBackend):
             group = sequences[part]
             prompts = [self._TokensPrompt(prompt_token_ids=seq) for seq in group]
             results = self.llm.generate(prompts, self.params, lora_request=request, use_tqdm=False)
-            for s, (seq, result) in enumerate(zip(group, results, strict=True), start=part.start):
-                plp = result.prompt_logprobs
-                if plp is None or len(plp) != len(seq) or plp[0] is not None:
-                    got = "None" if plp is None else f"{len(plp)} entries"
-                    raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries "
-                                     f"starting with None, got {got}")
-                out.append([plp[t][seq[t]].logprob for t in range(1, len(seq))])  # type: ignore[index]
+            out += [_prompt_row(seq, result, s) for s, (seq, result) in
+                    enumerate(zip(group, results, strict=True), start=part.start)]
         return out
+
+    @property
+    def adapters_per_batch(self) -> int:
+        """How many adapters one batch can serve (`max_loras`; the base model needs no slot)."""
+        return int(self.engine_args.get("max_loras", 1))
+
+    def score_mixed(self, sequences: Sequences, routes: Sequence[AdapterHandle | None]) -> list[Scores]:
+        """`MixedBatchSampler`: one generate call of every sequence under every route, the routes interleaved and
+        each request with its own `lora_request` (None: the base model)."""
+        requests = [self._request(handle) for handle in routes]
+        prompts = [self._TokensPrompt(prompt_token_ids=seq) for seq in sequences for _ in routes]
+        results = self.llm.generate(prompts, self.params, lora_request=[r for _ in sequences for r in requests],
+                                    use_tqdm=False)
+        rows = [_prompt_row(sequences[i // len(routes)], result, i // len(routes))
+                for i, result in enumerate(results)]
+        return [[rows[s * len(routes) + r] for s in range(len(sequences))] for r in range(len(routes))]
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
@@ -291,6 +306,8 @@ class VLLMSampler(SamplerBackend):
         if self.torch_compile is not None:
             settings["torch_compile"] = self.torch_compile
         settings.update(self.deployment)
+        defect = self.traits.mixed_batch_unavailable
+        settings["mixed_batch"] = "on" if defect is None else f"off (engine defect): {defect}"
         if self.cfg.sampler.engine_args:
             settings["engine_args"] = user_args.record(self.cfg.sampler.engine_args)
             settings["engine_args_effect"] = user_args.notes(self.cfg.sampler.engine_args)
@@ -336,3 +353,13 @@ class VLLMCachedSampler(VLLMSampler):
                     row.append(logprobs[0][seq[t + 1]].logprob)
                 out.append(row)
         return out
+
+
+def _prompt_row(seq: list[int], result: Any, s: int) -> list[float]:
+    """Sequence `s`'s scores from its request's `prompt_logprobs` (entry 0, None, dropped: the alignment rule)."""
+    plp = result.prompt_logprobs
+    if plp is None or len(plp) != len(seq) or plp[0] is not None:
+        got = "None" if plp is None else f"{len(plp)} entries"
+        raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries starting with None, "
+                         f"got {got}")
+    return [plp[t][seq[t]].logprob for t in range(1, len(seq))]

@@ -18,6 +18,7 @@ from lora_parity.backends.base import AdapterHandle, Sampler, TensorReadingTrain
 from lora_parity.evidence.receipt import AdapterVersion
 from lora_parity.models import export_check, fresh_adapter
 from lora_parity.models.fresh_adapter import RawTensor
+from lora_parity.run import mixed_batch
 from lora_parity.util.errors import LoraParityError
 
 
@@ -41,15 +42,21 @@ class Run(Protocol):
     @property
     def sampler_shares_trainer_state(self) -> bool: ...
 
+    @property
+    def mixes_batches(self) -> bool: ...
+
     def step(self, name: str, action: Any) -> None: ...
 
     def sampler_score(self, key: str, handle: AdapterHandle | None, repeat: bool = False) -> None: ...
 
 
 def after_sync(run: Run) -> None:
-    """The base route again, then the replaced version again (where the mode keeps it)."""
+    """The base route again, the routes mixed in one batch (`mixed_batch`), then the replaced version again (where
+    the mode keeps it)."""
     if run.sampler_scores_base and run.mode.sampler_lora:
         run.step("base_after_sync", lambda: run.sampler_score("base_after_sync", None))
+    if run.mixes_batches:  # while the replaced version is still loaded
+        run.step("mixed_batch", lambda: mixed_batch.score(run))
     if _keeps_old(run):
         run.step("old_after_sync", lambda: _old_after_sync(run))
 

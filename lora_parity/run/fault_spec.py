@@ -67,3 +67,6 @@ class FaultSpec:
     needs_replay: bool = False
     """Changes the expert routes the trainer replays: only where the run replays routes (an MoE model with
     `--route-replay` on or auto, and backends that can: `lora_parity.run.route_replay`)."""
+    needs_mixed: bool = False
+    """Changes what a batch mixing the base model and adapter versions serves: only for a sampler that mixes them
+    (`traits.mixed_batch_unavailable` None) in a sync mode that serves adapters (`run.mixed_batch`)."""

@@ -144,6 +144,9 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("old-name-follows", "after the sync, the replaced version's name serves the new adapter (a frozen "
               "snapshot that follows the live weights)", ("D.old_kept",), "fail", modes=("new-id", "tensors"),
               needs_versions=True),
+    FaultSpec("mixed-one-route", "in a batch that mixes the base model and adapter versions, every request gets the "
+              "first request's route (LoRA slots mapped to the wrong requests: vllm #16040, #36370)", ("M.updated",),
+              "fail", must_pass=("C.parity.mean",), modes=ADAPTER_MODES, needs_mixed=True, needs_base=True),
     FaultSpec("base-not-restored", "the merged modes' restore at the end of the run leaves the merged weights in "
               "place (a reset that scrambled the base: miles #2520)", ("D.base_restored",), "fail",
               modes=("merged", "memory"), sync=KeepMerged, needs_base=True),
@@ -194,6 +197,8 @@ def not_applicable(name: str, sampler: BackendTraits) -> str | None:
         return f"this sampler {sampler.unload_reloads}"
     if spec.needs_base and sampler.base_unavailable:
         return f"it changes the base model, which this sampler cannot serve ({sampler.base_unavailable})"
+    if spec.needs_mixed and sampler.mixed_batch_unavailable:
+        return f"it breaks mixed batches, which this sampler does not score ({sampler.mixed_batch_unavailable})"
     if spec.needs_versions and sampler.shares_trainer_state:
         return "this sampler's versions are handles on the trainer's own service (checked by S.trainer_kept)"
     return None
@@ -388,6 +393,10 @@ class Faults:
     def handed_tensors(self, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:
         """The trainer's tensors as they reach the exact sync check (empty-handoff: none)."""
         return {} if self.is_("empty-handoff") else tensors
+
+    def mixed_scores(self, scores: list[Scores]) -> list[Scores]:
+        """A mixed batch's scores per route (mixed-one-route: every route gets the first route's)."""
+        return [scores[0] for _ in scores] if self.is_("mixed-one-route") else scores
 
     def sampler_scores(self, scores: Scores) -> Scores:
         """Scoring-path faults, applied to every sampler scoring (base-changed: every one from the sync on)."""

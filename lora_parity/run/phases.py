@@ -41,7 +41,7 @@ from lora_parity.models import update_step
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import RECIPE
-from lora_parity.run import calibrate_trainer, engine_state, generation, layer_coverage, reference_points
+from lora_parity.run import calibrate_trainer, engine_state, generation, layer_coverage, mixed_batch, reference_points
 from lora_parity.run.faults import Faults
 from lora_parity.run.route_replay import Replay
 from lora_parity.run.sync import SyncMode
@@ -58,8 +58,7 @@ T = TypeVar("T")
 FRESH_ID_OFFSET = 1_000_000
 """The fresh load's adapter id is the run's first id plus this: never an id a sync of this run or a
 later run on the same sampler uses (they count up from the run's first id by one per version)."""
-WARM_FOLDER = "warm-start"
-"""Where in the run's folder the warm start adapter (`--update step`) is written."""
+WARM_FOLDER = "warm-start"  # where in the run's folder the warm start adapter (`--update step`) is written
 
 
 def run_sequence(run: Run) -> None:
@@ -218,9 +217,13 @@ class Run:
 
     @property
     def sampler_shares_trainer_state(self) -> bool:
-        """True for a sampler whose adapters are handles on the trainer's own service (Tinker): an old
-        one may serve the trainer's current weights, or write its own back into them."""
+        """A sampler whose adapters are handles on the trainer's own service (Tinker): an old one may serve the
+        trainer's current weights, or write its own back into them."""
         return self.sampler.traits.shares_trainer_state
+
+    @property
+    def mixes_batches(self) -> bool:  # the sampler mixes routes in one batch after the sync
+        return mixed_batch.applies(self)
 
     @property
     def sampler_reads_prefix_cache(self) -> bool:
@@ -239,8 +242,7 @@ class Run:
         """The exact sync check (X) applies: the trainer's tensors can be read, the sync publishes a LoRA adapter."""
         return isinstance(self.trainer, TensorReadingTrainer) and self.mode.sampler_lora
 
-    def fresh(self) -> None:
-        """The trainer's current tensors loaded fresh and scored (`engine_state.fresh`)."""
+    def fresh(self) -> None:  # the trainer's current tensors loaded fresh and scored
         engine_state.fresh(self, FRESH_ID_OFFSET)
 
     @property

@@ -2,7 +2,8 @@
 route must give its first base scores again after the sync and after per-target coverage (`D.base_kept`,
 `D.base_kept.coverage`), and, in the merged modes, once the run gave the sampler its checkpoint's base weights back
 (`D.base_restored`); the version the sync replaced, scored while the new one is live, its stale scores
-(`D.old_kept`); each within the sampler's own repeat noise (bit for bit where it repeats itself exactly). Pure."""
+(`D.old_kept`); each within the sampler's own repeat noise (bit for bit where it repeats itself exactly). And the
+routes mixed in one batch after the sync (`mixed_batch`, M.*). Pure."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lora_parity.evidence.receipt import ComparisonStats
+from lora_parity.verdict import mixed_batch
 
 COMPARISONS: dict[str, tuple[str, str]] = {
     "D.base_vs_after_sync": ("base", "base_after_sync"),
@@ -20,6 +22,7 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "D.adapter_base_vs_after_restore": ("adapter_base", "base_after_restore"),
     "D.stale_vs_old_after_sync": ("stale", "old_after_sync"),
     "D.updated_vs_old_after_sync": ("updated", "old_after_sync"),
+    **mixed_batch.COMPARISONS,
 }
 """With `--adapter` (or a warm start) the base route's first scores are `adapter_base`."""
 CHECKS = {"D.base_kept": ("D.base_vs_after_sync", "D.adapter_base_vs_after_sync"),
@@ -42,7 +45,8 @@ def check_ids(comparisons: Mapping[str, ComparisonStats]) -> list[str]:
 
 
 def add_checks(c: Any, comparisons: Mapping[str, ComparisonStats], thresholds: Mapping[str, Any]) -> None:
-    """D.base_kept, D.base_kept.coverage, D.base_restored, D.old_kept: within the sampler's repeat noise."""
+    """D.base_kept, D.base_kept.coverage, D.base_restored, D.old_kept: within the sampler's repeat noise; then the
+    mixed batch's M.* (`mixed_batch`)."""
     for check_id in check_ids(comparisons):
         cmp = next(comparisons[n] for n in CHECKS[check_id] if n in comparisons)
         t = thresholds[check_id]
@@ -56,3 +60,4 @@ def add_checks(c: Any, comparisons: Mapping[str, ComparisonStats], thresholds: M
             what, reason = BASE_CHECKS[check_id]
             c.add(check_id, f"{what} gives its first base scores", cmp.max_abs, "<=", t.budget, reason,
                   note=t.note, n=cmp.n)
+    mixed_batch.add_checks(c, comparisons, thresholds)

@@ -63,6 +63,9 @@ EXPLAIN: dict[str, str] = {
     "D.old_kept": "the version the sync replaced no longer gives its own scores while the new one is live: an old "
                   "adapter's name follows the live weights, so a frozen snapshot is not frozen; check how the engine "
                   "keys its adapters (name, id, path)",
+    "M.": "a route served in a batch that mixes the base model and adapter versions scores otherwise than alone: "
+          "the engine applies the wrong LoRA (or none) to some requests of a mixed batch, which rollouts of several "
+          "versions at once meet and batches of one route never show; the finding names whose scores they got",
     "E.": "the engine does not compute what its own operations compute with the trainer's tensors (the exact "
           "reference, no noise): a wrong read of a right file, or a wrong LoRA computation; the finding above names "
           "the scale, the swap or the points",

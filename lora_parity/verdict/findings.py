@@ -158,7 +158,7 @@ def of_receipt(receipt: Any) -> list[str]:
                      bool(rule is not None and rule.x_proves_delivery))
     failed = {c.id for c in receipt.checks if _status(c) == "fail"}
     extra = [file_line(receipt.adapters, failed), weight_version_line(receipt.adapters),
-             resolution_line(receipt.perturbation, receipt.sampler, failed)]
+             resolution_line(receipt.perturbation, receipt.sampler, failed), engine_defect_line(receipt.sampler)]
     return found + [line for line in extra if line] + routes.lines(receipt.route_replay, receipt.router)
 
 
@@ -223,3 +223,17 @@ def resolution_line(perturbation: Any, sampler: Any, failed: set[str]) -> str | 
             f"the adapter, lora_A keeps {kept['lora_A']:.2g} and lora_B {kept['lora_B']:.2g} of their change's L2, so "
             "the engine applies another update than the trainer's fp32 tensors (hold the adapter in fp32 on the "
             "engine, vLLM's lora_dtype, or take larger steps)")
+
+
+def engine_defect_line(sampler: Any) -> str | None:
+    """A defect of the sampler's engine that lora-parity found and did not exercise (a `mixed_batch` setting
+    'off (engine defect): what'), said as a fact about the engine the user deploys."""
+    off = str(sampler.settings.get("mixed_batch", ""))
+    if not off.startswith(DEFECT):
+        return None
+    return (f"the engine has a known defect, so mixed batches were not scored (not covered, not a pass): "
+            f"{off.removeprefix(DEFECT)}; rollouts that batch base-model and adapter requests together are wrong there")
+
+
+DEFECT = "off (engine defect): "
+"""How a sampler's `mixed_batch` setting begins where a probe found its engine's defect."""

@@ -9,7 +9,7 @@ row of its own in every report, never a pass. Pure: `verify` recomputes the tabl
 Settings read (each sampler records those it knows; a missing one reads "not recorded"):
 `cuda_graphs` ('on ...' or 'off (why)'), `enforce_eager`, `sleep_mode` ('off (why)'), `batch_invariant`
 ('on'/'off (why)', a server's VLLM_BATCH_INVARIANT value), `logprobs_mode`, `enable_prefix_caching` and
-`engine_args` (the user's `KEY=VALUE` engine arguments).
+`engine_args` (the user's `KEY=VALUE` engine arguments), `mixed_batch` ('on', or 'off: why').
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ mode, and the GPU phases are off (docs/deployment.md)."""
 PREFIX_PHASES = ("stale_cached", "updated_cached")
 GENERATION_PHASES = ("sample", "generate_updated")
 PROCESSED = ("processed_logprobs", "processed_logits")
+MIXED_PHASE = "mixed_batch"
 
 CONDITIONS = ("CUDA graphs", "sleep level 1 + wake", "sleep level 2 + wake", "warm prefix cache after the sync",
               "decode-path logprobs", "processed logprobs", "mixed batches", "batch-variant kernels",
@@ -76,6 +77,20 @@ def _decode(done: set[str]) -> LifecycleRow:
     return _row("decode-path logprobs", False, "prompt logprobs only (the generation path runs with --probes sampled)")
 
 
+def _mixed(done: set[str], phases: set[str], settings: Mapping[str, Any]) -> LifecycleRow:
+    if MIXED_PHASE in done:
+        return _row("mixed batches", True, "the base model and the synced adapter (and the replaced version where "
+                                           "one batch serves two adapters) in one batch, each against its scores "
+                                           "alone: checks M.*")
+    if MIXED_PHASE in phases:
+        return _row("mixed batches", False, "the mixed-batch phase did not complete")
+    off = _setting(settings, "mixed_batch")
+    if off is not None and off.startswith("off"):
+        return _row("mixed batches", False, off)
+    return _row("mixed batches", False, "no phase scores base and adapter requests, or two adapter versions, in one "
+                                        "batch")
+
+
 def _processed(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
     mode = _setting(settings, "logprobs_mode")
     if mode is None:
@@ -115,8 +130,7 @@ def derive(backend: str, settings: Mapping[str, Any], phases: Sequence[Any]) -> 
     done = {p.name for p in phases if p.status == PhaseStatus.OK}
     return [_graphs(settings, backend), _sleep(1, done, settings, backend), _sleep(2, done, settings, backend),
             _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend),
-            _row("mixed batches", False, "no phase scores base and adapter requests, or two adapter versions, in "
-                                         "one batch"),
+            _mixed(done, names, settings),
             _batch_variant(settings, backend), _engine_args(settings)]
 
 

@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lora_parity.evidence.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
-from lora_parity.verdict import check_rules, engine_state, exact_reference, stats
+from lora_parity.verdict import check_rules, engine_state, exact_reference, mixed_batch, stats
 from lora_parity.verdict.check_rules import STATS, Threshold
 
 ScoreArray = Sequence[Sequence[float]]
@@ -273,6 +273,8 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer",
                 *engine_state.check_ids(comparisons)):
         out[key] = moved
+    out.update({i: mixed_batch.threshold(comparisons, moved, budgets.noise_factor)
+                for i in mixed_batch.check_ids(comparisons)})
     change = get("C.trainer_change")
     out["B.stimulus"] = stimulus(budgets, a, noise, None)
     start_max = triangulated["max"] if triangulated is not None else None
