@@ -22,13 +22,17 @@ Side = Literal["trainer", "engine"]
 class LocateRule(Strict):
     """The rule's constants (verdict/locate_rule.py, docs/locate.md): a side leaves what its precision explains at a
     point where its distance from fp32, less `k` of its standard errors, exceeds `balance` × the precision witness's
-    distance there plus `k` of the witness's standard errors; for the median and for the max over tokens."""
+    distance there plus `k` of the witness's standard errors (the median), or `balance` × the largest of its tokens'
+    count the witness's tail predicts (the max)."""
 
     balance: float = Field(default=2.0, ge=1)
     """How many times the witness's distance from fp32 a side of the same precision may be (A.fp32.balance's 2:
     two computations of one precision are about equally far from fp32; their kernels' accuracy may differ)."""
     k: float = Field(default=3.0, ge=0)
     """Standard errors (jackknife over the sequences) on each side of the comparison."""
+    tail_alpha: float = Field(default=1e-3, gt=0, lt=1)
+    """The max's threshold: the largest of n tokens the witness's tail predicts with this chance of being passed
+    by noise alone (the config's `budgets.noise.tail_alpha`, the noise model's, where it sets one)."""
 
 
 class Spread(Strict):
@@ -62,7 +66,8 @@ class SideAtPoint(Strict):
     median_threshold: float = Field(ge=0)
     """balance × (witness median + k se) + k × this side's median se: the median beyond it leaves."""
     max_threshold: float = Field(ge=0)
-    """The same for the max over tokens."""
+    """balance × the largest of as many tokens as the witness's tail predicts (p90 + β ln(0.1 n / α), β from its
+    p90 and p99): the max over tokens beyond it leaves."""
     leaves: bool
     """Whether the side leaves what its precision explains here (the median or the max beyond its threshold)."""
 

@@ -117,7 +117,8 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
     lap("engine")
     data = [locate_rule.PointData(name, at, module, trainer_d[name], engine_d[name],
                                   fp64[name] if fp64 is not None else None) for name, at, module in engine_points]
-    rule = LocateRule()
+    noise = cfg.budgets.noise
+    rule = LocateRule(tail_alpha=noise.tail_alpha) if noise is not None else LocateRule()
     floor = locate_rule.rounding_floor(hs.machine_eps(cfg.model.dtype), int(reference[0][names[-1]].shape[-1]))
     points, divergences = locate_rule.judge(data, rule, floor)
     timings["total"] = round(time.perf_counter() - start, 6)

@@ -23,6 +23,7 @@ from lora_parity.evidence.locate_models import (
     SideAtPoint,
     Spread,
 )
+from lora_parity.verdict.stats import quantile
 
 PerSequence = Sequence[Sequence[float]]
 """Per-token values, one list per sequence."""
@@ -97,32 +98,51 @@ def rounding_floor(dtype_eps: float, hidden_size: int) -> float:
     return math.sqrt(hidden_size) * dtype_eps / 2
 
 
-def _witness(other: Distance, fp64: Distance | None, floor: float) -> tuple[str, Distance | None]:
+def tail_bound(per_sequence: PerSequence, num_tokens: int, alpha: float) -> float:
+    """The largest of `num_tokens` values that the measured ones' tail predicts (the project's noise model, docs/
+    verdicts.md): p90 + β ln(0.1 n / α), β = (p99 − p90) / ln 10 the exponential tail's scale above p90."""
+    ranked = sorted(x for s in per_sequence for x in s)
+    p90, p99 = quantile(ranked, 0.90), quantile(ranked, 0.99)
+    return p90 + (p99 - p90) / math.log(10) * math.log(max(0.1 * num_tokens / alpha, 1.0))
+
+
+@dataclass(frozen=True)
+class _Witness:
+    name: str
+    distance: Distance | None
+    tail: float
+    """`tail_bound` of its tokens for as many tokens as the side judged."""
+
+
+def _witness(other: PerSequence, fp64: PerSequence | None, floor: float, num_tokens: int,
+             alpha: float) -> _Witness:
     """The larger measure of what the precision explains at a point (by the median); the dtype's rounding
     (`rounding_floor`) where every measure is 0 (nothing computed differently there), or none without a floor."""
     candidates = [("other side", other)] + ([("fp32 vs fp64", fp64)] if fp64 is not None else [])
-    name, best = max(candidates, key=lambda c: (c[1].median.value, c[1].max.value))
+    measured = [(name, distance(values), values) for name, values in candidates]
+    name, best, values = max(measured, key=lambda c: (c[1].median.value, c[1].max.value))
     if best.median.value == 0 and best.max.value == 0:
         if floor <= 0:
-            return "none", None
+            return _Witness("none", None, 0.0)
         at = Spread(value=floor, se=0.0)
-        return "dtype rounding", Distance(median=at, max=at)
-    return name, best
+        return _Witness("dtype rounding", Distance(median=at, max=at), floor)
+    return _Witness(name, best, tail_bound(values, num_tokens, alpha))
 
 
-def _threshold(own: Spread, witness: Spread | None, rule: LocateRule) -> float:
-    base = 0.0 if witness is None else rule.balance * (witness.value + rule.k * witness.se)
-    return base + rule.k * own.se
-
-
-def judge_side(own: Distance, other: Distance, fp64: Distance | None, rule: LocateRule,
+def judge_side(own: PerSequence, other: PerSequence, fp64: PerSequence | None, rule: LocateRule,
                floor: float = 0.0) -> SideAtPoint:
-    """One side at one point: its thresholds from the witness (`_witness`) and whether it leaves there."""
-    name, witness = _witness(other, fp64, floor)
-    median_t = _threshold(own.median, witness.median if witness else None, rule)
-    max_t = _threshold(own.max, witness.max if witness else None, rule)
-    return SideAtPoint(distance=own, witness=name, median_threshold=median_t,  # type: ignore[arg-type]
-                       max_threshold=max_t, leaves=own.median.value > median_t or own.max.value > max_t)
+    """One side at one point, against the witness (`_witness`): the median leaves beyond balance × (the witness's
+    median + k se) + k × its own se; the max beyond balance × the largest of as many tokens the witness's tail
+    predicts (`tail_bound`: a max has no useful jackknife se, one far token inflates its own)."""
+    mine = distance(own)
+    num_tokens = sum(len(s) for s in own)
+    w = _witness(other, fp64, floor, num_tokens, rule.tail_alpha)
+    median_t = rule.k * mine.median.se
+    if w.distance is not None:
+        median_t += rule.balance * (w.distance.median.value + rule.k * w.distance.median.se)
+    max_t = rule.balance * w.tail
+    return SideAtPoint(distance=mine, witness=w.name, median_threshold=median_t,  # type: ignore[arg-type]
+                       max_threshold=max_t, leaves=mine.median.value > median_t or mine.max.value > max_t)
 
 
 def judge(points: Sequence[PointData], rule: LocateRule, floor: float = 0.0) -> tuple[list[Point], list[Divergence]]:
@@ -130,11 +150,10 @@ def judge(points: Sequence[PointData], rule: LocateRule, floor: float = 0.0) -> 
     side leaves at (trainer first)."""
     judged: list[Point] = []
     for p in points:
-        trainer, engine = distance(p.trainer), distance(p.engine)
         fp64 = distance(p.fp32_vs_fp64) if p.fp32_vs_fp64 is not None else None
         judged.append(Point(name=p.name, layer=p.layer, module=p.module, fp32_vs_fp64=fp64,
-                            trainer=judge_side(trainer, engine, fp64, rule, floor),
-                            engine=judge_side(engine, trainer, fp64, rule, floor)))
+                            trainer=judge_side(p.trainer, p.engine, p.fp32_vs_fp64, rule, floor),
+                            engine=judge_side(p.engine, p.trainer, p.fp32_vs_fp64, rule, floor)))
     return judged, first_divergences(judged)
 
 
