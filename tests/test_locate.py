@@ -214,3 +214,11 @@ def test_a_run_whose_a_fails_points_to_locate(tmp_path: Path) -> None:
     assert f"next: lora-parity locate {out}" in result.stdout
     clean = cli("run", "--trainer", "fake", "--sampler", "fake", "--out", str(tmp_path / "c.json"))
     assert clean.returncode == 0 and "lora-parity locate" not in clean.stdout
+
+
+def test_a_receipt_of_other_backends_is_refused_in_one_line(tmp_path: Path) -> None:
+    receipt = tmp_path / "fake.json"
+    made = cli("run", "--trainer", "fake", "--sampler", "fake", "--no-per-target", "--out", str(receipt))
+    assert made.returncode == 0, made.stderr
+    _one_line_exit_2(cli("locate", str(receipt)), "--trainer hf and --sampler vllm")
+    assert not (tmp_path / "fake.locate.json").exists()
