@@ -17,6 +17,7 @@ import typer
 
 from lora_parity import __version__
 from lora_parity.cli import live, output
+from lora_parity.cli.commands import locate as locate_cmd
 from lora_parity.cli.commands import models as models_cmd
 from lora_parity.cli.commands import receipts as receipts_cmd
 from lora_parity.cli.commands.options import (
@@ -301,6 +302,7 @@ def selftest(
 
 app.command(help=receipts_cmd.VERIFY_HELP)(receipts_cmd.verify)
 app.command(help=receipts_cmd.REPORT_HELP)(receipts_cmd.report)
+app.command(help=locate_cmd.LOCATE_HELP)(locate_cmd.locate)
 app.command()(receipts_cmd.table)
 app.command()(receipts_cmd.diff)
 app.command()(receipts_cmd.schema)

@@ -23,6 +23,7 @@ from lora_parity.util.escape import rich as escape
 from lora_parity.verdict import explain, findings, lifecycle
 from lora_parity.verdict.check_rules import compared_nothing
 from lora_parity.verdict.checks import not_passing
+from lora_parity.verdict.locate_rule import locate_hint
 
 
 def _columns() -> int | None:
@@ -231,6 +232,9 @@ def result(receipt: Receipt, path: str, as_json: bool, seconds: float = 0.0, log
             line(note)
         if notes:
             line(f"next: lora-parity report {path}  (worst positions, error breakdown, every comparison)")
+        located = locate_hint(receipt.checks, path)
+        if located:
+            line(located)
         if log:
             line(f"third-party logs: {log}")
         uncovered = not_covered_line(receipt)

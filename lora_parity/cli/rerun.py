@@ -158,21 +158,30 @@ def _revision_note(receipt: Receipt) -> str:
     return f"the current tree ({now}); the receipt was made at {recorded.commit[:12]}: the revisions differ"
 
 
+def plan_for(receipt: Receipt, parse: ParseCommand, mine: VerifierInputs = VerifierInputs()) -> tuple[Any, Any]:
+    """The options (`options_for`) and the preflight plan (`runner.prepare`) of the receipt's run, checked to be its
+    config and probes (their digests); `ConfigError` otherwise. Used by `rerun` and `locate`."""
+    from lora_parity.run.runner import prepare
+
+    opts = options_for(receipt, parse, mine)
+    plan = prepare(opts)
+    if plan.cfg.digest() != receipt.model.config_digest:
+        raise ConfigError(f"config {plan.cfg.name} is not the one the receipt ran (its digest changed)")
+    if plan.probes.digest != receipt.probes.digest:
+        raise ConfigError(f"probes {opts.probes} are not the receipt's (their digest differs)")
+    return opts, plan
+
+
 def rerun(receipt: Receipt, parse: ParseCommand, mine: VerifierInputs = VerifierInputs(),
           progress: Any = None) -> RerunResult:
     """Repeat the receipt's run (nothing is written beside it) and compare the raw scores; the exit
     code then follows the receipt's verdict, as `verify`'s does. `parse` is the CLI's parser of the
     recorded command line; `mine` what the verifier gave."""
-    from lora_parity.run.runner import execute, prepare
+    from lora_parity.run.runner import execute
 
     note = _revision_note(receipt)
     try:
-        opts = options_for(receipt, parse, mine)
-        plan = prepare(opts)
-        if plan.cfg.digest() != receipt.model.config_digest:
-            raise ConfigError(f"config {plan.cfg.name} is not the one the receipt ran (its digest changed)")
-        if plan.probes.digest != receipt.probes.digest:
-            raise ConfigError(f"probes {opts.probes} are not the receipt's (their digest differs)")
+        opts, _ = plan_for(receipt, parse, mine)
     except ConfigError as e:
         return RerunResult(EXIT_BAD_INPUT, f"cannot rerun: {e}", note)
     with tempfile.TemporaryDirectory(prefix="lora-parity-rerun-") as tmp:

@@ -1,0 +1,157 @@
+"""The result of `lora-parity locate` (docs/locate.md): where in the base forward trainer and engine part, as data.
+
+Each point of the forward (the embedding, each decoder layer's modules, the final norm) carries each side's distance
+from the fp32 reference over the picked sequences' tokens, the precision witness it is judged against, the
+thresholds the rule derived from them and whether the side leaves there. Strict like the receipt (`Strict`): a
+locate file is written once, never edited.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from lora_parity.evidence.receipt_models import Strict
+
+LOCATE_SCHEMA_VERSION = 1
+
+Side = Literal["trainer", "engine"]
+
+
+class LocateRule(Strict):
+    """The rule's constants (verdict/locate_rule.py, docs/locate.md): a side leaves what its precision explains at a
+    point where its distance from fp32, less `k` of its standard errors, exceeds `balance` × the precision witness's
+    distance there plus `k` of the witness's standard errors (the median), or `balance` × the largest of its tokens'
+    count the witness's tail predicts (the max)."""
+
+    balance: float = Field(default=2.0, ge=1)
+    """How many times the witness's distance from fp32 a side of the same precision may be (A.fp32.balance's 2:
+    two computations of one precision are about equally far from fp32; their kernels' accuracy may differ)."""
+    k: float = Field(default=3.0, ge=0)
+    """Standard errors (jackknife over the sequences) on each side of the comparison."""
+    tail_alpha: float = Field(default=1e-3, gt=0, lt=1)
+    """The max's threshold: the largest of n tokens the witness's tail predicts with this chance of being passed
+    by noise alone (the config's `budgets.noise.tail_alpha`, the noise model's, where it sets one)."""
+
+
+class Spread(Strict):
+    """One statistic of per-token distances, with its uncertainty."""
+
+    value: float = Field(ge=0)
+    """The statistic over every token of the picked sequences."""
+    se: float = Field(ge=0)
+    """Its jackknife standard error: over sequences (delete one), or over blocks of one sequence's tokens."""
+
+
+class Distance(Strict):
+    """Relative L2 distance from the fp32 reference, per token (‖h − h_fp32‖ / ‖h_fp32‖), summarized."""
+
+    median: Spread
+    """The median over tokens."""
+    max: Spread
+    """The largest over tokens."""
+
+
+class SideAtPoint(Strict):
+    """One side at one point of the forward."""
+
+    distance: Distance
+    """Its distance from the fp32 reference."""
+    witness: Literal["other side", "fp32 vs fp64", "dtype rounding", "none"]
+    """What measured the precision it is judged against: the other side's distance from fp32 (a computation of the
+    same precision), the fp32 reference's own distance from an fp64 forward (what fp32 rounding explains there),
+    whichever is larger; where both are zero (nothing computed differently there), the dtype's rounding of one
+    reduction over the hidden dimension (`LocateResult.rounding_floor`)."""
+    median_threshold: float = Field(ge=0)
+    """balance × (witness median + k se) + k × this side's median se: the median beyond it leaves."""
+    max_threshold: float = Field(ge=0)
+    """balance × the largest of as many tokens as the witness's tail predicts (p90 + β ln(0.1 n / α), β from its
+    p90 and p99): the max over tokens beyond it leaves."""
+    leaves: bool
+    """Whether the side leaves what its precision explains here (the median or the max beyond its threshold)."""
+
+
+class Point(Strict):
+    """One point of the forward where hidden states are compared, in forward order."""
+
+    name: str
+    """`embed`, `layers.I.input_layernorm` (that norm's output), `layers.I.self_attn` (the residual stream after
+    attention), `layers.I.post_attention_layernorm`, `layers.I` (the stream after the MLP), `norm` (final norm)."""
+    layer: int | None
+    """The decoder layer (0-based), None for the embedding and the final norm."""
+    module: str
+    """What computes between the previous point and this one: where a side that first leaves here parts."""
+    trainer: SideAtPoint
+    """The trainer (HF + PEFT at zero-init, the checkpoint's dtype)."""
+    engine: SideAtPoint
+    """The engine (the in-process vLLM model, base weights)."""
+    fp32_vs_fp64: Distance | None = None
+    """The fp32 reference's own distance from an fp64 forward (fp32 checkpoints only): what fp32 explains here."""
+
+
+class Divergence(Strict):
+    """The first point where one side leaves what its precision explains."""
+
+    side: Side
+    point: str
+    """`Point.name`."""
+    layer: int | None
+    """The decoder layer, None for the embedding or the final norm."""
+    module: str
+    """`Point.module`: where the side parts."""
+    statistic: Literal["median", "max"]
+    """Which statistic left (median first where both did)."""
+    observed: float
+    """That statistic of the side's distance from fp32."""
+    threshold: float
+    """Its threshold at the point."""
+
+
+class PickedSequence(Strict):
+    """A sequence picked by A's per-token differences (|zero − trainer_zero| in the receipt's raw scores)."""
+
+    index: int = Field(ge=0)
+    """Its index among the receipt's probe sequences."""
+    num_tokens: int = Field(ge=1)
+    """Tokens in it (every one's hidden state is compared)."""
+    max_abs: float = Field(ge=0)
+    """Largest |Δlogprob| of A on it."""
+    mean_abs: float = Field(ge=0)
+    """Mean |Δlogprob| of A on it."""
+
+
+class LocateResult(Strict):
+    """`lora-parity locate`: the first divergence of the base forward, per side."""
+
+    schema_version: Literal[1] = 1
+    """Version of this format."""
+    kind: Literal["locate"] = "locate"
+    """What this file is (a locate result, not a receipt)."""
+    tool_version: str
+    created_at: str
+    """UTC, ISO 8601."""
+    receipt_digest: str
+    """The sha256 digest of the receipt located."""
+    model: str
+    """The config name."""
+    dtype: str
+    """The checkpoint's dtype: each side's precision."""
+    trainer: str
+    sampler: str
+    a_failed: list[str]
+    """The receipt's failing A checks (empty: A passed; locate still measures)."""
+    sequences: list[PickedSequence]
+    """The sequences compared, worst first."""
+    rule: LocateRule
+    rounding_floor: float = Field(ge=0)
+    """√H × u of the checkpoint's dtype (H the hidden size, u its unit roundoff): the witness where nothing else
+    measured the precision (`SideAtPoint.witness`)."""
+    points: list[Point]
+    """Every point, in forward order."""
+    divergences: list[Divergence]
+    """The first point each side leaves at (none: both sides stay within their precision everywhere)."""
+    injected: str | None = None
+    """A fault planted for the demonstration (`--inject engine-norm@K`): this result is not the receipt's run."""
+    timings: dict[str, float]
+    """Seconds per step."""
