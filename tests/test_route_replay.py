@@ -197,7 +197,7 @@ def test_vllm_cannot_return_routes_auto_goes_on_and_on_is_refused() -> None:
     cfg = config.load("tiny-qwen3-moe")
     opts = RunOptions(model="tiny-qwen3-moe", sampler="vllm")
     assert route_replay.preflight(opts, cfg, FakeTrainer, VLLMSampler) is False
-    with pytest.raises(ConfigError, match=r"--route-replay on: vllm: .*Model Runner V2"):
+    with pytest.raises(ConfigError, match=r"--route-replay on: vllm: .*GPU model runner"):
         route_replay.preflight(RunOptions(sampler="vllm", route_replay="on"), cfg, FakeTrainer, VLLMSampler)
     assert route_replay.preflight(RunOptions(route_replay="on"), cfg, FakeTrainer, fake.FakeSampler) is True
     assert route_replay.preflight(RunOptions(route_replay="off"), cfg, FakeTrainer, fake.FakeSampler) is False

@@ -26,6 +26,7 @@ ALLOWED: dict[str, type | tuple[str, ...]] = {
     "max_cpu_loras": int, "tensor_parallel_size": int, "gpu_memory_utilization": float, "swap_space": float,
     "logprobs_mode": LOGPROBS_MODES, "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"),
     "lora_dtype": ("auto", "float16", "bfloat16", "float32"), "attention_backend": str,
+    "enable_return_routed_experts": bool,
 }
 """Keys a user may set, and the kind of each value (a tuple: one of these strings)."""
 

