@@ -11,6 +11,24 @@ Use it from a pytest test or a training-loop callback (docs/api.md):
 """
 
 from lora_parity.api.parity_check import Result, check
-from lora_parity.api.protocols import BaseScoringEngine, Engine, Sync, TensorLoadingEngine, Trainer
+from lora_parity.api.protocols import (
+    BaseScoringEngine,
+    CachedScoringEngine,
+    Described,
+    Engine,
+    Sync,
+    TensorLoadingEngine,
+    Trainer,
+)
 
-__all__ = ["BaseScoringEngine", "Engine", "Result", "Sync", "TensorLoadingEngine", "Trainer", "check"]
+__all__ = [
+    "BaseScoringEngine",
+    "CachedScoringEngine",
+    "Described",
+    "Engine",
+    "Result",
+    "Sync",
+    "TensorLoadingEngine",
+    "Trainer",
+    "check",
+]
