@@ -1,6 +1,6 @@
 """api: the public Python API: `check` runs the sequence on a caller's own trainer, engine and sync (protocols),
 wrapped as backends (`caller`) and handed to the runner; what it returns is `Result`, with the CLI's receipt.
-May import util/, evidence/, verdict/, models/, backends/ and run/; nothing but cli/ may import it.
+May import util/, evidence/, verdict/, models/, backends/ and run/; only stacks/ and cli/ may import it.
 
 Use it from a pytest test or a training-loop callback (docs/api.md):
 
