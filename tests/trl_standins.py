@@ -177,8 +177,9 @@ class StandInLLM:
         token = int(processed.argmax())
         reported = processed if self.llm_engine.model_config.logprobs_mode == "processed_logprobs" else raw
         logprobs = None
-        if sp.logprobs is not None or sp.logprob_token_ids:
-            wanted = {token, *(sp.logprob_token_ids or [])}
+        wanted_ids = getattr(sp, "logprob_token_ids", None) or []  # an older vLLM has no such field
+        if sp.logprobs is not None or wanted_ids:
+            wanted = {token, *wanted_ids}
             logprobs = [{t: Logprob(logprob=float(reported[t])) for t in wanted}]
         completion = SimpleNamespace(token_ids=[token], logprobs=logprobs)
         return SimpleNamespace(prompt_token_ids=ids, prompt_logprobs=prompt_logprobs, outputs=[completion])
