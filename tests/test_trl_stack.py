@@ -59,7 +59,7 @@ def test_a_clean_check_through_trls_own_sync_passes(folder: Path, tmp_path: Path
     settings = receipt.sampler.settings
     assert settings["stack"] == "trl" and settings["sync"] == "VLLMGeneration.sync_weights"
     assert settings["vllm_mode"] == "colocate" and settings["planted_fault"] == "none"
-    assert settings["cached_scoring"].startswith("logprob_token_ids")
+    assert settings["cached_scoring"].startswith("logprob_token_ids") and settings["vllm_dtype"] == "float32"
     phases = {p.name for p in receipt.phases}
     assert {"base", "stale_cached", "updated_cached", "base_after_sync", "target.q_proj", "target.down_proj"} <= phases
     ids = {c.id for c in receipt.checks}

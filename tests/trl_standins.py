@@ -102,7 +102,7 @@ class StandInLLM:
         self.llm_engine = SimpleNamespace(
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
             vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)),
-            model_config=SimpleNamespace(logprobs_mode=logprobs_mode, max_model_len=128))
+            model_config=SimpleNamespace(logprobs_mode=logprobs_mode, max_model_len=128, dtype=torch.float32))
         self.cache: dict[tuple[int, ...], Any] = {}
         self.asleep: set[str] = set()
         self.cache_hits = 0

@@ -262,7 +262,8 @@ class TRLColocateEngine(TRLEngine):
             self.llm.reset_prefix_cache()
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(),
+        config = getattr(self.llm.llm_engine, "model_config", None)
+        return {**super().describe(), "vllm_dtype": str(getattr(config, "dtype", "unknown")).removeprefix("torch."),
                 "base_route": "the policy's base weights via load_weights, the engine's parameters copied back after"}
 
 
