@@ -65,6 +65,15 @@
 #                  too). A spec `runs` puts the `sglang` step's RUNS on smollm2-bf16-path at that place in the
 #                  chain (receipts in /tmp/st/runs). Follow with `collect [WAIT]`. Not beside another sglang or
 #                  pseeds step: they share the GPU
+#   stash-trl N    copy .gpu-trl/tN (TRL 1.16.0 and what it needs beyond the image: scripts/gpu-trl-wheels.txt,
+#                  packed as scripts/gpu-plans/trl.md says; carried one per call) to /tmp/wt
+#   install-trl    join split wheels, install the set into /tmp/site-trl (in front of /tmp/site for the trl step) and
+#                  import trl, datasets and vllm
+#   trl REV [FAULTS] [ARGS..]
+#                  TRL's GRPOTrainer (PEFT LoRA r8, vLLM colocate) on SmolLM2-135M bf16 by path: one optimizer step,
+#                  then lora_parity.stacks.trl's clean check (from its callback) and each fault (FAULTS: all, none or
+#                  a,b); ARGS go to scripts/trl-colocate.py (--sleep: vllm_enable_sleep_mode). Receipts into $OUT,
+#                  one JSON line per run printed; logs in /tmp/gpu-logs/trl*.err (tail printed)
 #
 # The wheels come from ../shared/gpu/prepare-vllm-wheels.sh (GPU.md); the machine's image already has
 # torch 2.11 (CUDA 13), transformers, PEFT, typer and rich. The megatron-core wheel (pure Python,
@@ -159,6 +168,23 @@ case "$step" in
     mkdir -p /tmp/w && cp ".gpu-wheels/c${2:?chunk}"/* /tmp/w/ && ls /tmp/w | wc -l ;;
   stash-model)
     mkdir -p /tmp/m && cp ".gpu-model/m${2:?part}"/* /tmp/m/ && ls /tmp/m | wc -l ;;
+  stash-trl)
+    mkdir -p /tmp/wt && cp ".gpu-trl/t${2:?chunk}"/* /tmp/wt/ && ls /tmp/wt | wc -l ;;
+  install-trl)
+    cd /tmp/wt
+    for f in $(ls ./*.part00 2>/dev/null); do
+      whl=${f%.part00}; cat "$whl".part* > "$whl" && rm "$whl".part*
+    done
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-trl /tmp/wt/*.whl
+    PYTHONPATH=/tmp/site-trl:$PYTHONPATH python3 -c "import trl, datasets, vllm; print('trl', trl.__version__, 'datasets', datasets.__version__, 'vllm', vllm.__version__)" ;;
+  trl)
+    rev=${2:?revision}; faults=${3:-all}; shift 2; [ $# -gt 0 ] && shift
+    mkdir -p /tmp/gpu-logs
+    ck=$(checkpoint smollm2-135m-bf16)
+    tag=trl$(printf '%s' "$*" | tr -c 'a-z0-9' '-')
+    PYTHONPATH=/tmp/site-trl:$PYTHONPATH timeout 560 python3 scripts/trl-colocate.py "$ck" "$out" --faults "$faults" \
+      --revision "$rev" --device "$device" "$@" 2> "/tmp/gpu-logs/$tag.err" && rc=0 || rc=$?
+    echo "== trl rc=$rc"; tail -25 "/tmp/gpu-logs/$tag.err" | cut -c1-400 ;;
   stash-pack)
     mkdir -p /tmp/pk && cp ".gpu-pack/p${2:?piece}"/* /tmp/pk/ && ls /tmp/pk | wc -l ;;
   install)

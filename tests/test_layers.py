@@ -27,7 +27,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "report": {"util", "evidence", "verdict"},
     "run": {"util", "evidence", "verdict", "models", "backends"},
     "api": {"util", "evidence", "verdict", "models", "backends", "run"},
-    "cli": {"util", "evidence", "verdict", "models", "backends", "report", "run", "api"},
+    "stacks": {"util", "evidence", "verdict", "models", "backends", "run", "api"},
+    "cli": {"util", "evidence", "verdict", "models", "backends", "report", "run", "api", "stacks"},
 }
 """Folder -> the other folders its modules may import (its own always)."""
 ENTRY_POINTS = {"lora_parity.__main__", "lora_parity.launch"}

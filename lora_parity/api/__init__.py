@@ -1,6 +1,6 @@
 """api: the public Python API: `check` runs the sequence on a caller's own trainer, engine and sync (protocols),
 wrapped as backends (`caller`) and handed to the runner; what it returns is `Result`, with the CLI's receipt.
-May import util/, evidence/, verdict/, models/, backends/ and run/; nothing but cli/ may import it.
+May import util/, evidence/, verdict/, models/, backends/ and run/; only stacks/ and cli/ may import it.
 
 Use it from a pytest test or a training-loop callback (docs/api.md):
 
@@ -11,6 +11,24 @@ Use it from a pytest test or a training-loop callback (docs/api.md):
 """
 
 from lora_parity.api.parity_check import Result, check
-from lora_parity.api.protocols import BaseScoringEngine, Engine, Sync, TensorLoadingEngine, Trainer
+from lora_parity.api.protocols import (
+    BaseScoringEngine,
+    CachedScoringEngine,
+    Described,
+    Engine,
+    Sync,
+    TensorLoadingEngine,
+    Trainer,
+)
 
-__all__ = ["BaseScoringEngine", "Engine", "Result", "Sync", "TensorLoadingEngine", "Trainer", "check"]
+__all__ = [
+    "BaseScoringEngine",
+    "CachedScoringEngine",
+    "Described",
+    "Engine",
+    "Result",
+    "Sync",
+    "TensorLoadingEngine",
+    "Trainer",
+    "check",
+]

@@ -19,7 +19,14 @@ from typing import Any
 
 from lora_parity import __version__
 from lora_parity.api import tensors as tn
-from lora_parity.api.protocols import BaseScoringEngine, Engine, TensorLoadingEngine, Trainer
+from lora_parity.api.protocols import (
+    BaseScoringEngine,
+    CachedScoringEngine,
+    Described,
+    Engine,
+    TensorLoadingEngine,
+    Trainer,
+)
 from lora_parity.backends.base import AdapterHandle, BackendTraits, SamplerBackend, Scores, Sequences, TrainerBackend
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models import adapter_files
@@ -44,8 +51,10 @@ def _scores(value: Any, who: str) -> Scores:
 
 def _info(obj: object, **settings: Any) -> BackendInfo:
     cls = type(obj)
+    described = dict(obj.describe()) if isinstance(obj, Described) else {}
     return BackendInfo(backend=BACKEND, versions={"lora-parity": __version__},
-                       settings={"object": f"{cls.__module__}.{cls.__qualname__}", "device": "unknown", **settings})
+                       settings={"object": f"{cls.__module__}.{cls.__qualname__}", "device": "unknown", **described,
+                                 **settings})
 
 
 class CallerTrainer(TrainerBackend):
@@ -178,3 +187,15 @@ class CallerEngine(SamplerBackend):
 
     def close(self) -> None:
         """The caller's engine is the caller's to shut down."""
+
+
+class CallerCachedEngine(CallerEngine):
+    """A `CallerEngine` that also scores through its prefix cache (`CachedScoringSampler`): chosen where the
+    caller's engine can (`CachedScoringEngine`), so that the stale and synced engine are read that way too (P.*)."""
+
+    def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        """The caller's engine read through its prefix cache, under the adapter it serves now."""
+        engine = self.engine
+        if adapter is None or not isinstance(engine, CachedScoringEngine):
+            raise PhaseError("cached scoring of the base model, or of an engine without score_cached")
+        return _scores(engine.score_cached(sequences), "engine.score_cached")

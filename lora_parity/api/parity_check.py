@@ -14,8 +14,15 @@ from typing import Literal
 from pydantic import ValidationError
 
 from lora_parity.api import tensors as tn
-from lora_parity.api.caller import BACKEND, NO_BASE, CallerEngine, CallerTensorTrainer, CallerTrainer
-from lora_parity.api.protocols import Engine, Sync, TensorLoadingEngine, Trainer
+from lora_parity.api.caller import (
+    BACKEND,
+    NO_BASE,
+    CallerCachedEngine,
+    CallerEngine,
+    CallerTensorTrainer,
+    CallerTrainer,
+)
+from lora_parity.api.protocols import CachedScoringEngine, Engine, Sync, TensorLoadingEngine, Trainer
 from lora_parity.evidence import outpath, tracebacks
 from lora_parity.evidence.receipt import CheckStatus, Receipt, Verdict
 from lora_parity.models.config import AdapterSpec, ModelConfig, ModelSpec, PerturbationSpec, ProbeSpec, profile_budgets
@@ -113,8 +120,9 @@ def check(trainer: Trainer, engine: Engine, sync: Sync, sequences: Sequence[Sequ
     wrapped = (CallerTensorTrainer if loads else CallerTrainer)(trainer, start)
     opts = RunOptions(model=model, trainer=BACKEND, sampler=BACKEND, sync=CallerSync.name, seed=seed,
                       per_target=per_target, per_layer=per_layer, out=path, force=force, revision=revision)
-    plan = Plan(opts, cfg, type(wrapped), CallerEngine, CallerSync(sync), probes, git_revision(revision), {},
-                trainer=wrapped, sampler=CallerEngine(engine))
+    sampler = (CallerCachedEngine if isinstance(engine, CachedScoringEngine) else CallerEngine)(engine)
+    plan = Plan(opts, cfg, type(wrapped), type(sampler), CallerSync(sync), probes, git_revision(revision), {},
+                trainer=wrapped, sampler=sampler)
     try:
         result = _run(plan, progress or (lambda phase, status, seconds: None))
     except BaseException:

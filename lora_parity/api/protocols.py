@@ -70,6 +70,20 @@ class BaseScoringEngine(Protocol):
 
 
 @runtime_checkable
+class CachedScoringEngine(Protocol):
+    """An engine with a prefix cache that rollouts read: it can also score the way they read it. The run then
+    scores the stale engine through the cache (warming it with the old weights) and the synced one again, which
+    must match the trainer as C does (checks P.*): a sync that keeps the cache serves KV blocks computed with the
+    old weights. Without it the prefix cache is not checked."""
+
+    def score_cached(self, sequences: Sequences) -> Scores:
+        """The same values as `score` (the alignment rule), read the way a rollout reads the prefix cache: each
+        sequence once whole (filling the cache), then each position as a request for the next token, whose
+        prefix comes from the cache where it holds it."""
+        ...
+
+
+@runtime_checkable
 class TensorLoadingEngine(Protocol):
     """An engine whose LoRA tensors lora-parity can load directly, bypassing the caller's sync: the trainer's
     tensors loaded fresh must score exactly as the synced adapter (the exact sync check, X). Without it X is
@@ -81,4 +95,14 @@ class TensorLoadingEngine(Protocol):
 
     def load_lora_state_dict(self, tensors: Mapping[str, NestedFloats]) -> None:
         """Serve these tensors (the trainer's names and shapes) from now on, as a fresh load would."""
+        ...
+
+
+@runtime_checkable
+class Described(Protocol):
+    """A trainer or engine that says what the receipt should record about it (its stack, versions, mode, a fault
+    planted on purpose): `settings` of the receipt's trainer or sampler, beside `object`."""
+
+    def describe(self) -> Mapping[str, Any]:
+        """JSON-serialisable facts about this object, by name."""
         ...

@@ -129,10 +129,18 @@ def run(
         Path | None, typer.Option(help="Sign the receipt with this ed25519 private key (PEM): it is written as a "
                                        "DSSE envelope (see `lora-parity keygen`).")
     ] = None,
+    stack: Annotated[
+        str | None, typer.Option(help="An RL framework checked through its own sync and engine (trl, or an installed "
+                                      "plugin's): it runs inside your training script; says what it needs.")
+    ] = None,
     verbose: VerboseOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Run base → zero-init → perturb → stale → sync → republish and write a receipt."""
+    if stack is not None:
+        from lora_parity.stacks import refuse_cli
+
+        refuse_cli(stack)
     if plan:
         _print_plan(ctx, model, trainer, sampler, tp)
     from lora_parity.run.options import RunOptions
