@@ -112,3 +112,13 @@ def route_replay_trainer() -> Any:
     from lora_parity.backends.fake import FakeTrainer
 
     return FakeTrainer
+
+
+def test_the_many_experts_shape_routes_in_all_sixteen_layers_and_replays_where_both_sides_can() -> None:
+    from lora_parity.models.synthetic import hf_config_fields
+
+    cfg = config.load("qwen3-moe-64x8-synth")
+    assert cfg.model.synthetic is not None and cfg.model.synthetic.moe is not None
+    assert (cfg.model.synthetic.moe.num_experts, cfg.model.synthetic.moe.num_experts_per_tok) == (64, 8)
+    assert vllm_routes.moe_layers(hf_config_fields(cfg.model.synthetic)) == list(range(16))
+    assert cfg.route_replay == "auto" and cfg.model.dtype == "bfloat16"
