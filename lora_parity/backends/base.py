@@ -13,8 +13,8 @@ A backend class states its capabilities once, in `traits` (a `BackendTraits`); i
 are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
 `CachedScoringSampler`, `RoutingIntrospection`, `RouteReturningSampler`, `RouteReplayingTrainer`,
 `GeneratingSampler`, `StartAdapterTrainer`, `SteppingTrainer`, `TensorReadingTrainer`; `mixed_batch`'s
-`MixedBatchSampler`), which callers test with `isinstance`/`issubclass`, never by probing attributes. Every
-backend is built through `create(cfg, model_dir, timings, options)`.
+`MixedBatchSampler`, `sleep`'s `SleepingSampler`), which callers test with `isinstance`/`issubclass`, never by
+probing attributes. Every backend is built through `create(cfg, model_dir, timings, options)`.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class BackendTraits:
     """A sampler served over HTTP (vllm-server, sglang): built with `sampler_url`, `api_key_env` and
     `shared_dir`, and the only one the serving-layer faults apply to."""
     rounding_unresolved: str | None = None
-    """Why a fault that only rounds the adapter's values (fp16-export) stays below what this trainer's
-    runs resolve, so the selftest leaves it out; or None."""
+    """Why a fault that only rounds the adapter's values (fp16-export) stays below what this trainer's runs resolve,
+    so the selftest leaves it out; or None."""
     same_name_reload_refused: str | None = None
     """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
     old adapter), so the faults that do only that do not apply; or None."""
@@ -101,12 +101,12 @@ class BackendTraits:
     """Scores in the checkpoint's own dtype on this machine (not fp32-exact, not a service of unknown precision):
     two such sides are about equally far from fp32, so `fp32_balance` applies only when trainer and sampler are."""
     mixed_batch_unavailable: str | None = "it scores one route per call (no `MixedBatchSampler`)"
-    """Why this sampler cannot score the base model and adapter versions in one batch (the mixed-batch phase and
-    its fault do not apply), or None for a `MixedBatchSampler`."""
+    """Why this sampler cannot score routes mixed in one batch (that phase and its fault do not apply), or None."""
+    sleep_unavailable: str | None = "it has no sleep mode lora-parity drives (no `SleepingSampler`)"
+    """Why this sampler cannot sleep and wake (the sleep phases and their faults do not apply), or None."""
     reload_gets_fresh_cache: str | None = None
-    """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here
-    (each load gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache)
-    does not apply; or None."""
+    """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here (each load
+    gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache) does not apply; or None."""
     unload_reloads: str | None = None
     """Why a request naming an adapter this sampler unloaded does not fail here (the server loads it again
     from its path), so the fault that counts on that failure (unload-before-score) does not apply; or None."""

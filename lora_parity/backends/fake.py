@@ -8,7 +8,7 @@ as on the real backends. With a config of an MoE model (`model.synthetic.moe`) t
 token goes to the top-k of `_route_logit` over the config's experts in each of its layers, and each chosen
 expert adds its own term to the token's score (`_expert_term`), so routes given to the trainer (route replay)
 move its scores as an MoE model's would. Adapters travel as real PEFT folders (see `adapter_files`), and the fake
-sampler keeps what it loaded under an id unless asked to reload in place, as vLLM does.
+sampler keeps what it loaded under an id unless asked to reload in place, and sleeps and wakes, as vLLM does.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lora_parity.backends import sleep as sleep_mode
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendTraits,
@@ -333,15 +334,14 @@ def _with_noise(scores: Scores, sequences: Sequences, coefficients: dict[str, fl
     return out
 
 
-class FakeSampler(SamplerBackend):
-    """A sampler that scores with the coefficients of the adapter folders it loaded, by id."""
+class FakeSampler(sleep_mode.SleepBookkeeping, SamplerBackend):
+    """A sampler that scores with the coefficients of the adapter folders it loaded, by id (and sleeps as vLLM)."""
 
-    traits = BackendTraits(needs_checkpoint=False, mixed_batch_unavailable=None)
+    traits = BackendTraits(needs_checkpoint=False, mixed_batch_unavailable=None, sleep_unavailable=None)
     adapters_per_batch: int = 2
     """`MixedBatchSampler`: adapters one batch serves (the engine's max_loras)."""
     noise: float = 0.0
     """Std of the bf16-like noise added to every score (`_with_noise`); 0: exact. Unit tests set it."""
-
     mirrored: bool = False
     """Unit tests set it: `exact_scorer` then mirrors this sampler (the exact reference, E)."""
     reported_weight_version: str | None = None
@@ -369,9 +369,12 @@ class FakeSampler(SamplerBackend):
 
     def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
         """`score`, and the routes it took (none for a dense config)."""
+        self.check_awake("score")
         coefficients = self.loaded[adapter.adapter_id] if adapter else self.base
         routes = self._routes(sequences, coefficients)
         scores = _score(sequences, coefficients, self.kinds, routes)
+        if self.base_lost:  # zeroed weights: uniform logits, whatever the adapter
+            scores = [[sleep_mode.LOST_LOGPROB] * (len(seq) - 1) for seq in sequences]
         return (_with_noise(scores, sequences, coefficients, self.noise) if self.noise else scores), routes or []
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
@@ -416,26 +419,32 @@ class FakeSampler(SamplerBackend):
             sequences.append(seq)
         return sequences, _score(sequences, coefficients, self.kinds, self._routes(sequences, coefficients))
 
+    def drop_adapters(self) -> None:  # a level-2 sleep: each loaded adapter's values lost (read as zero)
+        self.loaded = {adapter_id: {} for adapter_id in self.loaded}
+
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
+        self.check_awake("load an adapter", weights_only=True)
         if adapter_id not in self.loaded or inplace:
             config, tensors = af.read_adapter(directory)
             self.loaded[adapter_id] = _coefficients(config, tensors)
         return AdapterHandle(name, adapter_id, Path(directory))
 
     def reload_base(self, folder: Path | None = None, tensors: dict[str, float] | None = None) -> None:
+        self.check_awake("load weights", weights_only=True)
         if tensors is None:
             assert folder is not None
             tensors = json.loads((Path(folder) / "merged.json").read_text())
-        self.base = dict(tensors)
+        self.base, self.base_lost = dict(tensors), False
 
     def reset_base(self) -> None:
-        self.base = {}
+        self.reload_base(tensors={})
 
     def retire(self, handle: AdapterHandle) -> None:
         self.loaded.pop(handle.adapter_id, None)
 
     def info(self) -> BackendInfo:
-        return BackendInfo(backend="fake", versions={}, settings={})
+        return BackendInfo(backend="fake", versions={},
+                           settings={"sleep_mode": sleep_mode.setting(None, self.sleep_levels)})
 
     def close(self) -> None:
         pass

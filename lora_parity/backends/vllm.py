@@ -22,6 +22,7 @@ from typing import Any
 
 from lora_parity.backends import engine_args as user_args
 from lora_parity.backends import moe, vllm_routes
+from lora_parity.backends import sleep as sleep_mode
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
@@ -114,20 +115,18 @@ def _batch_invariant_environment(wanted: bool) -> str:
     return f"{'on' if on else 'off'} (VLLM_BATCH_INVARIANT={os.environ['VLLM_BATCH_INVARIANT']} set by the user)"
 
 
-def _deployment(llm: Any, device: str) -> dict[str, str]:
+def refuse_sleep_without_mode(cfg: ModelConfig) -> None:
+    """Preflight: sleep levels asked on CUDA need the user's enable_sleep_mode=true (`sleep.require_sleep_mode`)."""
+    if cfg.sampler.sleep_levels:
+        sleep_mode.require_sleep_mode(cfg, _has_cuda())
+
+
+def _deployment(llm: Any, device: str, sleep_unavailable: str | None) -> dict[str, str]:
     """What the started engine does about the deployment conditions (`verdict.lifecycle`), read off its own
     config, not off the options given: CUDA graphs, sleep mode, logprobs mode."""
-    from vllm.platforms import current_platform
-
     config = llm.llm_engine.vllm_config
-    if not current_platform.is_sleep_mode_available():
-        sleep = (f"off (vLLM-{device.upper()} has no sleep mode: the platform's is_sleep_mode_available() is False, "
-                 "and enable_sleep_mode=true stops the engine's start)")
-    elif getattr(config.model_config, "enable_sleep_mode", False):
-        sleep = "enabled; the sleep/wake phases are designed, off (docs/deployment.md)"
-    else:
-        sleep = "off (enable_sleep_mode not set; the sleep/wake phases are designed, off: docs/deployment.md)"
-    return {"cuda_graphs": user_args.graphs_truth(config.compilation_config, device), "sleep_mode": sleep,
+    return {"cuda_graphs": user_args.graphs_truth(config.compilation_config, device),
+            "sleep_mode": sleep_mode.setting(sleep_unavailable, sleep_mode.LEVELS),
             "logprobs_mode": str(getattr(config.model_config, "logprobs_mode", "unknown"))}
 
 
@@ -137,7 +136,8 @@ class VLLMSampler(SamplerBackend):
     # Route replay (docs/moe.md): the GPU build returns each pass's routed experts where the engine starts with
     # enable_return_routed_experts (`vllm_routes`; lora-parity sets it for an MoE model on CUDA), the CPU build none.
     traits = BackendTraits(routing_unavailable=moe.VLLM_ROUTING_UNAVAILABLE if vllm_routes.cpu_build() else None,
-                           at_checkpoint_precision=True, mixed_batch_unavailable=None)
+                           at_checkpoint_precision=True, mixed_batch_unavailable=None,
+                           sleep_unavailable=sleep_mode.VLLM_CPU if vllm_routes.cpu_build() else None)
 
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True,
                  batch_invariant: bool = True) -> None:
@@ -177,14 +177,15 @@ class VLLMSampler(SamplerBackend):
         with private_dist_store():
             self.llm = LLM(**llm_kwargs(self.engine_args))
         timings["sampler.start"] = time.perf_counter() - start
-        self.deployment = _deployment(self.llm, "cuda" if self.cuda else "cpu")
+        sleep_unavailable = sleep_mode.vllm_unavailable(self.llm, "cuda" if self.cuda else "cpu")
+        self.deployment = _deployment(self.llm, "cuda" if self.cuda else "cpu", sleep_unavailable)
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         self._SamplingParams = SamplingParams
         # An in-process engine holds only this process's memory; a multiprocess one owns workers.
         self.traits = replace(self.traits,
                               releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
                               mixed_batch_unavailable=None if self.cuda or not lora else cpu_lora_defect(),
-                              routing_unavailable=self._routing_unavailable())
+                              routing_unavailable=self._routing_unavailable(), sleep_unavailable=sleep_unavailable)
         self.moe_layers = vllm_routes.moe_layers(_config(self.model_dir)) if self.returns_routes else []
 
     @classmethod
@@ -277,6 +278,20 @@ class VLLMSampler(SamplerBackend):
         rows = [_prompt_row(sequences[i // len(routes)], result, i // len(routes))
                 for i, result in enumerate(results)]
         return [[rows[s * len(routes) + r] for s in range(len(sequences))] for r in range(len(routes))]
+
+    @property
+    def sleep_levels(self) -> tuple[int, ...]:
+        """`SleepingSampler`: levels 1 and 2 where the engine was started with sleep mode on CUDA, else none."""
+        return sleep_mode.LEVELS if self.traits.sleep_unavailable is None else ()
+
+    def sleep(self, level: int) -> None:
+        """`LLM.sleep(level)`: level 1 offloads the weights to the CPU, level 2 discards them; both discard the KV
+        cache and clear the prefix cache (`backends.sleep`)."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """`LLM.wake_up(tags)`: "weights", "kv_cache", or everything (None)."""
+        self.llm.wake_up(tags=None if tags is None else list(tags))
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:

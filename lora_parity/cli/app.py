@@ -40,6 +40,7 @@ from lora_parity.cli.commands.options import (
     SamplerUrlOpt,
     SeedOpt,
     SharedDirOpt,
+    SleepLevelsOpt,
     SyncOpt,
     TpOpt,
     TrainerOpt,
@@ -107,6 +108,7 @@ def run(
     exact_reference: ExactReferenceOpt = True,
     batch_invariant: BatchInvariantOpt = True,
     engine_arg: EngineArgOpt = None,
+    sleep_levels: SleepLevelsOpt = None,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
@@ -158,7 +160,7 @@ def run(
                       reference=reference, exact_reference=exact_reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter,
-                      engine_args=tuple(engine_arg or ()))
+                      engine_args=tuple(engine_arg or ()), sleep_levels=sleep_levels)
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)
@@ -258,6 +260,8 @@ def selftest(
     per_target: PerTargetOpt = None,
     route_replay: RouteReplayOpt = None,
     exact_reference: ExactReferenceOpt = True,
+    engine_arg: EngineArgOpt = None,
+    sleep_levels: SleepLevelsOpt = None,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
@@ -282,7 +286,8 @@ def selftest(
                       sync=sync, update=update, route_replay=route_replay,
                       revision=revision, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
-                      shared_dir=shared_dir, adapter=adapter)
+                      shared_dir=shared_dir, adapter=adapter, engine_args=tuple(engine_arg or ()),
+                      sleep_levels=sleep_levels)
     from lora_parity.run.runner import RunInterrupted
     from lora_parity.util import interrupt
 

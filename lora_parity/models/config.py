@@ -1,9 +1,8 @@
 """Model configs: what to load, the LoRA adapter, the perturbation, the probes and the budgets.
 
 A config is a YAML file in `configs/` (read with `strict_yaml`: the safe loader, aliases and duplicate keys refused),
-validated strictly. `--model`
-takes a config name, a path to a YAML file, or a local HF checkpoint folder (config.json +
-safetensors), which then runs with the embedded default's settings.
+validated strictly. `--model` takes a config name, a path to a YAML file, or a local HF checkpoint folder
+(config.json + safetensors), which then runs with the embedded default's settings.
 """
 
 from __future__ import annotations
@@ -230,14 +229,14 @@ class SamplerSpec(_Cfg):
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
     enable_prefix_caching: bool = False
-    """Off by default: a prompt served partly from cached KV blocks is scored differently from the same
-    prompt computed whole, so repeated scoring of one state stops being exact (seen on the GPU)."""
+    """Off by default: a prompt served partly from cached KV blocks is scored differently from the same prompt
+    computed whole, so repeated scoring of one state stops being exact (seen on the GPU)."""
     gpu_memory_utilization: float = 0.5
     gpu_kv_cache_gib: float | None = Field(default=None, gt=0)
-    """A fixed KV cache on the GPU (vLLM's kv_cache_memory_bytes), in GiB. Set, vLLM skips the memory
-    profiling that sizes the cache from `gpu_memory_utilization`, which fails when another process on
-    the same GPU (a second run, a trainer) changes its use meanwhile; `gpu_memory_utilization` then
-    only has to fit in the GPU's free memory at the start. None: the profiling decides."""
+    """A fixed KV cache on the GPU (vLLM's kv_cache_memory_bytes), in GiB. Set, vLLM skips the memory profiling that
+    sizes the cache from `gpu_memory_utilization`, which fails when another process on the same GPU (a second run, a
+    trainer) changes its use meanwhile; `gpu_memory_utilization` then only has to fit in the GPU's free memory at the
+    start. None: the profiling decides."""
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     """vLLM attention backend to force (e.g. CPU_MLA: fp32 MLA on the CPU; the AMX one needs bf16)."""
@@ -250,20 +249,21 @@ class SamplerSpec(_Cfg):
     engine side only."""
     engine_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
     """The user's vLLM engine arguments as deployed (`backends.engine_args`; `--engine-arg KEY=VALUE` wins)."""
+    sleep_levels: list[Literal[1, 2]] = Field(default_factory=list)
+    """Sleep levels the run exercises after the sync (`run.sleep_wake`, W.*; `--sleep-levels` wins); vLLM needs
+    enable_sleep_mode=true. Empty: none."""
 
 
 class ScoringSpec(_Cfg):
     """How sequences are grouped into forwards (HF trainer and sampler) and requests (vLLM sampler).
 
-    Every phase scores the same way, so batching never mixes two groupings in one comparison; it
-    does change the numbers a little (kernels pick other tilings for other batch shapes), which is
-    why it is recorded in the receipt. MoE checkpoints keep 1: expert routing of one token can
-    depend on what else is in the batch (capacity, kernel choice)."""
+    Every phase scores the same way, so batching never mixes two groupings in one comparison; it does change the
+    numbers a little (kernels pick other tilings for other batch shapes), which is why it is recorded in the receipt.
+    MoE checkpoints keep 1: expert routing of one token can depend on what else is in the batch (capacity, kernels)."""
 
     batch_size: int = Field(default=1, gt=0)
-    """Sequences per vLLM `generate` call and per forward of the HF sampler and the exact trainer
-    (right-padded; causal attention never looks at the padding). The megatron and tinker backends
-    score one sequence at a time."""
+    """Sequences per vLLM `generate` call and per forward of the HF sampler and the exact trainer (right-padded;
+    causal attention never looks at the padding). The megatron and tinker backends score one sequence at a time."""
     pack_tokens: int = Field(default=2048, ge=0)
     """Consecutive sequences packed into one call up to this many right-padded tokens, where packing is
     safe: every HF trainer forward and the fp32 reference's, and the vLLM sampler's generate calls on

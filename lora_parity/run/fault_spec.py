@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from lora_parity.run.sync import SyncMode
 
+ADAPTER_MODES = ("new-id", "inplace", "tensors")
+"""The sync modes that publish a LoRA adapter (the others merge it into the base weights)."""
+
 
 @dataclass(frozen=True)
 class FaultSpec:
@@ -70,3 +73,6 @@ class FaultSpec:
     needs_mixed: bool = False
     """Changes what a batch mixing the base model and adapter versions serves: only for a sampler that mixes them
     (`traits.mixed_batch_unavailable` None) in a sync mode that serves adapters (`run.mixed_batch`)."""
+    needs_sleep: tuple[int, ...] = ()
+    """Breaks sleep and wake: only where the run exercises one of these sleep levels (`run.sleep_wake`,
+    `--sleep-levels`) on a sampler that sleeps (`traits.sleep_unavailable` None)."""

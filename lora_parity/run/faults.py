@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +29,8 @@ from lora_parity.evidence.receipt import Budgets, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import is_lora_b, target_kind
+from lora_parity.run import sleep_faults
+from lora_parity.run.fault_spec import ADAPTER_MODES as ADAPTER_MODES
 from lora_parity.run.fault_spec import FaultSpec as FaultSpec
 from lora_parity.run.moe_faults import ROUTE_FAULTS, corrupt_routes
 from lora_parity.run.serving_faults import SameNameNoInplace, StaleFolder, UnloadBeforeScore, WarmPrefixCache
@@ -46,9 +48,6 @@ from lora_parity.run.update_faults import FP16_MAX as FP16_MAX
 from lora_parity.run.update_faults import UPDATE_FILE_FAULTS as UPDATE_FILE_FAULTS
 from lora_parity.run.update_faults import rewrite_update
 from lora_parity.util.errors import ConfigError, PhaseError
-
-ADAPTER_MODES = ("new-id", "inplace", "tensors")
-
 
 BASE_SHIFT = 0.05
 """base-changed: half the largest shift of a score after the sync (nats)."""
@@ -165,6 +164,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               "(generation has it)", ("G.updated.parity.mean",), "fail", must_pass=("G.trainer.parity.mean",),
               modes=ADAPTER_MODES, needs_sampled=True),
     *ROUTE_FAULTS,
+    *sleep_faults.SLEEP_FAULTS,
 )}
 SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name, spec in FAULTS.items()
                    if not spec.needs_sampled]
@@ -199,6 +199,8 @@ def not_applicable(name: str, sampler: BackendTraits) -> str | None:
         return f"it changes the base model, which this sampler cannot serve ({sampler.base_unavailable})"
     if spec.needs_mixed and sampler.mixed_batch_unavailable:
         return f"it breaks mixed batches, which this sampler does not score ({sampler.mixed_batch_unavailable})"
+    if spec.needs_sleep and sampler.sleep_unavailable:
+        return f"it breaks sleep and wake, which this sampler does not do ({sampler.sleep_unavailable})"
     if spec.needs_versions and sampler.shares_trainer_state:
         return "this sampler's versions are handles on the trainer's own service (checked by S.trainer_kept)"
     return None
@@ -232,23 +234,30 @@ C.parity.mean stayed at 0.30-0.80 of its threshold in all 45 runs; it is no faul
 
 def faults_for(sync_mode: str, sampler: BackendTraits | None = None, sampled: bool = False,
                targets: list[str] | None = None, update: str = "noise", trainer: BackendTraits | None = None,
-               dtype: str | None = None, reads_tensors: bool = True, replays: bool = False) -> list[str]:
+               dtype: str | None = None, reads_tensors: bool = True, replays: bool = False,
+               sleeps: Sequence[int] = ()) -> list[str]:
     """The selftest's faults that apply to `sync_mode` and to a sampler with these traits (default:
     one that is not served over HTTP); with `sampled`, also the generation path's; with `targets`, only
     those whose target kinds the adapter has; with `update` noise, not those only a step can reveal; with
     `trainer` traits, not the rounding faults it cannot resolve; with a `dtype` other than float32, not
     the rounding faults either (`ROUNDING_DTYPES`); without `reads_tensors`, not those of X's hand-off; without
-    `replays` (the run replays expert routes), not the route faults."""
+    `replays` (the run replays expert routes), not the route faults; only those of the sleep levels in `sleeps`."""
     traits = sampler or BackendTraits()
     rounds = (trainer is None or not trainer.rounding_unresolved) and (dtype is None or dtype in ROUNDING_DTYPES)
     names = [f for f in SELFTEST_FAULTS + (SAMPLED_FAULTS if sampled else [])
              if (update == "step" or FAULTS[f.partition("=")[0]].needs_step is None)
              and (rounds or not FAULTS[f.partition("=")[0]].only_rounds)
              and not_applicable_to_trainer(f.partition("=")[0], reads_tensors) is None
-             and (replays or not FAULTS[f.partition("=")[0]].needs_replay)]
+             and (replays or not FAULTS[f.partition("=")[0]].needs_replay)
+             and _sleeps_at(FAULTS[f.partition("=")[0]], sleeps)]
     return [f for f in names if (not FAULTS[f.partition("=")[0]].modes
             or sync_mode in FAULTS[f.partition("=")[0]].modes) and not_applicable(f.partition("=")[0], traits) is None
             and (targets is None or set(FAULTS[f.partition("=")[0]].needs_targets) <= set(targets))]
+
+
+def _sleeps_at(spec: FaultSpec, sleeps: Sequence[int]) -> bool:
+    """A fault that breaks no sleep, or one of whose sleep levels the run exercises (`sleeps`)."""
+    return not spec.needs_sleep or bool(set(spec.needs_sleep) & set(sleeps))
 
 
 def check_crash_phase(spec: str | None, phases: list[str]) -> None:
@@ -393,6 +402,18 @@ class Faults:
     def handed_tensors(self, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:
         """The trainer's tensors as they reach the exact sync check (empty-handoff: none)."""
         return {} if self.is_("empty-handoff") else tensors
+
+    def woken_handle(self, handle: AdapterHandle | None, level: int) -> AdapterHandle | None:
+        """The adapter the engine applies after a wake at `level` (`sleep_faults`)."""
+        return sleep_faults.woken_handle(self.name, handle, level)
+
+    def skips_base_reload(self, level: int) -> bool:
+        """The loop skips reloading the base weights after a wake at `level` (`sleep_faults`)."""
+        return sleep_faults.skips_base_reload(self.name, level)
+
+    def after_wake(self, sampler: object) -> None:
+        """What the loop does once the engine is awake, before it serves (`sleep_faults`)."""
+        sleep_faults.after_wake(self.name, sampler)
 
     def mixed_scores(self, scores: list[Scores]) -> list[Scores]:
         """A mixed batch's scores per route (mixed-one-route: every route gets the first route's)."""

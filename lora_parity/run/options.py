@@ -49,6 +49,9 @@ class RunOptions:
     """vLLM on CUDA: batch-invariant (deterministic) kernels, where the build has them."""
     engine_args: tuple[str, ...] = ()
     """`--engine-arg KEY=VALUE`: the user's vLLM engine arguments, over the config's `sampler.engine_args`."""
+    sleep_levels: str | None = None
+    """`--sleep-levels 1,2` (or `none`): the sleep levels exercised after the sync, over the config's
+    `sampler.sleep_levels` (`run.sleep_wake`); None: the config's."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     adapter: Path | None = None

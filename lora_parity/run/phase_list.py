@@ -21,6 +21,9 @@ class _PhaseLister:
         self.mode, self.kept = SimpleNamespace(sampler_lora=True, reloads_base=True), SimpleNamespace(adapter_id=1)
         self.start_adapter = False  # the restore is not scored where a sampled run's base carries a start adapter
         self.replay = SimpleNamespace(on=False)  # route replay moves trainer_updated after updated: the same names
+        # A sampler that sleeps at both levels: the sleep phases are those of the levels the config asks for.
+        self.sampler = SimpleNamespace(traits=SimpleNamespace(sleep_unavailable=None), sleep_levels=(1, 2), sleep=None,
+                                       wake_up=None, reload_base=None, reset_base=None)
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         self.names.append(name)

@@ -1,12 +1,10 @@
-"""The sequence: base → zero-init → perturb → stale → sync (→ fresh) → republish, then per-target coverage (and,
-where sampler and trainer share a service, the stale adapter again and the trainer once more; where the sampler
-scores through its prefix cache, stale and updated read that way too). With `--probes sampled` the sampler first
-completes the probes (`sample`), and after sync generates from the same prompts again (`generate_updated`); see
-docs/probes-and-adapters.md.
-
-`run_sequence` reads top to bottom; each step is a small method of `Run` that records its scores, adapters and
-timing. Checks are not made here: `checks.evaluate` derives them from the recorded scores afterwards, the same way
-`lora-parity verify` does.
+"""The sequence: base → zero-init → perturb → stale → sync (→ fresh) → republish, then sleep and wake where asked
+(`sleep_wake`), then per-target coverage (and, where sampler and trainer share a service, the stale adapter again and
+the trainer once more; where the sampler scores through its prefix cache, stale and updated read that way too). With
+`--probes sampled` the sampler first completes the probes (`sample`), and after sync generates from the same prompts
+again (`generate_updated`); see docs/probes-and-adapters.md. `run_sequence` reads top to bottom; each step is a small
+method of `Run` that records its scores, adapters and timing. Checks are not made here: `checks.evaluate` derives them
+from the recorded scores afterwards, the same way `lora-parity verify` does.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from lora_parity.models.perturb import RECIPE
 from lora_parity.run import calibrate_trainer, engine_state, generation, layer_coverage, mixed_batch, reference_points
 from lora_parity.run.faults import Faults
 from lora_parity.run.route_replay import Replay
+from lora_parity.run.sleep_wake import after_sync as sleep_and_wake
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import ScoreError
@@ -91,6 +90,7 @@ def run_sequence(run: Run) -> None:
         # The old sampling client again, now that a newer one was used: does the trainer keep its update?
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
         run.step("trainer_after_stale", lambda: run.trainer_score("trainer_after_stale"))
+    sleep_and_wake(run)
     _coverage_and_reference(run)
 
 
@@ -217,8 +217,7 @@ class Run:
 
     @property
     def sampler_shares_trainer_state(self) -> bool:
-        """A sampler whose adapters are handles on the trainer's own service (Tinker): an old one may serve the
-        trainer's current weights, or write its own back into them."""
+        """A sampler on the trainer's service (Tinker): an old handle may serve or overwrite the trainer's weights."""
         return self.sampler.traits.shares_trainer_state
 
     @property
@@ -364,8 +363,7 @@ class Run:
         update_step.warm_start(self.trainer, self.workdir / WARM_FOLDER, self.cfg.perturbation.warm_std, self.seed)
 
     def calibrate(self) -> None:
-        """std auto: the smallest std of the ladder whose trainer change stands out of A's noise; with
-        `--update step`, the learning rate in the same window."""
+        """std auto: the smallest std whose trainer change stands out of A's noise (`--update step`: the lr)."""
         with self.replay.replaying(self.trainer, "calibrate", self.sequences):
             self.calibration = calibrate_trainer.on_trainer(self.trainer, self.sequences, self.scores, self.seed,
                                                             self.cfg, steps=self.steps)

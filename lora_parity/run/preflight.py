@@ -23,6 +23,7 @@ from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, check_crash_phase, require_applies
 from lora_parity.run.options import RunOptions
 from lora_parity.run.phase_list import phase_names
+from lora_parity.run.sleep_faults import require_levels
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util import cache
@@ -117,6 +118,7 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     Faults(opts.inject, list(cfg.adapter.targets), 1, cfg.budgets.mean, opts.sync,
            sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
     check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
+    require_levels(opts.inject, cfg.sampler.sleep_levels)  # a sleep fault where no sleep phase runs would never act
     if opts.reference is not None and opts.reference not in REFERENCES:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
     _check_values(opts)
@@ -186,7 +188,7 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
                    probes: Probes) -> None:
     """The checks that need both backend classes (`runner.prepare`, once the trainer's libraries are
     imported): the service, --tp, the checkpoint's shape, --adapter, the probes against the sampler,
-    --inject, the sync mode, --reference, safetensors weights, and fp32 on CUDA for vLLM."""
+    --inject, the sync mode, --reference, safetensors weights, and fp32 or sleep levels on CUDA for vLLM."""
     service_preflight(opts, trainer_cls, sampler_cls, pre)
     tp_preflight(opts, trainer_cls)
     shape_preflight(cfg, opts, trainer_cls)
@@ -205,6 +207,7 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     if needs_checkpoint:
         require_safetensors(cfg)
     if opts.sampler == "vllm":
-        from lora_parity.backends.vllm import refuse_fp32_on_cuda
+        from lora_parity.backends.vllm import refuse_fp32_on_cuda, refuse_sleep_without_mode
 
         refuse_fp32_on_cuda(cfg)
+        refuse_sleep_without_mode(cfg)

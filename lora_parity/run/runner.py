@@ -167,13 +167,17 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
 
 
 def _with_engine_args(cfg: config.ModelConfig, opts: RunOptions) -> config.ModelConfig:
-    """The config's `sampler.engine_args` with `--engine-arg` over them, checked (`backends.engine_args`)."""
+    """The config's `sampler.engine_args` with `--engine-arg` over them, checked (`backends.engine_args`), and its
+    `sampler.sleep_levels` with `--sleep-levels` over them."""
     from lora_parity.backends import engine_args
+    from lora_parity.run.sleep_wake import parse_levels
 
     given = engine_args.check({**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
     if given and opts.sampler not in ("vllm", "vllm-server"):
         raise ConfigError(f"engine arguments are vLLM's (--sampler vllm or vllm-server), not {opts.sampler!r}'s")
-    return cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"engine_args": given})})
+    levels = parse_levels(opts.sleep_levels)
+    sampler = {"engine_args": given, "sleep_levels": list(cfg.sampler.sleep_levels if levels is None else levels)}
+    return cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update=sampler)})
 
 
 def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, sampler_cls: type[SamplerBackend],

@@ -321,7 +321,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     targets = list(plan.cfg.adapter.targets)
     update = "step" if warms(plan) else "noise"
     applicable = faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled, targets, update, plan.trainer_cls.traits,
-                            plan.cfg.model.dtype, issubclass(plan.trainer_cls, TensorReadingTrainer), plan.replays)
+                            plan.cfg.model.dtype, issubclass(plan.trainer_cls, TensorReadingTrainer), plan.replays,
+                            plan.cfg.sampler.sleep_levels)
     fault_names = faults if faults is not None else applicable
     if only:
         fault_names = pick_faults(only, applicable)

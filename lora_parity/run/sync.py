@@ -82,6 +82,12 @@ class SyncMode:
         """Give the sampler its checkpoint's base weights back (`reloads_base`); a mode that leaves them alone has
         nothing to restore."""
 
+    def restore(self, ctx: SyncContext) -> None:
+        """Put the current version back, as it was published and with no new version, on an engine whose weights a
+        level-2 sleep discarded (its base already reloaded from the checkpoint): an RL loop's restore after the wake
+        (`run.sleep_wake`)."""
+        raise NotImplementedError
+
     def retire(self, ctx: SyncContext) -> None:
         """Unload the adapter this run left on the sampler."""
         if ctx.handle is not None:
@@ -149,6 +155,11 @@ class AdapterSync(SyncMode):
         """A new name and id per version (`new-id`, `tensors`)."""
         return not self.same_id
 
+    def restore(self, ctx: SyncContext) -> None:
+        """Load the current version's folder again, in place under its own name and id (its values were lost)."""
+        assert ctx.handle is not None
+        self.load(ctx, ctx.handle.path, ctx.handle.name, ctx.handle.adapter_id, True)
+
     def overwrite(self, ctx: SyncContext) -> None:
         """Reload the current adapter's id in place with the trainer's current weights."""
         assert ctx.handle is not None
@@ -206,6 +217,15 @@ class MergedSync(SyncMode):
         else:
             sampler.reload_base(folder=trainer.export_merged(folder))
         _record(ctx, version, folder.name, 0, self.name, start)
+
+    def restore(self, ctx: SyncContext) -> None:
+        """Reload the last merged version: its folder (`merged`), or the trainer's merged tensors again (`memory`)."""
+        sampler = reloading(ctx.sampler)
+        ctx.base_restored = False
+        if self.in_memory:
+            sampler.reload_base(tensors=merging(ctx.trainer).merged_tensors())
+        else:
+            sampler.reload_base(folder=ctx.workdir / ctx.adapters[-1].name)
 
     def overwrite(self, ctx: SyncContext) -> None:
         """Reload the merged current weights (recorded as a `-leak` version)."""
@@ -268,6 +288,10 @@ class CallerSync(SyncMode):
         """The caller's sync, recorded as no new version (what a leak does)."""
         self.deliver()
 
+    def restore(self, ctx: SyncContext) -> None:
+        """The caller's sync again, recorded as no new version."""
+        self.deliver()
+
 
 class SyncWrapper(SyncMode):
     """A sync mode changed by a fault: everything the subclass does not override goes to `inner`."""
@@ -302,6 +326,10 @@ class SyncWrapper(SyncMode):
     def restore_base(self, ctx: SyncContext) -> None:
         """As the inner mode."""
         self.inner.restore_base(ctx)
+
+    def restore(self, ctx: SyncContext) -> None:
+        """As the inner mode."""
+        self.inner.restore(ctx)
 
     def retire(self, ctx: SyncContext) -> None:
         """As the inner mode."""

@@ -3,7 +3,8 @@ route must give its first base scores again after the sync and after per-target 
 `D.base_kept.coverage`), and, in the merged modes, once the run gave the sampler its checkpoint's base weights back
 (`D.base_restored`); the version the sync replaced, scored while the new one is live, its stale scores
 (`D.old_kept`); each within the sampler's own repeat noise (bit for bit where it repeats itself exactly). And the
-routes mixed in one batch after the sync (`mixed_batch`, M.*). Pure."""
+routes mixed in one batch after the sync (`mixed_batch`, M.*), and the synced adapter after sleep and wake
+(`sleep_wake`, W.*). Pure."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lora_parity.evidence.receipt import ComparisonStats
-from lora_parity.verdict import mixed_batch
+from lora_parity.verdict import mixed_batch, sleep_wake
 
 COMPARISONS: dict[str, tuple[str, str]] = {
     "D.base_vs_after_sync": ("base", "base_after_sync"),
@@ -23,6 +24,7 @@ COMPARISONS: dict[str, tuple[str, str]] = {
     "D.stale_vs_old_after_sync": ("stale", "old_after_sync"),
     "D.updated_vs_old_after_sync": ("updated", "old_after_sync"),
     **mixed_batch.COMPARISONS,
+    **sleep_wake.COMPARISONS,
 }
 """With `--adapter` (or a warm start) the base route's first scores are `adapter_base`."""
 CHECKS = {"D.base_kept": ("D.base_vs_after_sync", "D.adapter_base_vs_after_sync"),
@@ -46,7 +48,7 @@ def check_ids(comparisons: Mapping[str, ComparisonStats]) -> list[str]:
 
 def add_checks(c: Any, comparisons: Mapping[str, ComparisonStats], thresholds: Mapping[str, Any]) -> None:
     """D.base_kept, D.base_kept.coverage, D.base_restored, D.old_kept: within the sampler's repeat noise; then the
-    mixed batch's M.* (`mixed_batch`)."""
+    mixed batch's M.* (`mixed_batch`) and sleep and wake's W.* (`sleep_wake`)."""
     for check_id in check_ids(comparisons):
         cmp = next(comparisons[n] for n in CHECKS[check_id] if n in comparisons)
         t = thresholds[check_id]
@@ -61,3 +63,4 @@ def add_checks(c: Any, comparisons: Mapping[str, ComparisonStats], thresholds: M
             c.add(check_id, f"{what} gives its first base scores", cmp.max_abs, "<=", t.budget, reason,
                   note=t.note, n=cmp.n)
     mixed_batch.add_checks(c, comparisons, thresholds)
+    sleep_wake.add_checks(c, comparisons, thresholds)

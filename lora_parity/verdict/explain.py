@@ -66,6 +66,10 @@ EXPLAIN: dict[str, str] = {
     "M.": "a route served in a batch that mixes the base model and adapter versions scores otherwise than alone: "
           "the engine applies the wrong LoRA (or none) to some requests of a mixed batch, which rollouts of several "
           "versions at once meet and batches of one route never show; the finding names whose scores they got",
+    "W.": "the synced adapter scores otherwise after the engine slept and woke than before: the wake lost or "
+          "corrupted LoRA state (vllm #53888, #39934), the loop reloaded the base over what the sync pushed (TRL "
+          "#5312), or a level-2 sleep's discarded base was never reloaded (verl #7289, #7304); the reason says "
+          "whose scores it gives; check what the loop does between sleep, sync and wake",
     "E.": "the engine does not compute what its own operations compute with the trainer's tensors (the exact "
           "reference, no noise): a wrong read of a right file, or a wrong LoRA computation; the finding above names "
           "the scale, the swap or the points",
@@ -97,6 +101,8 @@ MEASURE: dict[str, str] = {
     "balance": "farther side's mean |diff| from fp32",
     "identical": "max |synced-fresh|",
     "slope": "|slope-1|",
+    "level1": "max |diff|",
+    "level2": "max |diff|",
 }
 
 

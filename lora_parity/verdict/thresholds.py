@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lora_parity.evidence.receipt import Budgets, ComparisonStats, DeltaStats, NoiseModel
-from lora_parity.verdict import check_rules, engine_state, exact_reference, mixed_batch, stats
+from lora_parity.verdict import check_rules, engine_state, exact_reference, mixed_batch, sleep_wake, stats
 from lora_parity.verdict.check_rules import STATS, Threshold
 
 ScoreArray = Sequence[Sequence[float]]
@@ -271,7 +271,7 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
         out["A.fp32.balance"] = balance
     moved = repeat_noise(budgets, comparisons, "sampler")
     for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer",
-                *engine_state.check_ids(comparisons)):
+                *engine_state.check_ids(comparisons), *sleep_wake.check_ids(comparisons)):
         out[key] = moved
     out.update({i: mixed_batch.threshold(comparisons, moved, budgets.noise_factor)
                 for i in mixed_batch.check_ids(comparisons)})

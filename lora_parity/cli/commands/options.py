@@ -63,6 +63,11 @@ EngineArgOpt = Annotated[list[str] | None, typer.Option(
     help="A vLLM engine argument as you deploy it (repeatable; over the config's sampler.engine_args), e.g. "
          "enforce_eager=false, enable_prefix_caching=true, logprobs_mode=processed_logprobs: passed to LLM(...) "
          "and vllm serve as given; unknown or unsafe keys are refused (docs/deployment.md).")]
+SleepLevelsOpt = Annotated[str | None, typer.Option(
+    "--sleep-levels", metavar="LEVELS",
+    help="Sleep levels to exercise after the sync, comma-separated (1,2) or none: sleep -> sync -> wake -> score, and "
+         "a second sleep and wake without a sync (checks W.*); default: the config's sampler.sleep_levels. vLLM needs "
+         "--engine-arg enable_sleep_mode=true; vLLM-CPU has none (docs/deployment.md).")]
 PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
 RouteReplayOpt = Annotated[str | None, typer.Option(
