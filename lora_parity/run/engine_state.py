@@ -18,7 +18,7 @@ from lora_parity.backends.base import AdapterHandle, Sampler, TensorReadingTrain
 from lora_parity.evidence.receipt import AdapterVersion
 from lora_parity.models import export_check, fresh_adapter
 from lora_parity.models.fresh_adapter import RawTensor
-from lora_parity.run import mixed_batch
+from lora_parity.run import mixed_batch, sleep_wake
 from lora_parity.util.errors import LoraParityError
 
 
@@ -84,11 +84,13 @@ def restores_base(run: Run) -> bool:
 
 def retire(run: Run) -> None:
     """Unload what this run left on the sampler (the replaced version where it is still kept, the adapter); in the
-    merged modes, give the sampler its checkpoint's base weights back where `after_run` did not. A failure here after
+    merged modes, or after a fault that lost them in a sleep (`sleep_wake.retire`), give the sampler its checkpoint's
+    base weights back where `after_run` did not. A failure here after
     the run failed (a server that died in a phase refuses the unload too) follows the run's own error instead of
     replacing it."""
     try:
         retire_old(run)
+        sleep_wake.retire(run)
         run.mode.retire(run)
     except LoraParityError:
         if run.error is None:

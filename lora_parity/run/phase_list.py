@@ -8,6 +8,9 @@ from types import SimpleNamespace
 from lora_parity.models.config import ModelConfig
 from lora_parity.run.phases import run_sequence
 
+SLEEPS_AND_RELOADS = ("sleep", "wake_up", "reload_base", "reset_base")
+"""What a sampler that sleeps at level 2 does (`SleepingSampler`, `BaseReloadingSampler`)."""
+
 
 class _PhaseLister:
     """Stands in for a `Run` to list the phase names `run_sequence` can step through: every optional
@@ -22,8 +25,8 @@ class _PhaseLister:
         self.start_adapter = False  # the restore is not scored where a sampled run's base carries a start adapter
         self.replay = SimpleNamespace(on=False)  # route replay moves trainer_updated after updated: the same names
         # A sampler that sleeps at both levels: the sleep phases are those of the levels the config asks for.
-        self.sampler = SimpleNamespace(traits=SimpleNamespace(sleep_unavailable=None), sleep_levels=(1, 2), sleep=None,
-                                       wake_up=None, reload_base=None, reset_base=None)
+        self.sampler = SimpleNamespace(traits=SimpleNamespace(sleep_unavailable=None), sleep_levels=(1, 2),
+                                       **{name: self.__getattr__(name) for name in SLEEPS_AND_RELOADS})
 
     def step(self, name: str, action: Callable[[], object]) -> None:
         self.names.append(name)
