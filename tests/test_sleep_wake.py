@@ -28,6 +28,8 @@ from lora_parity.util.errors import ConfigError, PhaseError, ReceiptError
 from lora_parity.verdict import lifecycle
 from lora_parity.verdict.verify import verify
 
+from .conftest import cli
+
 FAKE: dict[str, Any] = {"trainer": "fake", "sampler": "fake"}
 SLEEP_CHECKS = ("W.sleep_wake.level1", "W.wake_again.level1", "W.sleep_wake.level2", "W.wake_again.level2")
 
@@ -312,3 +314,16 @@ def test_a_handle_stays_a_handle_where_no_sleep_fault_acts() -> None:
     assert faults.woken_handle(handle, 1) is handle and not faults.skips_base_reload(2)
     dropping = Faults("wake-drops-adapter", ["q_proj"], 3, 1e-3)
     assert dropping.woken_handle(handle, 1) is None and dropping.woken_handle(handle, 2) is handle
+
+
+def test_the_command_line_asks_for_sleep_levels_and_refuses_a_bad_one_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "cli.json"
+    done = cli("run", "--trainer", "fake", "--sampler", "fake", "--sleep-levels", "1,2", "--out", str(out), "--quiet")
+    assert done.returncode == 0, done.stderr
+    ids = [c["id"] for c in json.loads(out.read_text())["checks"]]
+    assert [i for i in ids if i.startswith("W.")] == list(SLEEP_CHECKS)
+    bad = cli("run", "--trainer", "fake", "--sampler", "fake", "--sleep-levels", "3", "--out", str(tmp_path / "b.json"))
+    assert bad.returncode == 2 and "expected levels among 1 and 2" in bad.stderr and "Traceback" not in bad.stderr
+    caught = cli("selftest", "--trainer", "fake", "--sampler", "fake", "--sleep-levels", "1", "--faults",
+                 "wake-drops-adapter", "--quiet")
+    assert caught.returncode == 0, caught.stdout + caught.stderr
