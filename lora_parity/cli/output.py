@@ -289,7 +289,7 @@ def selftest_json(result: Any) -> dict[str, Any]:
     near = result.clean_closest()
     return {
         "ok": result.ok, "seeds": result.seeds, "repeats": result.repeats,
-        "identical_repeats": result.identical_repeats,
+        "identical_repeats": result.identical_repeats, "left_out": dict(result.left_out),
         "false_alarms": {"count": result.false_alarms, "runs": len(clean),
                          "rate": result.false_alarms / len(clean) if clean else None,
                          "closest": None if near is None else {"margin": _json_number(near.margin),
@@ -355,6 +355,8 @@ def selftest_summary(result: Any, as_json: bool, seconds: float = 0.0, log: str 
     if result.repeats > 1:
         same = "bit-identical" if result.identical_repeats else "[red]NOT identical[/]"
         out.print(f"{result.repeats} clean runs{' per seed' if many else ''}: scores {same}")
+    for fault, why in result.left_out.items():
+        out.print(f"left out (the started engine cannot take it): {escape(fault)}: {escape(why)}", soft_wrap=True)
     if log:
         line(f"third-party logs: {log}")
     if many:
