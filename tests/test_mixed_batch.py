@@ -5,6 +5,7 @@ by whose scores the requests got."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,28 @@ def test_receipts_made_before_the_mixed_batch_verify_and_the_checks_are_recomput
     edited.write_text(json.dumps(data))
     with pytest.raises(ReceiptError, match=r"M\.updated"):
         verify(edited)
+
+
+class DefectiveFake(fake.FakeSampler):
+    """A fake whose class mixes batches but whose started engine finds it cannot (as vLLM-CPU's op defect)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.traits = replace(self.traits, mixed_batch_unavailable="a defect found at start")
+
+
+def test_the_selftest_leaves_out_a_fault_the_started_engine_cannot_take_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from lora_parity import backends
+    from lora_parity.cli import output
+    from lora_parity.run.selftest import selftest
+
+    monkeypatch.setattr(backends, "SAMPLERS", {**backends.SAMPLERS, "defective-fake": DefectiveFake})
+    result = selftest(RunOptions(trainer="fake", sampler="defective-fake"), tmp_path,
+                      only=("mixed-one-route", "skip-sync"))
+    assert result.ok and [r.fault for r in result.rows] == ["none", "skip-sync"]
+    assert result.left_out == {"mixed-one-route": "it breaks mixed batches, which this sampler does not score (a "
+                                                  "defect found at start)"}
+    output.selftest_summary(result, as_json=False)
+    assert "left out (the started engine cannot take it): mixed-one-route" in capsys.readouterr().out
+    assert output.selftest_json(result)["left_out"] == result.left_out
