@@ -98,7 +98,7 @@ def _show(result: Any, receipt: str, written: Path, as_json: bool, as_markdown: 
     if as_json:
         output.print_json({"receipt": receipt, "result": str(written), "named": bool(result.divergences),
                            "divergences": [d.model_dump() for d in result.divergences],
-                           "seconds": result.timings.get("total")})
+                           "routing": render.moe_headline(result), "seconds": result.timings.get("total")})
         return
     if as_markdown:
         output.print_text(render.markdown(result, receipt))
@@ -113,5 +113,7 @@ def _show(result: Any, receipt: str, written: Path, as_json: bool, as_markdown: 
             table.add_row(*(esc.rich(c) for c in row), style=style)
         output.out.print(table)
         output.line(render.headline(result))
+        for line in render.moe_lines(result):
+            output.line(line)
     output.line(f"locate: {'a layer named' if result.divergences else 'no layer named'} in "
                 f"{result.timings.get('total', 0.0):.1f} s · result {written}")
