@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lora_parity.evidence.locate_models import LocateResult, Point, SideAtPoint
+from lora_parity.report.document import _md_link
 from lora_parity.util import escape as esc
 from lora_parity.verdict.locate_routes import flip_line, layer_line
 from lora_parity.verdict.locate_rule import summary_line
@@ -101,13 +102,15 @@ def _moe_markdown(result: LocateResult) -> list[str]:
     return lines
 
 
-def markdown(result: LocateResult, receipt: str) -> str:
-    """The markdown section: the headline, the rule, the per-point table, the routing of an MoE model."""
+def markdown(result: LocateResult, receipt: str, plot: str | None = None) -> str:
+    """The markdown section: the headline, the rule, the per-point table (`plot`: a link to its PNG, shown above
+    it), the routing of an MoE model."""
     lines = [f"### First divergence of the base forward: {esc.markdown(receipt)}", "",
              esc.markdown(headline(result)), "",
              f"Rule (docs/locate.md): a side leaves where its distance from fp32 exceeds {result.rule.balance:g} × "
              f"the precision witness's (the other side, or fp32 against fp64) beyond {result.rule.k:g} standard "
              "errors on both, by the median or the max over tokens.", "",
+             *([f"![distance from fp32 per point]({_md_link(plot)})", ""] if plot is not None else []),
              "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(esc.markdown(c) for c in row) + " |" for row in rows(result)]
     lines += _moe_markdown(result)
