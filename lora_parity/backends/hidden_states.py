@@ -184,6 +184,14 @@ def scale_norm(stack: Any, layer: int, factor: float) -> str:
     return f"layers.{layer}.input_layernorm"
 
 
+def eager_experts(model: Any) -> None:
+    """HF's MoE experts computed by plain matmuls (`experts_implementation="eager"`), on a model that has them:
+    torch's grouped_mm, transformers 5's default on the CPU, takes no fp64 (the fp64 forward of an MoE model)."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set():
+        model.set_experts_implementation("eager")
+
+
 def machine_eps(dtype: str) -> float:
     """Machine epsilon of a dtype named as in configs (float32, bfloat16, float16)."""
     return float(torch.finfo(getattr(torch, dtype)).eps)

@@ -60,9 +60,14 @@ def moe_headline(result: LocateResult) -> str | None:
     engine = sum(layer.engine_flips for layer in moe.layers)
     counts = (f"{apart} token-layer pair(s) routed apart by trainer and engine over {len(moe.layers)} MoE layer(s) "
               f"(against fp32: trainer {trainer}, engine {engine}; ranked by the {moe.ranking})")
-    if moe.listed_layer is None:
+    if apart + trainer + engine == 0:
         margin = min((layer.margin_min for layer in moe.layers), default=0.0)
-        return f"routing: zero flips: {counts}; smallest reference margin {margin:.3g}"
+        moved = max((max(layer.trainer_deviation, layer.engine_deviation) for layer in moe.layers), default=0.0)
+        return (f"routing: zero flips: {counts}; smallest reference margin {margin:.3g}, the sides' scores within "
+                f"{moved:.3g} of fp32 (p99)")
+    if moe.listed_layer is None or moe.num_flips == 0:
+        where = f"at layer {moe.listed_layer} ({moe.listed_because})" if moe.listed_layer is not None else ""
+        return f"routing: {counts}; {where} no token flips".replace(";  no", "; no")
     near = sum(f.near_tie for f in moe.flips)
     return (f"routing: {counts}; at layer {moe.listed_layer} ({moe.listed_because}) {moe.num_flips} flipped "
             f"token(s); of the {len(moe.flips)} listed, {near} near a tie and {len(moe.flips) - near} across a wide "

@@ -109,6 +109,7 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
     fp64 = None
     if cfg.model.dtype == "float32":
         fp64_model = load_base(cfg, model_dir, device, dtype="float64")
+        hs.eager_experts(fp64_model)
         fp64_gates = locate_moe.hf_gates(fp64_model)[0] if gates else []
         captures["fp64"] = (hs.hf_states(fp64_model, sequences, device, fp64_gates), fp64_gates)
         fp64 = hs.distances(reference, captures["fp64"][0], names)
