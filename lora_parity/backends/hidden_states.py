@@ -65,11 +65,17 @@ def _keep(sink: States, name: str, value: torch.Tensor) -> None:
     sink.setdefault(name, []).append(value.detach().reshape(-1, value.shape[-1]).to("cpu", copy=True))
 
 
+ROUTER = "router."
+"""Key prefix in a sink of the router logits of MoE layer I (`router.I`), captured beside the points."""
+
+
 @contextmanager
-def hooked(stack: Any, engine: bool, sink: States) -> Iterator[None]:
+def hooked(stack: Any, engine: bool, sink: States, gates: Sequence[Any] = ()) -> Iterator[None]:
     """Forward hooks on `stack` that append every point's hidden state of every forward to `sink` (`engine`: vLLM's
-    fused-residual layout, else HF's); removed on leaving."""
-    handles = []
+    fused-residual layout, else HF's), and each of `gates`' router logits (`moe.Gate`: the module's output's first
+    item) under `router.I`; removed on leaving."""
+    handles = [g.module.register_forward_hook(
+        lambda _m, args, out, name=f"{ROUTER}{g.layer}": _keep(sink, name, _first(out))) for g in gates]
 
     def post(name: str, pick: Callable[[Any, Any], torch.Tensor]) -> Callable[..., None]:
         return lambda _m, args, out: _keep(sink, name, pick(args, out))
@@ -112,13 +118,15 @@ def joined(sink: States, num_tokens: int, what: str) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-def hf_states(model: Any, sequences: Sequence[Sequence[int]], device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Every point's hidden state of each sequence (one forward per sequence, no padding), on the CPU."""
+def hf_states(model: Any, sequences: Sequence[Sequence[int]], device: torch.device,
+              gates: Sequence[Any] = ()) -> list[dict[str, torch.Tensor]]:
+    """Every point's hidden state of each sequence (one forward per sequence, no padding), on the CPU; with
+    `gates`, their router logits too (`hooked`)."""
     stack = decoder(model)
     out = []
     for seq in sequences:
         sink: States = {}
-        with hooked(stack, engine=False, sink=sink):
+        with hooked(stack, engine=False, sink=sink, gates=gates):
             model(input_ids=torch.tensor([list(seq)], device=device))
         out.append(joined(sink, len(seq), "trainer"))
     return out
@@ -152,14 +160,14 @@ def engine_stack(llm: Any) -> Any:
     return stacks[0]
 
 
-def engine_states(stack: Any, score_one: Callable[[list[int]], object],
-                  sequences: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
+def engine_states(stack: Any, score_one: Callable[[list[int]], object], sequences: Sequence[Sequence[int]],
+                  gates: Sequence[Any] = ()) -> list[dict[str, torch.Tensor]]:
     """Every point's hidden state of each sequence on the engine: `score_one` makes it compute one sequence's
-    prefill (its prompt logprobs), with hooks on `stack` (`engine_stack`)."""
+    prefill (its prompt logprobs), with hooks on `stack` (`engine_stack`) and on `gates`."""
     out = []
     for seq in sequences:
         sink: States = {}
-        with hooked(stack, engine=True, sink=sink):
+        with hooked(stack, engine=True, sink=sink, gates=gates):
             score_one(list(seq))
         out.append(joined(sink, len(seq), "engine"))
     return out
@@ -174,6 +182,14 @@ def scale_norm(stack: Any, layer: int, factor: float) -> str:
         raise ValueError(f"no input_layernorm in layer {layer} of {len(layers)}")
     layers[layer].input_layernorm.weight.mul_(factor)
     return f"layers.{layer}.input_layernorm"
+
+
+def eager_experts(model: Any) -> None:
+    """HF's MoE experts computed by plain matmuls (`experts_implementation="eager"`), on a model that has them:
+    torch's grouped_mm, transformers 5's default on the CPU, takes no fp64 (the fp64 forward of an MoE model)."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set():
+        model.set_experts_implementation("eager")
 
 
 def machine_eps(dtype: str) -> float:

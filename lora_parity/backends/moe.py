@@ -8,14 +8,17 @@ torch and vllm are imported inside the functions, so importing this module costs
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from lora_parity.backends.base import Routes, RouteTable, Sequences
 from lora_parity.util.errors import PhaseError
 
-__all__ = ["REPLAYED_WEIGHTS", "VLLM_ROUTING_UNAVAILABLE", "Routes", "forced_routes", "hf_router_topk",
-           "install_cpu_moe_lora_fallback", "route_table", "routing_weights"]
+__all__ = ["REPLAYED_WEIGHTS", "VLLM_ROUTING_UNAVAILABLE", "Gate", "Routes", "choice_scores", "engine_gates",
+           "forced_routes", "hf_gates", "hf_router_topk", "install_cpu_moe_lora_fallback", "route_table",
+           "routing_weights"]
 
 VLLM_ROUTING_UNAVAILABLE = (
     "vLLM returns routed experts only from its GPU model runner (enable_return_routed_experts; vLLM 0.26's "
@@ -85,6 +88,85 @@ def hf_router_topk(model: Any, sequences: Sequences, device: Any) -> Routes | No
         for h in hooks:
             h.remove()
     return routes
+
+
+RANKINGS = {"softmax": "softmax of the router logits (fp32)",
+            "sigmoid+bias": "sigmoid of the router logits plus the correction bias (fp32)"}
+"""What a family's router ranks to choose its top-k (HF's and vLLM's alike; the correction bias only ranks)."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One MoE layer's router on one side: the module whose output's first item is the router logits [tokens,
+    experts], and how they are ranked."""
+
+    layer: int
+    """The decoder layer."""
+    module: Any
+    ranking: str
+    """A key of `RANKINGS`."""
+    top_k: int
+    bias: Any = None
+    """The correction bias (sigmoid+bias), a tensor."""
+
+
+def _ranking(router: Any) -> str:
+    name = type(router).__name__
+    if name in SOFTMAX_ROUTERS:
+        return "softmax"
+    if name in SIGMOID_ROUTERS:
+        if int(getattr(router, "num_group", 1)) > 1 and int(router.topk_group) < int(router.num_group):
+            raise ValueError(f"{name} routes within {router.topk_group} of {router.num_group} expert groups: the "
+                             "top-k of its scores is not its choice (not compared here)")
+        return "sigmoid+bias"
+    raise ValueError(f"what {name} ranks is not known here (known: {', '.join(SOFTMAX_ROUTERS + SIGMOID_ROUTERS)})")
+
+
+def hf_gates(model: Any) -> list[Gate]:
+    """The routers of an HF model (`routers`) as gates, in layer order; `ValueError` for a router of unknown
+    ranking or one not inside a decoder layer."""
+    out = []
+    for name, module in model.named_modules():
+        if type(module).__name__.lower().endswith("router"):
+            match = re.search(r"layers\.(\d+)\.", name)
+            if match is None:
+                raise ValueError(f"router {name} is not inside a decoder layer")
+            rank = _ranking(module)
+            out.append(Gate(int(match.group(1)), module, rank, int(module.top_k),
+                            module.e_score_correction_bias if rank == "sigmoid+bias" else None))
+    return out
+
+
+def engine_gates(stack: Any, like: list[Gate]) -> list[Gate]:
+    """The in-process vLLM model's MoE gates (`layers.I.mlp.gate`, a linear whose output's first item is the router
+    logits), ranked as the trainer's routers `like` (the same checkpoint); `ValueError` where the layers differ or
+    a sigmoid gate has no correction bias."""
+    out = []
+    for i, layer in enumerate(stack.layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+            out.append(i)
+    if out != [g.layer for g in like]:
+        raise ValueError(f"the engine's MoE layers {out} are not the trainer's {[g.layer for g in like]}")
+    gates = []
+    for g in like:
+        gate = stack.layers[g.layer].mlp.gate
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if g.ranking == "sigmoid+bias" and bias is None:
+            raise ValueError(f"the engine's gate of layer {g.layer} has no e_score_correction_bias")
+        gates.append(Gate(g.layer, gate, g.ranking, g.top_k, bias))
+    return gates
+
+
+def choice_scores(gate: Gate, logits: Any) -> Any:
+    """What `gate`'s router ranks, from its logits [tokens, experts]: in fp32, as HF's routers and vLLM's CPU
+    routing compute it."""
+    import torch
+
+    logits = logits.float()
+    if gate.ranking == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return logits.sigmoid() + gate.bias.detach().float().to(logits.device)
 
 
 def route_table(sequences: Sequences, routes: Routes) -> dict[tuple[int, ...], list[list[list[int]]]]:

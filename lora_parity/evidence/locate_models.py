@@ -121,6 +121,83 @@ class PickedSequence(Strict):
     """Mean |Δlogprob| of A on it."""
 
 
+class RouterFlip(Strict):
+    """One token whose top-k expert set differs somewhere among the fp32 reference, the trainer and the engine, at
+    one MoE layer (each set ranked as the family's router ranks: `MoeRouting.ranking`)."""
+
+    sequence: int = Field(ge=0)
+    """The probe sequence (`PickedSequence.index`)."""
+    position: int = Field(ge=0)
+    """The token's position in it (0-based): its routing; the score entry of the same index (log p of the next
+    token) is the first the flip reaches."""
+    reference: list[int]
+    """The fp32 reference's top-k experts, ascending."""
+    trainer: list[int]
+    """The trainer's."""
+    engine: list[int]
+    """The engine's."""
+    margin: float
+    """The reference's k-th ranked score minus its (k+1)-th: how far the token's routing is from a tie."""
+    trainer_deviation: float = Field(ge=0)
+    """The largest |trainer score − reference score| over the experts at this token."""
+    engine_deviation: float = Field(ge=0)
+    """The same for the engine."""
+    near_tie: bool
+    """margin ≤ `MoeLayer.tie_band`: a flip precision explains; else the gap is wide and a side's scores moved
+    further than precision does (a divergence before the router)."""
+    a_diff: float | None = None
+    """A's |Δlogprob| at score entry `position` (the receipt's zero vs trainer_zero); None for a sequence's last
+    token (it scores nothing)."""
+
+
+class MoeLayer(Strict):
+    """One MoE layer's routing on the picked sequences, the sides' against the fp32 reference's."""
+
+    layer: int = Field(ge=0)
+    """The decoder layer."""
+    top_k: int = Field(ge=1)
+    num_tokens: int = Field(ge=0)
+    apart: int = Field(ge=0)
+    """Tokens the trainer and the engine route to different expert sets."""
+    trainer_flips: int = Field(ge=0)
+    """Tokens the trainer routes otherwise than the fp32 reference."""
+    engine_flips: int = Field(ge=0)
+    """Tokens the engine routes otherwise than the fp32 reference."""
+    margin_min: float
+    """The smallest reference margin (k-th minus (k+1)-th score) over the tokens."""
+    margin_median: float
+    """The median reference margin."""
+    trainer_deviation: float = Field(ge=0)
+    """p99 over tokens of the trainer's largest |score − reference score|."""
+    engine_deviation: float = Field(ge=0)
+    """The same for the engine."""
+    fp64_deviation: float | None = None
+    """The same for an fp64 forward (fp32 checkpoints): what fp32 rounding moves the scores by."""
+    tie_band: float = Field(ge=0)
+    """balance × the witness's p99 deviation (the nearer side's, or fp64's where larger): a flip whose reference
+    margin is within it is a near tie."""
+    witness: Literal["trainer", "engine", "fp32 vs fp64"]
+    """Whose deviation set `tie_band`."""
+
+
+class MoeRouting(Strict):
+    """Router scores on the three forwards, per MoE layer, and the flips behind A's worst tokens."""
+
+    ranking: str
+    """What the routers rank (softmax of the logits; sigmoid plus the correction bias)."""
+    layers: list[MoeLayer]
+    """Every MoE layer, in forward order."""
+    listed_layer: int | None
+    """The layer whose flips are listed: the first MoE layer at or after the layer locate names, else the first
+    with a flip; None where no layer has one."""
+    listed_because: str
+    """Why that layer (or that none is)."""
+    flips: list[RouterFlip]
+    """That layer's flips, the tokens with the largest A difference first (at most `MAX_FLIPS`)."""
+    num_flips: int = Field(ge=0)
+    """All of that layer's flipped tokens (`flips` may list fewer)."""
+
+
 class LocateResult(Strict):
     """`lora-parity locate`: the first divergence of the base forward, per side."""
 
@@ -155,3 +232,8 @@ class LocateResult(Strict):
     """A fault planted for the demonstration (`--inject engine-norm@K`): this result is not the receipt's run."""
     timings: dict[str, float]
     """Seconds per step."""
+    moe: MoeRouting | None = None
+    """MoE models: the router scores of every MoE layer on each side and their flips (absent: a dense model, or a
+    result written before this field)."""
+    moe_unavailable: str | None = None
+    """An MoE model whose routers could not be compared, and why."""

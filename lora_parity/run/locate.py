@@ -23,6 +23,7 @@ from lora_parity.evidence.locate_models import LocateResult, LocateRule
 from lora_parity.evidence.receipt import Receipt
 from lora_parity.models import synthetic
 from lora_parity.models.checkpoint import weights_digest
+from lora_parity.run import locate_moe
 from lora_parity.util.errors import ConfigError
 from lora_parity.verdict import locate_rule
 
@@ -98,29 +99,45 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
     if receipt.model.weights_digest is not None and weights_digest(model_dir) != receipt.model.weights_digest:
         raise ConfigError(f"the checkpoint of {cfg.name} is not the receipt's (its weights digest differs)")
     device = pick_device()
-    reference = hs.hf_states(load_base(cfg, model_dir, device, dtype="float32"), sequences, device)
-    names = list(reference[0])
+    reference_model = load_base(cfg, model_dir, device, dtype="float32")
+    gates, moe_unavailable = locate_moe.hf_gates(reference_model)
+    reference = hs.hf_states(reference_model, sequences, device, gates)
+    del reference_model
+    names = [n for n in reference[0] if not n.startswith(hs.ROUTER)]
+    captures: dict[str, tuple[list[Any], list[Any]]] = {"reference": (reference, gates)}
     lap("reference.fp32")
     fp64 = None
     if cfg.model.dtype == "float32":
-        fp64 = hs.distances(reference, hs.hf_states(load_base(cfg, model_dir, device, dtype="float64"), sequences,
-                                                    device), names)
+        fp64_model = load_base(cfg, model_dir, device, dtype="float64")
+        hs.eager_experts(fp64_model)
+        fp64_gates = locate_moe.hf_gates(fp64_model)[0] if gates else []
+        captures["fp64"] = (hs.hf_states(fp64_model, sequences, device, fp64_gates), fp64_gates)
+        fp64 = hs.distances(reference, captures["fp64"][0], names)
         lap("reference.fp64")
     trainer = plan.trainer_cls.create(cfg, model_dir, {}, plan.backend_options())
     try:
         trainer.zero_b()
-        trainer_d = hs.distances(hs.hf_states(trainer.model, sequences, device), reference, names)
+        trainer_gates = locate_moe.hf_gates(trainer.model)[0] if gates else []
+        captures["trainer"] = (hs.hf_states(trainer.model, sequences, device, trainer_gates), trainer_gates)
+        trainer_d = hs.distances(captures["trainer"][0], reference, names)
     finally:
         trainer.close()
     lap("trainer")
-    engine_d, planted, engine_points = _engine(plan, model_dir, sequences, reference, names, layer)
+    engine = _engine(plan, model_dir, sequences, reference, names, layer, gates)
+    captures["engine"] = (engine.states, engine.gates)
+    moe_unavailable = moe_unavailable or engine.moe_unavailable
     lap("engine")
-    data = [locate_rule.PointData(name, at, module, trainer_d[name], engine_d[name],
-                                  fp64[name] if fp64 is not None else None) for name, at, module in engine_points]
+    data = [locate_rule.PointData(name, at, module, trainer_d[name], engine.distances[name],
+                                  fp64[name] if fp64 is not None else None) for name, at, module in engine.points]
     noise = cfg.budgets.noise
     rule = LocateRule(tail_alpha=noise.tail_alpha) if noise is not None else LocateRule()
     floor = locate_rule.rounding_floor(hs.machine_eps(cfg.model.dtype), int(reference[0][names[-1]].shape[-1]))
     points, divergences = locate_rule.judge(data, rule, floor)
+    moe = None
+    if gates and moe_unavailable is None:
+        moe = locate_moe.routing(captures, picked, receipt.scores, divergences, rule.balance)
+        lap("moe")
+    planted = engine.planted
     timings["total"] = round(time.perf_counter() - start, 6)
     created = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     injected = f"{options.inject} ({planted} weight x {PLANTED_FACTOR}, engine only)" if planted else None
@@ -128,12 +145,28 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
                         dtype=cfg.model.dtype, trainer=plan.opts.trainer, sampler=plan.opts.sampler,
                         a_failed=locate_rule.failing_a(receipt.checks), sequences=picked, rule=rule,
                         rounding_floor=floor, points=points, divergences=divergences, injected=injected,
-                        timings=timings)
+                        timings=timings, moe=moe, moe_unavailable=moe_unavailable)
+
+
+@dataclass(frozen=True)
+class _EngineSide:
+    distances: dict[str, list[list[float]]]
+    """Per point, the engine's per-token distances from the reference."""
+    planted: str | None
+    """The planted module, if any."""
+    points: list[Any]
+    """The points in forward order (`hidden_states.PointInfo`)."""
+    states: list[Any]
+    """Per sequence, its captures (points and `router.I`)."""
+    gates: list[Any]
+    """The engine's MoE gates ([] for a dense model or where they cannot be compared)."""
+    moe_unavailable: str | None
+    """Why the engine's gates cannot be compared, if so."""
 
 
 def _engine(plan: Any, model_dir: Any, sequences: list[list[int]], reference: list[Any], names: list[str],
-            layer: int | None) -> tuple[dict[str, list[list[float]]], str | None, list[Any]]:
-    """The engine's distances from the reference, the planted module (if any) and the points in forward order."""
+            layer: int | None, trainer_gates: list[Any]) -> _EngineSide:
+    """The engine's hidden states (and router logits where `trainer_gates` has MoE gates) and their distances."""
     from lora_parity.backends import hidden_states as hs
 
     sampler = plan.sampler_cls.create(plan.cfg, model_dir, {}, plan.backend_options())
@@ -146,15 +179,16 @@ def _engine(plan: Any, model_dir: Any, sequences: list[list[int]], reference: li
         engine_points = hs.points(stack)
         if [p[0] for p in engine_points] != names:
             raise ConfigError("the engine's model has other points than the trainer's (another layer layout)")
+        gates, why = locate_moe.engine_gates(stack, trainer_gates)
 
         def score_one(seq: list[int]) -> object:
             sampler.llm.reset_prefix_cache()  # the whole prefill computed, never read from the cache
             return sampler.score([seq], None)
 
         try:
-            states = hs.engine_states(stack, score_one, sequences)
+            states = hs.engine_states(stack, score_one, sequences, gates)
         except ValueError as e:
             raise ConfigError(f"locate: {e}") from None
-        return hs.distances(states, reference, names), planted, engine_points
+        return _EngineSide(hs.distances(states, reference, names), planted, engine_points, states, gates, why)
     finally:
         sampler.close()

@@ -52,6 +52,9 @@ def locate(
              "1.01 in the engine's copy only.")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the markdown section instead of the table.")]
     = False,
+    plot: Annotated[Path | None, typer.Option(
+        help="Draw each side's distance from fp32 per point (log scale) into DIR as RECEIPT-NAME.locate.png "
+             "(never over a file without --force).")] = None,
     json_: JsonOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engines' own output.")] = False,
 ) -> None:
@@ -66,6 +69,7 @@ def locate(
 
     target = out or default_out(receipt)
     planted_layer(inject)  # bad input is refused before anything loads
+    png = _plot_path(plot, receipt, force)
     if target.exists() and not force:
         raise ReceiptExistsError(f"{target} exists; pass --force to overwrite it")
     check_replaceable(target)
@@ -79,8 +83,34 @@ def locate(
     finally:
         scratch.remove_all()
     written = _write(result, target, force)
-    _show(result, str(receipt), written, json_, markdown)
+    drawn = _draw(result, png)
+    _show(result, str(receipt), written, json_, markdown, drawn)
     raise typer.Exit(EXIT_FAIL if result.divergences else EXIT_PASS)
+
+
+def _plot_path(directory: Path | None, receipt: Path, force: bool) -> Path | None:
+    """Where `--plot DIR` draws, checked before anything runs: matplotlib present, no file there without --force,
+    nothing but a regular file (never a link)."""
+    if directory is None:
+        return None
+    from lora_parity.report.locate_plot import file_name
+    from lora_parity.report.plots import _matplotlib
+    from lora_parity.util.safe_write import check_replaceable
+
+    _matplotlib()
+    path = directory / file_name(receipt)
+    if (path.exists() or path.is_symlink()) and not force:
+        raise ReceiptExistsError(f"{path} exists; pass --force to overwrite it")
+    check_replaceable(path)
+    return path
+
+
+def _draw(result: Any, path: Path | None) -> Path | None:
+    if path is None:
+        return None
+    from lora_parity.report.locate_plot import draw
+
+    return draw(result, path)
 
 
 def _write(result: Any, target: Path, force: bool) -> Path:
@@ -92,16 +122,18 @@ def _write(result: Any, target: Path, force: bool) -> Path:
         raise ConfigError(str(e)) from None
 
 
-def _show(result: Any, receipt: str, written: Path, as_json: bool, as_markdown: bool) -> None:
+def _show(result: Any, receipt: str, written: Path, as_json: bool, as_markdown: bool, plot: Path | None) -> None:
     from lora_parity.report import locate as render
+    from lora_parity.report.plots import link
 
     if as_json:
         output.print_json({"receipt": receipt, "result": str(written), "named": bool(result.divergences),
+                           "plot": str(plot) if plot is not None else None,
                            "divergences": [d.model_dump() for d in result.divergences],
-                           "seconds": result.timings.get("total")})
+                           "routing": render.moe_headline(result), "seconds": result.timings.get("total")})
         return
     if as_markdown:
-        output.print_text(render.markdown(result, receipt))
+        output.print_text(render.markdown(result, receipt, link(plot) if plot is not None else None))
     else:
         from rich.table import Table
 
@@ -113,5 +145,7 @@ def _show(result: Any, receipt: str, written: Path, as_json: bool, as_markdown: 
             table.add_row(*(esc.rich(c) for c in row), style=style)
         output.out.print(table)
         output.line(render.headline(result))
+        for line in render.moe_lines(result):
+            output.line(line)
     output.line(f"locate: {'a layer named' if result.divergences else 'no layer named'} in "
-                f"{result.timings.get('total', 0.0):.1f} s · result {written}")
+                f"{result.timings.get('total', 0.0):.1f} s · result {written}" + (f" · plot {plot}" if plot else ""))
