@@ -117,3 +117,16 @@ def vllm_mode() -> Iterator[Any]:
         if module._batch_invariant_LIB is not None:
             module._batch_invariant_LIB._destroy()
         torch.bmm = original_bmm
+
+
+def run_fakes(tmp_path: Path, tag: str = "", **kw: Any) -> Any:
+    """A run on the fake trainer and sampler, its receipt written under `tmp_path` (named by fault, sync mode and
+    `tag`) and verified: `verify` must recompute the run's own verdict from the raw scores."""
+    from lora_parity.run.options import RunOptions
+    from lora_parity.run.runner import execute
+    from lora_parity.verdict.verify import verify
+
+    out = tmp_path / f"{kw.get('inject') or 'clean'}-{kw.get('sync', 'new-id')}{tag}.json"
+    result = execute(RunOptions(trainer="fake", sampler="fake", out=out, **kw))
+    assert verify(out).verdict == result.receipt.verdict
+    return result.receipt

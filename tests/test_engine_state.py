@@ -17,14 +17,13 @@ from lora_parity.run.runner import execute
 from lora_parity.verdict import findings
 from lora_parity.verdict.verify import verify
 
+from .conftest import run_fakes
+
 FAKE: dict[str, Any] = {"trainer": "fake", "sampler": "fake"}
 
 
 def run(tmp_path: Path, **kw: Any) -> Receipt:
-    out = tmp_path / f"{kw.get('inject') or 'clean'}-{kw.get('sync', 'new-id')}.json"
-    result = execute(RunOptions(**FAKE, out=out, **kw))
-    assert verify(out).verdict == result.receipt.verdict  # recomputed from the raw scores
-    return result.receipt
+    return run_fakes(tmp_path, **kw)
 
 
 def status(receipt: Receipt) -> dict[str, CheckStatus]:

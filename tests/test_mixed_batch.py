@@ -22,14 +22,13 @@ from lora_parity.util.errors import ReceiptError
 from lora_parity.verdict import lifecycle
 from lora_parity.verdict.verify import verify
 
+from .conftest import run_fakes
+
 FAKE: dict[str, Any] = {"trainer": "fake", "sampler": "fake"}
 
 
 def run(tmp_path: Path, **kw: Any) -> Receipt:
-    out = tmp_path / f"{kw.get('inject') or 'clean'}-{kw.get('sync', 'new-id')}.json"
-    result = execute(RunOptions(**FAKE, out=out, **kw))
-    assert verify(out).verdict == result.receipt.verdict  # recomputed from the raw scores
-    return result.receipt
+    return run_fakes(tmp_path, **kw)
 
 
 def checks(receipt: Receipt) -> dict[str, Any]:

@@ -28,17 +28,14 @@ from lora_parity.util.errors import ConfigError, PhaseError, ReceiptError
 from lora_parity.verdict import lifecycle
 from lora_parity.verdict.verify import verify
 
-from .conftest import cli
+from .conftest import cli, run_fakes
 
 FAKE: dict[str, Any] = {"trainer": "fake", "sampler": "fake"}
 SLEEP_CHECKS = ("W.sleep_wake.level1", "W.wake_again.level1", "W.sleep_wake.level2", "W.wake_again.level2")
 
 
 def run(tmp_path: Path, **kw: Any) -> Receipt:
-    out = tmp_path / f"{kw.get('inject') or 'clean'}-{kw.get('sync', 'new-id')}-{kw.get('sleep_levels')}.json"
-    result = execute(RunOptions(**FAKE, out=out, **kw))
-    assert verify(out).verdict == result.receipt.verdict  # recomputed from the raw scores
-    return result.receipt
+    return run_fakes(tmp_path, f"-{kw.get('sleep_levels')}", **kw)
 
 
 def checks(receipt: Receipt) -> dict[str, Any]:
