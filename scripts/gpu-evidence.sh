@@ -82,6 +82,16 @@ set -euo pipefail
 step=${1:?usage: gpu-evidence.sh STEP [ARG]}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
+# The background steps run from a copy of the tree of their own: the device tool refreshes the working tree at every
+# call, and a run still going then read a file while the refresh replaced it (a probe file, a module: seen once each)
+case "$step" in
+  pseeds|hf-seeds|loops|sglang-selftest)
+    if [ -z "${LP_SNAPSHOT:-}" ]; then
+      snap=/tmp/lp-src-$(date +%s%N); mkdir -p "$snap"
+      tar -C "$PWD" -cf - lora_parity scripts configs pyproject.toml | tar -C "$snap" -xf -
+      cd "$snap" && OUT=$out LP_SNAPSHOT=$snap exec bash scripts/gpu-evidence.sh "$@"
+    fi ;;
+esac
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export LORA_PARITY_CACHE=/tmp/lora-parity-cache HF_HUB_OFFLINE=1
 models=(qwen3-0.6b-synth qwen3-8b-synth)
@@ -367,19 +377,25 @@ SH
     # loops REV NAME:MODEL:FIRST:COUNT[:ARG,..] ...: `run` per seed in one background loop per spec (setsid, like
     # hf-seeds), into /tmp/st/NAME/seed-NN/NAME.json (+ .summary.json, .err); MODEL is smol (SmolLM2-135M bf16 by
     # path) or a project config; its sampler a fixed small share of the GPU (SHARE_LOOP, default 0.03) beside the
-    # pseeds processes. ARGs split on commas, a plus for a comma inside one (--sleep-levels,1+2). Follow with digest.
+    # pseeds processes. ARGs split on commas, a plus for a comma inside one (--sleep-levels,1+2); ARG @dtype=bfloat16
+    # runs a config's model in that dtype. Follow with digest.
     rev=${2:?revision}; shift 2; mkdir -p /tmp/st
     for spec in "$@"; do
       IFS=: read -r name m from count args <<< "$spec"
       yaml=/tmp/st/loop-$name.yaml
+      dtype=""  # @dtype=bfloat16: a config's model in that dtype (vLLM on CUDA starts no fp32 model)
+      if [[ $args =~ @dtype=([^,]*) ]]; then dtype=${BASH_REMATCH[1]}; args=${args/@dtype=$dtype/}; fi
       if [ "$m" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$yaml" --force >/dev/null
-      else cp "configs/$m.yaml" "$yaml"; checkpoint "$yaml" >/dev/null; fi
-      python3 - "$yaml" "${SHARE_LOOP:-0.03}" <<'PY'
+      else cp "configs/$m.yaml" "$yaml"; fi
+      python3 - "$yaml" "${SHARE_LOOP:-0.03}" "$dtype" <<'PY'
 import sys, yaml
 cfg = yaml.safe_load(open(sys.argv[1]))
 cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[2]), gpu_kv_cache_gib=0.5)
+if sys.argv[3]:
+    cfg["model"]["dtype"] = sys.argv[3]
 yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
 PY
+      [ "$m" = smol ] || checkpoint "$yaml" >/dev/null  # a synthetic checkpoint generated in the config's dtype
       argv=${args//,/ }; argv=${argv//+/,}; d=/tmp/st/$name
       setsid nohup bash -c "cd $PWD; export OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0; \
         for s in \$(seq $from $((from + count - 1))); do n=\$(printf %02d \$s); mkdir -p $d/seed-\$n; \

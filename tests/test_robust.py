@@ -237,6 +237,30 @@ def test_the_adapters_dtype_on_the_engine_is_the_users_to_set() -> None:
 
 
 @unit
+def test_served_sampler_takes_the_configs_gpu_share() -> None:
+    """On CUDA the server gets the config's GPU memory share, KV cache and tensor parallelism, as the in-process
+    engine does (without them it asks for vLLM's default 0.9 of a GPU the trainer shares); a user's engine_args
+    still win; on the CPU none of them is passed."""
+    from pathlib import Path
+
+    from lora_parity.backends.vllm_server import server_argv
+
+    cfg = config.load("tiny-qwen3")
+    shared = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={
+        "gpu_memory_utilization": 0.06, "gpu_kv_cache_gib": 0.5, "tensor_parallel_size": 2})})
+    argv = server_argv(shared, Path("ckpt"), 8123, cuda=True)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.06"
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(2**29)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    mine = shared.model_copy(update={"sampler": shared.sampler.model_copy(update={
+        "engine_args": {"gpu_memory_utilization": 0.3}})})
+    argv = server_argv(mine, Path("ckpt"), 8123, cuda=True)
+    assert argv.count("--gpu-memory-utilization") == 1 and argv[argv.index("--gpu-memory-utilization") + 1] == "0.3"
+    cpu = server_argv(shared, Path("ckpt"), 8123, cuda=False)
+    assert not {"--gpu-memory-utilization", "--kv-cache-memory-bytes", "--tensor-parallel-size"} & set(cpu)
+
+
+@unit
 def test_megatron_shapes_refused_before_loading() -> None:
     hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

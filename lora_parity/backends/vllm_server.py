@@ -108,6 +108,13 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
         defaults["enforce_eager"] = True
     if cfg.sampler.lora_dtype is not None:
         defaults["lora_dtype"] = cfg.sampler.lora_dtype
+    if cuda:
+        # The in-process engine's GPU settings (vllm_options): without them the server asks for vLLM's default
+        # 0.9 of the GPU, which a GPU shared with the trainer (or other runs) does not have free.
+        defaults.update(gpu_memory_utilization=cfg.sampler.gpu_memory_utilization,
+                        tensor_parallel_size=cfg.sampler.tensor_parallel_size)
+        if cfg.sampler.gpu_kv_cache_gib is not None:
+            defaults["kv_cache_memory_bytes"] = int(cfg.sampler.gpu_kv_cache_gib * 2**30)
     argv += engine_args.serve_flags({**defaults, **user})
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
