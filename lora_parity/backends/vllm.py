@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends import engine_args as user_args
-from lora_parity.backends import moe, vllm_routes
+from lora_parity.backends import moe, vllm_reload, vllm_routes
 from lora_parity.backends import sleep as sleep_mode
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -328,7 +328,8 @@ class VLLMSampler(SamplerBackend):
         cross processes). vLLM's CPU build repacks linear weights, so the older `load_weights` route
         does not work there; `reload_weights` does."""
         if folder is not None:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+            # the engine's own reload_weights, with the names reconciled where LoRA-wrapped layers need it (vLLM 0.26)
+            self.llm.collective_rpc(vllm_reload.reload_from_folder, args=(str(folder),))
         else:
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
                 raise ConfigError("--sync memory needs an in-process vLLM engine (tensor_parallel_size 1)")
