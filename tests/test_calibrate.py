@@ -229,6 +229,12 @@ def test_vllm_fp32_on_cuda_is_refused_at_preflight(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ConfigError, match="fp32"):
         vllm_backend.refuse_fp32_on_cuda(config.load("tiny-qwen3"))
     vllm_backend.refuse_fp32_on_cuda(config.load("qwen3-0.6b-synth"))  # bf16: allowed
+    from lora_parity.models import synthetic
+
+    folder = synthetic.materialize(config.load("tiny-qwen3"))  # an fp32 checkpoint by path: --dtype casts it
+    with pytest.raises(ConfigError, match="with --dtype bfloat16"):
+        vllm_backend.refuse_fp32_on_cuda(config.load(str(folder)))
+    vllm_backend.refuse_fp32_on_cuda(config.load(str(folder), dtype="bfloat16"))
     monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: False)
     vllm_backend.refuse_fp32_on_cuda(config.load("tiny-qwen3"))  # the CPU build runs fp32
 
@@ -237,8 +243,10 @@ def test_vllm_fp32_on_cuda_refusal_is_a_preflight_error(monkeypatch: pytest.Monk
     from lora_parity.backends import vllm as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: True)
-    with pytest.raises(ConfigError, match="cannot start an fp32 model"):
+    with pytest.raises(ConfigError, match="cannot start an fp32 model") as refused:
         prepare(RunOptions(model="tiny-qwen3", trainer="fake", sampler="vllm"))
+    # a config names its own dtype (--dtype is refused for it): the way out the line names must work
+    assert "model.dtype: bfloat16" in str(refused.value) and "--dtype" not in str(refused.value)
 
 
 # --- batch-invariant vLLM ------------------------------------------------------------------------------

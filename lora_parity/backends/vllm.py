@@ -81,8 +81,11 @@ def refuse_fp32_on_cuda(cfg: ModelConfig) -> None:
     unless the config forces an attention backend (`sampler.attention_backend`, e.g. FLEX_ATTENTION:
     untested)."""
     if cfg.model.dtype == "float32" and cfg.sampler.attention_backend is None and _has_cuda():
+        # --dtype casts a checkpoint by path only; a config names its own dtype (config.load)
+        how = ("--dtype bfloat16" if cfg.model.path and cfg.description.startswith("local checkpoint")
+               else "a copy of the config with model.dtype: bfloat16")
         raise ConfigError(f"{cfg.name}: vLLM on CUDA cannot start an fp32 model (its attention backends "
-                          "need bfloat16/float16); run it with --dtype bfloat16, a bf16 config, or on the CPU")
+                          f"need bfloat16/float16); run it with {how}, or on the CPU")
 
 
 def batch_invariant_support() -> str | None:
