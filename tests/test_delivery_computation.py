@@ -110,6 +110,9 @@ def test_a_ten_percent_scale_fails_a_three_percent_one_within_its_noise_passes()
     assert scaled[0].verdicts.sync.verdict == Verdict.PASS and scaled[0].verdicts.numerics.verdict == Verdict.FAIL
     found = findings.findings(scaled_scores, scaled[0].checks, sequences(short), True)
     assert any(line.startswith("a scale: the engine applies the update at 0.89") for line in found), found
+    # The side, from the fp32 reference's change: the engine makes 0.9 of it, the trainer all of it.
+    scale = next(line for line in found if line.startswith("a scale"))
+    assert "against the fp32 reference's change the trainer makes" in scale and "(the engine is off" in scale, scale
     # 0.97 ± 0.05: its uncertainty covers it.
     loose = scenario(scale=0.97, noise=0.4, lengths=short, size=0.5)
     slope, _, _ = checks.update_slopes(loose)
@@ -357,3 +360,23 @@ def test_a_change_both_sides_compute_alike_passes_where_precision_leaves_fp32_un
     assert old["C.delta.cosine"] == CheckStatus.INCONCLUSIVE and old["T.q_proj.cosine"] == CheckStatus.INCONCLUSIVE
     _, half = judged(_identical_sides(scenario(seed=3, size=0.15, trainer_off=0.25), share=0.5))
     assert half["C.delta.scale"] != CheckStatus.PASS and half["T.q_proj.scale"] != CheckStatus.PASS
+
+
+@pytest.mark.unit
+def test_reference_shares_name_the_side_that_misses_the_fp32_change() -> None:
+    from lora_parity.verdict import deltas
+
+    base = [[0.0, -1.0, -2.0, -1.5]]
+    change = [[0.0, 0.4, -0.2, 0.3]]
+
+    def moved(k: float) -> list[list[float]]:
+        return [[b + k * c for b, c in zip(base[0], change[0], strict=True)]]
+
+    scores = {"zero": base, "updated": moved(0.9), "trainer_zero": base, "trainer_updated": moved(1.0),
+              "reference_fp32": base, "reference_fp32_updated": moved(1.0)}
+    trainer, engine = deltas.reference_shares(scores) or (None, None)
+    assert trainer == pytest.approx(1.0) and engine == pytest.approx(0.9)
+    both = scores | {"trainer_updated": moved(0.9)}  # both sides make 0.9 of fp32's change: neither is named apart
+    assert deltas.reference_shares(both) == pytest.approx((0.9, 0.9))
+    assert deltas.reference_shares({k: v for k, v in scores.items() if k != "reference_fp32_updated"}) is None
+    assert deltas.reference_shares(scores | {"reference_fp32_updated": base}) is None  # fp32 did not move

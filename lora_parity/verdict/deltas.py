@@ -3,6 +3,7 @@ evidence, the sampler's share of the trainer's change (`update_slopes`). Pure: s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from lora_parity.verdict import stats
@@ -50,6 +51,24 @@ def update_slopes(scores: Mapping[str, Sequence[Sequence[float]]]) -> Slopes:
         phases[name] = (stats.differences(scores[sf], scores[st]), dt, dr)
     each = {name: stats.update_slope([p], ids, blocks) for name, p in phases.items()}
     return stats.update_slope(list(phases.values()), ids, blocks), each, with_reference
+
+
+def reference_shares(scores: Mapping[str, Sequence[Sequence[float]]]) -> tuple[float, float] | None:
+    """Each side's share of the fp32 reference's change, pooled over the runs C.slope pools: Σ Δside·Δfp32 /
+    Σ Δfp32·Δfp32, the trainer's and the engine's (1: that side makes the change fp32 makes). None without the fp32
+    reference at the start and every end point, or where fp32 does not move."""
+    specs = delta_specs(scores)
+    if not specs or "reference_fp32" not in scores or not all(reference_at(n) in scores for n in specs):
+        return None
+    trainer, engine, norm = [], [], []
+    for name, (sf, st, tf, tt) in specs.items():
+        dr = stats.differences(scores["reference_fp32"], scores[reference_at(name)])
+        ds, dt = stats.differences(scores[sf], scores[st]), stats.differences(scores[tf], scores[tt])
+        trainer += [t * r for t, r in zip(dt, dr, strict=True)]
+        engine += [s * r for s, r in zip(ds, dr, strict=True)]
+        norm += [r * r for r in dr]
+    total = math.fsum(norm)
+    return (math.fsum(trainer) / total, math.fsum(engine) / total) if total > 0 else None
 
 
 def target_kinds(scores: Mapping[str, object]) -> list[str]:

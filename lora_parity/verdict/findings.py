@@ -23,7 +23,7 @@ from typing import Any
 
 from lora_parity.evidence.receipt import NOTHING_COMPARED
 from lora_parity.verdict import check_rules, exact_reference, routes, stats
-from lora_parity.verdict.deltas import TARGET_PREFIX, update_slopes
+from lora_parity.verdict.deltas import TARGET_PREFIX, reference_shares, update_slopes
 
 Scores = Mapping[str, Sequence[Sequence[float]]]
 SAME_SCALE_SE = 3.0
@@ -119,6 +119,17 @@ def _mean_abs(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> flo
 
 
 def _scale_line(scores: Scores, checks: Sequence[Any]) -> str:
+    line = _scale_where(scores)
+    shares = reference_shares(scores)
+    if shares is None:
+        return line + "; no fp32 reference at every end point: the side is not named"
+    trainer, engine = shares
+    side = _which(abs(engine - 1), abs(trainer - 1), "both about equally far: neither side is named")
+    return (f"{line}; against the fp32 reference's change the trainer makes {trainer:.3g} of it, the engine "
+            f"{engine:.3g} ({side})")
+
+
+def _scale_where(scores: Scores) -> str:
     pooled, each, _ = update_slopes(scores)
     if pooled is None:
         return "C.slope: the sampler's share of the trainer's change could not be measured"
