@@ -24,6 +24,7 @@ from lora_parity.run.runner import execute
 from lora_parity.run.selftest import selftest
 from lora_parity.util.errors import ConfigError, LoraParityError, ReceiptError
 from lora_parity.verdict import routes as route_stats
+from lora_parity.verdict.routes import OWN_ROUTES
 from lora_parity.verdict.verify import verify
 
 from .conftest import cli
@@ -94,6 +95,15 @@ def test_routing_flips_are_in_a_without_replay_and_gone_with_it(tmp_path: Path,
     assert on.route_replay is not None and on.route_replay.status == "replayed"
     assert on.verdict == rc.Verdict.PASS and on.comparisons["A.trainer_vs_sampler"].max_abs == 0.0
     assert on.router is not None and on.router.flipped_tokens == flipped  # the diagnostic stays in the receipt
+    # The same run measures A both ways: with the engine's routes (0 here) and with the trainer's own (the flips).
+    own = on.scores[OWN_ROUTES]
+    own_mean = sum(abs(a - b) for sa, sb in zip(own, on.scores["zero"], strict=True)
+                   for a, b in zip(sa, sb, strict=True)) / sum(len(s) for s in own)
+    assert own_mean == pytest.approx(off.comparisons["A.trainer_vs_sampler"].mean_abs)
+    line = next(x for x in of_receipt(on) if x.startswith("A at the start point"))
+    assert f"mean 0; with the trainer's own routes: {own_mean:.3g} (replay removed 100% of it" in line, line
+    assert OWN_ROUTES not in off.scores  # without replay there is one way only
+    assert verify(tmp_path / "on.json").verdict == rc.Verdict.PASS  # the key is one verify knows
 
 
 @unit

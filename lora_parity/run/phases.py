@@ -47,7 +47,7 @@ from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
 from lora_parity.util.errors import ScoreError
 from lora_parity.verdict import stats
-from lora_parity.verdict.routes import SEARCH_KEY
+from lora_parity.verdict.routes import OWN_ROUTES, SEARCH_KEY
 
 if TYPE_CHECKING:
     from lora_parity.backends import fp32_points
@@ -323,6 +323,8 @@ class Run:
     def trainer_zero(self) -> None:
         """The trainer at the start point, twice; its tensors kept for the exact reference."""
         self.trainer_score("trainer_zero", repeat=True)
+        if self.replay.on:  # its own routes too: how much of A the replay removes (verdict.routes.replay_share)
+            self._record(OWN_ROUTES, self._timed(OWN_ROUTES, lambda: self.trainer.score(self.sequences)))
         reference_points.snapshot(self, "zero")
 
     def trainer_score_alone(self) -> None:

@@ -170,7 +170,7 @@ def of_receipt(receipt: Any) -> list[str]:
     failed = {c.id for c in receipt.checks if _status(c) == "fail"}
     extra = [file_line(receipt.adapters, failed), weight_version_line(receipt.adapters),
              resolution_line(receipt.perturbation, receipt.sampler, failed), engine_defect_line(receipt.sampler)]
-    return found + [line for line in extra if line] + routes.lines(receipt.route_replay, receipt.router)
+    return found + [line for line in extra if line] + routes.lines(receipt.route_replay, receipt.router, receipt.scores)
 
 
 def file_line(adapters: Sequence[Any], failed: set[str]) -> str | None:

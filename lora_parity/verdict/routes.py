@@ -10,6 +10,7 @@ otherwise: the run names every change and where it is, and the checks judge the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,10 @@ the zero pass's routes, before the engine's updated pass exists: the updated tra
 this key, so that `verify` re-derives the search's chosen change from scores (`calibrate.check_perturbation`)."""
 TARGET_SEARCH_SUFFIX = ".trainer_zero_routes"
 """The same for a per-target point's search: `target.K` + this."""
-SCORE_KEYS = (SEARCH_KEY,)
+OWN_ROUTES = "trainer_zero_own_routes"
+"""With route replay, the trainer at the start point also scored with its own routers' choice: A's difference both
+ways on the same tokens, so each replayed run says how much of A the routing flips were (`replay_share`)."""
+SCORE_KEYS = (SEARCH_KEY, OWN_ROUTES)
 
 
 def changes(routes: Mapping[str, Sequence[TokenRoutes]]) -> dict[str, int]:
@@ -49,10 +53,25 @@ def _pairs(routes: Sequence[TokenRoutes]) -> int:
     return sum(len(token) for seq in routes for token in seq)
 
 
-def lines(replay: Any, router: Any) -> list[str]:
+def replay_share(scores: Mapping[str, Sequence[Sequence[float]]]) -> tuple[float, float] | None:
+    """A's mean |trainer - engine| at the start point with the engine's routes replayed and with the trainer's own
+    (`OWN_ROUTES`); None where the run did not score both."""
+    if not all(k in scores for k in (ZERO, "trainer_zero", OWN_ROUTES)):
+        return None
+
+    def mean(trainer: str) -> float:
+        diff = [abs(a - b) for sa, sb in zip(scores[trainer], scores[ZERO], strict=True)
+                for a, b in zip(sa, sb, strict=True)]
+        return math.fsum(diff) / len(diff) if diff else 0.0
+
+    return mean("trainer_zero"), mean(OWN_ROUTES)
+
+
+def lines(replay: Any, router: Any, scores: Mapping[str, Sequence[Sequence[float]]] | None = None) -> list[str]:
     """What a run says about routing on an MoE model: with replay off or not available, how many tokens the two
-    sides route apart and that their difference is in A; with replay, each engine pass that routed otherwise
-    than the zero pass. Nothing for a dense model (`replay` None)."""
+    sides route apart and that their difference is in A; with replay, how much of A the replay removed
+    (`replay_share`) and each engine pass that routed otherwise than the zero pass. Nothing for a dense model
+    (`replay` None)."""
     if replay is None:
         return []
     if replay.status != "replayed":
@@ -65,6 +84,12 @@ def lines(replay: Any, router: Any) -> list[str]:
                 f"the sampler at the start point (router agreement {router.agreement:.4g}); their difference is in A "
                 "and C"]
     out = []
+    share = replay_share(scores or {})
+    if share is not None:
+        replayed, own = share
+        removed = f"replay removed {1 - replayed / own:.0%} of it" if own > 0 else "nothing to remove"
+        out.append(f"A at the start point with the engine's routes replayed: mean {replayed:.3g}; with the trainer's "
+                   f"own routes: {own:.3g} ({removed}; what is left is the two sides' computation, not routing)")
     for key, n in sorted(replay.changes.items()):
         if n:
             total = _pairs(replay.routes[key])
