@@ -344,6 +344,9 @@ for try in 1 2 3; do
   # again only if the engines never started (every receipt then records a setup error)
   # (one seed from seed 0 writes its receipts without a seed-NN folder)
   grep -L '"error": "setup:' /tmp/st/$name/seed-*/clean.json /tmp/st/$name/clean.json 2>/dev/null | grep -q . && break
+  # the setup error (a server's log tail is in it) kept before the retry clears the folder
+  grep -ho '"error": "[^"]*' /tmp/st/$name/seed-*/clean.json /tmp/st/$name/clean.json 2>/dev/null | head -2 \
+    | cut -c1-4000 >> /tmp/st/$name.err
   rm -rf /tmp/st/$name; sleep 20
 done
 SH
