@@ -229,6 +229,30 @@ def test_existing_synthetic_cache_keys_do_not_change() -> None:
 
     assert synthetic.spec_digest(spec, "float32") == sha256_json({"spec": legacy, "dtype": "float32",
                                                                    "generator": 1})[:16]
+    # An MoE spec keeps its key while expert_std is unset (its moe section as it was before the field existed).
+    moe = config.load("tiny-qwen3-moe").model.synthetic
+    assert moe is not None and moe.moe is not None
+    before = {k: v for k, v in moe.model_dump(mode="json").items() if k not in ("rms_norm_eps", "mla")}
+    before["moe"] = {k: v for k, v in before["moe"].items() if k != "expert_std"}
+    assert synthetic.spec_digest(moe, "float32") == sha256_json({"spec": before, "dtype": "float32",
+                                                                  "generator": 1})[:16]
+
+
+def test_expert_std_redraws_the_routed_experts_only(tmp_path: Path) -> None:
+    """`moe.expert_std`: the routed experts' weights drawn at that std, everything else as HF's init left it."""
+    from safetensors.torch import load_file
+
+    spec = config.load("tiny-qwen3-moe").model.synthetic
+    assert spec is not None and spec.moe is not None
+    wide = spec.model_copy(update={"moe": spec.moe.model_copy(update={"expert_std": 0.5})})
+    assert synthetic.spec_digest(wide, "float32") != synthetic.spec_digest(spec, "float32")
+    synthetic.generate(spec, "float32", tmp_path / "plain")
+    synthetic.generate(wide, "float32", tmp_path / "wide")
+    plain, drawn = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("plain", "wide"))
+    experts = [n for n in drawn if ".experts." in n]
+    assert experts and all(abs(float(drawn[n].std()) - 0.5) < 0.05 for n in experts)
+    assert all(float(plain[n].std()) < 0.1 for n in experts)
+    assert all(bool((plain[n] == drawn[n]).all()) for n in drawn if ".experts." not in n)
 
 
 def test_budgets_in_configs_are_consistent() -> None:

@@ -100,6 +100,9 @@ class MoESpec(_Cfg):
     """Leading layers with a dense MLP instead of experts (GLM's first_k_dense_replace)."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing weights to sum to 1."""
+    expert_std: float | None = Field(default=None, gt=0)
+    """Std of the routed experts' weights, redrawn after HF's own init (None: HF's init). Larger, the experts a
+    token takes move its output more, so a routing flip between the two sides moves its logprob more."""
 
     @model_validator(mode="after")
     def _topk(self) -> MoESpec:

@@ -26,6 +26,8 @@ def spec_digest(spec: SyntheticSpec, dtype: str) -> str:
     data = spec.model_dump(mode="json")
     # Optional fields added later are left out while unset, so that existing specs keep their cache key.
     data = {k: v for k, v in data.items() if not (k in _OPTIONAL_LATER and v is None)}
+    if isinstance(data.get("moe"), dict) and data["moe"].get("expert_std") is None:
+        data["moe"] = {k: v for k, v in data["moe"].items() if k != "expert_std"}
     return sha256_json({"spec": data, "dtype": dtype, "generator": 1})[:16]
 
 
@@ -97,6 +99,11 @@ def generate(spec: SyntheticSpec, dtype: str, folder: Path) -> None:
             generator = torch.Generator(device=device).manual_seed(spec.seed + 1)
             head = model.get_output_embeddings().weight
             head.copy_(torch.randn(head.shape, generator=generator, dtype=torch.float32) * spec.lm_head_std)
+            if spec.moe is not None and spec.moe.expert_std is not None:  # the routed experts only, not shared ones
+                for name, weight in sorted(model.named_parameters()):
+                    if ".experts." in name:
+                        weight.copy_(torch.randn(weight.shape, generator=generator, dtype=torch.float32)
+                                     * spec.moe.expert_std)
     model.save_pretrained(folder, safe_serialization=True)
 
 
