@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from lora_parity.backends import fake, sleep
 from lora_parity.backends.base import AdapterHandle, BackendTraits
@@ -217,8 +218,17 @@ class StandInLLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.calls.append(("wake_up", tags))
 
-    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> None:
-        self.calls.append((method, kwargs.get("weights_path")))
+    def collective_rpc(self, method: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
+        """A method name, or a callable run with the (one) worker first, as vLLM's `run_method` does."""
+        def reload_weights(weights_path: str | None = None, **_: Any) -> None:
+            self.calls.append(("reload_weights", weights_path))
+
+        if callable(method):  # backends.vllm_reload: an unwrapped model (LoRA off here) takes the engine's own route
+            worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2)),
+                                     reload_weights=reload_weights)
+            method(worker, *args, **(kwargs or {}))
+        else:
+            self.calls.append((method, (kwargs or {}).get("weights_path")))
 
     def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache",))
