@@ -6,6 +6,7 @@ in-process vLLM sampler's calls against a stand-in `LLM` (the GPU run is a later
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -224,6 +225,7 @@ class StandInLLM:
             self.calls.append(("reload_weights", weights_path))
 
         if callable(method):  # backends.vllm_reload: an unwrapped model (LoRA off here) takes the engine's own route
+            assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0", "a callable sent to an engine core process"
             worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2)),
                                      reload_weights=reload_weights)
             method(worker, *args, **(kwargs or {}))
@@ -260,7 +262,11 @@ def vllm_run(tmp_path: Path, sync: str = "new-id") -> Run:
     return r
 
 
-def test_the_vllm_sampler_sleeps_wakes_the_weights_reloads_syncs_then_wakes_the_kv_cache(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_process", ["0", "1"])
+def test_the_vllm_sampler_sleeps_wakes_the_weights_reloads_syncs_then_wakes_the_kv_cache(
+        tmp_path: Path, in_process: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # in process the reload runs backends.vllm_reload in the worker; an engine core of its own gets the method name
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", in_process)
     r = vllm_run(tmp_path)
     engine: Any = r.sampler
     assert isinstance(engine, sleep.SleepingSampler) and engine.sleep_levels == (1, 2)

@@ -330,9 +330,11 @@ class VLLMSampler(SamplerBackend):
         folder, or from tensors handed over in memory (an in-process engine only: the iterator does not
         cross processes). vLLM's CPU build repacks linear weights, so the older `load_weights` route
         does not work there; `reload_weights` does."""
-        if folder is not None:
+        if folder is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             # the engine's own reload_weights, with the names reconciled where LoRA-wrapped layers need it (vLLM 0.26)
             self.llm.collective_rpc(vllm_reload.reload_from_folder, args=(str(folder),))
+        elif folder is not None:  # a callable reaches an engine core process only pickled (vLLM refuses by default)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
         else:
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
                 raise ConfigError("--sync memory needs an in-process vLLM engine (tensor_parallel_size 1)")
