@@ -42,14 +42,11 @@ def reconcile(name: str, wrapped: set[str], packed: Mapping[str, Sequence[str]])
     return name
 
 
-def needs_reconciling(model: Any) -> bool:
-    """Whether this engine's wrapped layers need the reconciled names: some layer is wrapped and the wrapper class
-    loads no weights itself (vLLM up to 0.26)."""
+def wrapper_loads_weights() -> bool:
+    """Whether vLLM's LoRA wrapper loads its `base_layer`'s weights itself (vLLM 0.32; not up to 0.26)."""
     from vllm.lora.layers import BaseLayerWithLoRA
 
-    if callable(getattr(BaseLayerWithLoRA, "load_weights", None)):
-        return False
-    return bool(wrapped_layers(name for name, _ in model.named_modules()))
+    return callable(getattr(BaseLayerWithLoRA, "load_weights", None))
 
 
 def checkpoint_tensors(folder: Path) -> Iterator[tuple[str, Any]]:
@@ -66,10 +63,10 @@ def reload_from_folder(worker: Any, folder: str) -> str:
     """In the engine's worker: reload the base weights from the checkpoint `folder` in place, by the engine's own
     route where it can, else with the names reconciled to its LoRA-wrapped layers. Returns the route taken."""
     model = worker.model_runner.get_model()
-    if not needs_reconciling(model):
+    wrapped = wrapped_layers(name for name, _ in model.named_modules())
+    if not wrapped or wrapper_loads_weights():
         worker.reload_weights(weights_path=folder)
         return "reload_weights"
-    wrapped = wrapped_layers(name for name, _ in model.named_modules())
     packed = getattr(model, "packed_modules_mapping", None) or {}
     weights = ((reconcile(name, wrapped, packed), tensor) for name, tensor in checkpoint_tensors(Path(folder)))
     worker.reload_weights(weights_iterator=weights)

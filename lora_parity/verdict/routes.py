@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lora_parity.verdict import stats
+
 TokenRoutes = Sequence[Sequence[Sequence[int]]]
 """[token][MoE layer] -> expert ids."""
 ZERO = "zero"
@@ -60,9 +62,8 @@ def replay_share(scores: Mapping[str, Sequence[Sequence[float]]]) -> tuple[float
         return None
 
     def mean(trainer: str) -> float:
-        diff = [abs(a - b) for sa, sb in zip(scores[trainer], scores[ZERO], strict=True)
-                for a, b in zip(sa, sb, strict=True)]
-        return math.fsum(diff) / len(diff) if diff else 0.0
+        diff = stats.differences(scores[ZERO], scores[trainer])
+        return math.fsum(abs(d) for d in diff) / len(diff) if diff else 0.0
 
     return mean("trainer_zero"), mean(OWN_ROUTES)
 
