@@ -247,6 +247,8 @@ def test_vllm_fp32_on_cuda_refusal_is_a_preflight_error(monkeypatch: pytest.Monk
         prepare(RunOptions(model="tiny-qwen3", trainer="fake", sampler="vllm"))
     # a config names its own dtype (--dtype is refused for it): the way out the line names must work
     assert "model.dtype: bfloat16" in str(refused.value) and "--dtype" not in str(refused.value)
+    # and its fp32 budgets would fail the bf16 run at A (measured: tiny-qwen3-moe in bf16 on an H100)
+    assert "--budgets bf16" in str(refused.value)
 
 
 # --- batch-invariant vLLM ------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def refuse_fp32_on_cuda(cfg: ModelConfig) -> None:
         # --dtype casts a checkpoint by path only; a config names its own dtype (config.load)
         how = ("--dtype bfloat16" if cfg.model.path and cfg.description.startswith("local checkpoint")
                else "a copy of the config with model.dtype: bfloat16")
+        if cfg.budgets.profile not in ("bf16", "exact"):  # fp32's tolerances fail any bf16 pair at A
+            how += " and --budgets bf16"
         raise ConfigError(f"{cfg.name}: vLLM on CUDA cannot start an fp32 model (its attention backends "
                           f"need bfloat16/float16); run it with {how}, or on the CPU")
 
