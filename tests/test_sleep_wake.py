@@ -61,8 +61,11 @@ def test_a_clean_run_sleeps_at_both_levels_after_the_sync_and_covers_both_rows(t
     assert {c[i].status for i in SLEEP_CHECKS} == {CheckStatus.PASS}
     assert all(receipt.scores[name] == receipt.scores["updated"] for name in sleeps)
     assert rows(receipt)["sleep level 1 + wake"].status == rows(receipt)["sleep level 2 + wake"].status == "covered"
-    # Each sleep_wake synced a new version as the mode publishes one; wake_again published none.
+    # Each sleep_wake synced a new version as the mode publishes one; wake_again at level 2 put the current one back:
+    # under a new name and id where the mode keeps a name per version, in place or as merged weights otherwise.
     assert [a.version for a in receipt.adapters[:4]] == [0, 1, 2, 3] and receipt.adapters[2].mode == sync
+    restores = [a.name for a in receipt.adapters if a.name.endswith("-restore")]
+    assert restores == (["lora-parity-5-v4-restore"] if sync == "new-id" else [])
 
 
 def test_one_level_asked_runs_that_level_only(tmp_path: Path) -> None:
@@ -284,10 +287,13 @@ def test_the_vllm_sampler_sleeps_wakes_the_weights_reloads_syncs_then_wakes_the_
     assert ("generate", new.adapter_id) in calls and "sleep_wake.level2" in r.scores
 
     calls.clear()
-    sleep_wake.wake_again(r, 2)  # the loop's restore: the base reloaded, the same version put back in place
+    sleep_wake.wake_again(r, 2)  # the loop's restore: the base reloaded, the same folder under a new name and id
     assert [c[0] for c in calls[:4]] == ["sleep", "wake_up", "reload_weights", "reset_prefix_cache"]
-    assert calls[1] == ("wake_up", None) and calls[4] == ("add_lora", new.adapter_id, True)
-    assert calls[-1] == ("generate", new.adapter_id) and r.handle == new
+    restored = r.handle
+    assert restored is not None and restored.adapter_id not in (synced.adapter_id, new.adapter_id)
+    assert restored.path == new.path and calls[1] == ("wake_up", None)
+    assert calls[4] == ("add_lora", restored.adapter_id, False) and ("remove_lora", new.adapter_id) in calls
+    assert calls[-1] == ("generate", restored.adapter_id) and r.adapters[-1].name.endswith("-restore")
 
     calls.clear()
     sleep_wake.sleep_sync_wake(r, 1)  # level 1 keeps the weights: no reload
@@ -295,6 +301,21 @@ def test_the_vllm_sampler_sleeps_wakes_the_weights_reloads_syncs_then_wakes_the_
     calls.clear()
     sleep_wake.wake_again(r, 1)
     assert [c[0] for c in calls] == ["sleep", "wake_up", "generate", "generate"]  # one request per sequence
+
+
+def test_inplace_restores_a_level2_wake_in_place_under_its_own_id(tmp_path: Path) -> None:
+    # --sync inplace keeps one name and id: its restore reloads in place (vLLM 0.26 served the base after it)
+    r = vllm_run(tmp_path, sync="inplace")
+    engine: Any = r.sampler
+    synced = r.handle
+    assert synced is not None
+    sleep_wake.sleep_sync_wake(r, 2)
+    engine.llm.calls.clear()
+    before = len(r.adapters)
+    sleep_wake.wake_again(r, 2)
+    assert ("add_lora", synced.adapter_id, True) in engine.llm.calls
+    assert r.handle is not None and (r.handle.name, r.handle.adapter_id) == (synced.name, synced.adapter_id)
+    assert len(r.adapters) == before  # no version recorded: the same one put back
 
 
 def test_the_vllm_sampler_sleeps_only_where_started_with_sleep_mode_and_refuses_levels_without_it() -> None:

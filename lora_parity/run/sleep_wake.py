@@ -7,7 +7,8 @@ rollout wake-up), in two phases:
   from the checkpoint (`reset_base`) -> the sync: the trainer's current adapter published as the run's sync mode
   publishes it, a new version -> wake_up(["kv_cache"]) -> score.
 - `wake_again.levelN`: sleep(N) -> wake_up() -> at level 2, the loop's restore: the base reloaded, then the current
-  version put back as it was published, no new version (`SyncMode.restore`) -> score.
+  version put back, with no new weights (`SyncMode.restore`: its folder under a new name and id where the mode keeps a
+  name per version, in place under its own in `inplace`, the merged weights reloaded) -> score.
 
 The trainer has not moved since `updated` was scored (per-target coverage comes after), so both phases must give
 `updated`'s scores within the sampler's repeat noise (`verdict.sleep_wake`, checks W.*). The sleep faults
@@ -83,7 +84,7 @@ def sleep_sync_wake(run: Any, level: int) -> None:
 
 
 def wake_again(run: Any, level: int) -> None:
-    """sleep -> wake everything -> (level 2: reload the base, put the current version back) -> score."""
+    """sleep -> wake everything -> (level 2: reload the base, put the current weights back) -> score."""
     engine = _engine(run)
     engine.sleep(level)
     engine.wake_up()

@@ -156,9 +156,20 @@ class AdapterSync(SyncMode):
         return not self.same_id
 
     def restore(self, ctx: SyncContext) -> None:
-        """Load the current version's folder again, in place under its own name and id (its values were lost)."""
+        """Load the current version's folder again (its values were lost): in the modes that keep a name per version
+        (`new-id`, `tensors`) under a new name and id, as those loops load every adapter they publish (verl: a new
+        `lora_int_id` per load); in `inplace` in place under its own. On vLLM 0.26 the in-place reload after a level-2
+        sleep left the engine serving the base (BENCHMARKS.md, seventeenth session): a finding of that mode."""
         assert ctx.handle is not None
-        self.load(ctx, ctx.handle.path, ctx.handle.name, ctx.handle.adapter_id, True)
+        if not self.keeps_versions:
+            self.load(ctx, ctx.handle.path, ctx.handle.name, ctx.handle.adapter_id, True)
+            return
+        start, version, previous = time.perf_counter(), len(ctx.adapters), ctx.handle
+        adapter_id = ctx.first_adapter_id + version
+        name = f"lora-parity-{adapter_id}-v{version}-restore"
+        ctx.handle = self.load(ctx, previous.path, name, adapter_id, False)
+        _record(ctx, version, name, adapter_id, self.name, start)
+        ctx.sampler.retire(previous)
 
     def overwrite(self, ctx: SyncContext) -> None:
         """Reload the current adapter's id in place with the trainer's current weights."""
