@@ -381,13 +381,15 @@ SH
     # hf-seeds), into /tmp/st/NAME/seed-NN/NAME.json (+ .summary.json, .err); MODEL is smol (SmolLM2-135M bf16 by
     # path) or a project config; its sampler a fixed small share of the GPU (SHARE_LOOP, default 0.03) beside the
     # pseeds processes. ARGs split on commas, a plus for a comma inside one (--sleep-levels,1+2); ARG @dtype=bfloat16
-    # runs a config's model in that dtype. Follow with digest.
+    # runs a config's model in that dtype (with --budgets bf16 unless ARGs name one). Follow with digest.
     rev=${2:?revision}; shift 2; mkdir -p /tmp/st
     for spec in "$@"; do
       IFS=: read -r name m from count args <<< "$spec"
       yaml=/tmp/st/loop-$name.yaml
       dtype=""  # @dtype=bfloat16: a config's model in that dtype (vLLM on CUDA starts no fp32 model)
       if [[ $args =~ @dtype=([^,]*) ]]; then dtype=${BASH_REMATCH[1]}; args=${args/@dtype=$dtype/}; fi
+      # a config's fp32 budgets fail any bf16 pair at A (tiny-qwen3-moe at 1351972): the bf16 profile, unless given
+      if [ -n "$dtype" ] && [ "$dtype" != float32 ] && [[ $args != *--budgets* ]]; then args="$args,--budgets,bf16"; fi
       if [ "$m" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$yaml" --force >/dev/null
       else cp "configs/$m.yaml" "$yaml"; fi
       python3 - "$yaml" "${SHARE_LOOP:-0.03}" "$dtype" <<'PY'
