@@ -65,7 +65,7 @@ def test_sampling_is_seeded(toy_tokenizer: None, tmp_path: Path) -> None:
     assert first.probes.sequences == again.probes.sequences != other.probes.sequences
 
 
-@pytest.mark.parametrize("fault", ["gen-no-adapter", "prompt-no-adapter"])
+@pytest.mark.parametrize("fault", ["gen-no-adapter", "prompt-no-adapter", "graphs-hold-old"])
 def test_adapter_on_only_one_path_is_caught(fault: str, toy_tokenizer: None, tmp_path: Path) -> None:
     receipt = execute(RunOptions(**FAKE, probes="sampled", inject=fault, out=tmp_path / "r.json")).receipt
     spec, status = FAULTS[fault], _status(receipt)
@@ -84,7 +84,7 @@ def test_generation_faults_need_sampled_probes(tmp_path: Path) -> None:
 
 def test_selftest_with_sampled_probes_catches_the_generation_faults(toy_tokenizer: None, tmp_path: Path) -> None:
     result = selftest(RunOptions(**FAKE, probes="sampled"), tmp_path)
-    assert {"gen-no-adapter", "prompt-no-adapter"} <= {r.fault for r in result.rows}
+    assert {"gen-no-adapter", "prompt-no-adapter", "graphs-hold-old"} <= {r.fault for r in result.rows}
     assert result.ok, [r for r in result.rows if not r.caught]
 
 
@@ -249,3 +249,16 @@ def test_selftest_with_a_user_adapter_starts_every_run_of_every_seed_from_it(tmp
         assert receipt.error is not None or "adapter_base" in receipt.scores, path
         if receipt.injected_fault is None:
             assert _status(receipt)["A.adapter_moved"] == CheckStatus.PASS, path
+
+
+def test_graphs_hold_old_generates_with_the_version_the_sync_replaced(tmp_path: Path) -> None:
+    from lora_parity.backends.base import AdapterHandle
+    from lora_parity.run.faults import Faults
+
+    old, new = AdapterHandle("v0", 1, tmp_path / "v0"), AdapterHandle("v1", 2, tmp_path / "v1")
+    targets = ["q_proj"]
+    held = Faults("graphs-hold-old", targets, 4, 1.0, sampled=True)
+    assert held.generation_handle(new, old) == old and held.generation_handle(new, None) == new  # nothing kept: as is
+    assert Faults("gen-no-adapter", targets, 4, 1.0, sampled=True).generation_handle(new, old) is None
+    assert Faults(None, targets, 4, 1.0).generation_handle(new, old) == new
+    assert "graphs-hold-old" not in faults_for("inplace", sampled=True)  # one id: no replaced version to serve

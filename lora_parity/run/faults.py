@@ -163,6 +163,12 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("prompt-no-adapter", "after sync the sampler scores the generated tokens without the adapter "
               "(generation has it)", ("G.updated.parity.mean",), "fail", must_pass=("G.trainer.parity.mean",),
               modes=ADAPTER_MODES, needs_sampled=True),
+    # CUDA graphs captured before the update replaying its old weight addresses: the decode path computes with the
+    # replaced version, prompt scoring with the new one.
+    FaultSpec("graphs-hold-old", "after sync the sampler generates with the replaced version's weights while prompt "
+              "scoring has the new ones (CUDA graphs replaying old weight addresses: vllm #48941; sglang #27140, "
+              "garbled step-1 rollouts, no error)", ("G.updated.parity.mean", "G.trainer.parity.mean"), "fail",
+              modes=("new-id", "tensors"), needs_versions=True, needs_sampled=True),
     *ROUTE_FAULTS,
     *sleep_faults.SLEEP_FAULTS,
 )}
@@ -383,9 +389,12 @@ class Faults:
             af.write_adapter(folder, config, tensors)
             self.changed.add(folder)
 
-    def generation_handle(self, handle: AdapterHandle | None) -> AdapterHandle | None:
-        """The adapter the sampler generates with after sync (gen-no-adapter: none)."""
-        return None if self.is_("gen-no-adapter") else handle
+    def generation_handle(self, handle: AdapterHandle | None, old: AdapterHandle | None = None) -> AdapterHandle | None:
+        """The adapter the sampler generates with after sync (gen-no-adapter: none; graphs-hold-old: the version the
+        sync replaced, `old`, where the sync kept it loaded)."""
+        if self.is_("gen-no-adapter"):
+            return None
+        return old if self.is_("graphs-hold-old") and old is not None else handle
 
     def old_handle(self, old: AdapterHandle, current: AdapterHandle | None) -> AdapterHandle | None:
         """The adapter the replaced version's name serves after the sync (old-name-follows: the new one)."""

@@ -93,7 +93,7 @@ def after_sync(run: Any) -> None:
     the synced adapter; its rollout logprobs, its prompt logprobs and the trainer's scores of those tokens (the
     trainer's own routing on an MoE model: route replay covers the probes' passes, not the generated tokens)."""
     lengths = [len(s) for s in run.sequences]
-    handle = run.faults.generation_handle(run.handle)
+    handle = run.faults.generation_handle(run.handle, run.kept)
     seed = run.seed + UPDATED_SEED_OFFSET
     run.generated, logprobs = run._timed("updated_generation", lambda: generate(
         run.sampler, run.prompts, lengths, seed, handle))
