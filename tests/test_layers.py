@@ -189,3 +189,13 @@ def test_the_rules_catch_an_upward_import_and_a_circle() -> None:
     graph["lora_parity.stray"] = [("lora_parity.util.errors", 1)]
     assert "lora_parity.stray: a top-level module that is neither an entry point nor a shim" in upward_imports(graph)
     assert circles(graph) == [["lora_parity.models.config", "lora_parity.models.probes"]]
+
+
+MAX_MODULE_LINES = 450
+"""The house's module size (the structure acceptance check): a module past it is split by what it does."""
+
+
+def test_no_module_is_longer_than_the_house_allows() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE).rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -1,9 +1,6 @@
-"""Model configs: what to load, the LoRA adapter, the perturbation, the probes and the budgets.
-
-A config is a YAML file in `configs/` (read with `strict_yaml`: the safe loader, aliases and duplicate keys refused),
-validated strictly. `--model` takes a config name, a path to a YAML file, or a local HF checkpoint folder
-(config.json + safetensors), which then runs with the embedded default's settings.
-"""
+"""Model configs: what to load, the LoRA adapter, the perturbation, the probes and the budgets. A config is a YAML
+file in `configs/` (read with `strict_yaml`: the safe loader, aliases and duplicate keys refused), validated strictly.
+`--model` takes a config name, a YAML file, or a local HF checkpoint folder (the embedded default's settings)."""
 
 from __future__ import annotations
 
