@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from lora_parity.evidence.receipt import sha256_json
 from lora_parity.models.config import ModelConfig, SyntheticSpec
@@ -25,13 +26,16 @@ def spec_digest(spec: SyntheticSpec, dtype: str) -> str:
     """Cache key of a synthetic checkpoint."""
     data = spec.model_dump(mode="json")
     # Optional fields added later are left out while unset, so that existing specs keep their cache key.
-    data = {k: v for k, v in data.items() if not (k in _OPTIONAL_LATER and v is None)}
-    if isinstance(data.get("moe"), dict) and data["moe"].get("expert_std") is None:
-        data["moe"] = {k: v for k, v in data["moe"].items() if k != "expert_std"}
-    return sha256_json({"spec": data, "dtype": dtype, "generator": 1})[:16]
+    return sha256_json({"spec": _without_unset_later(data), "dtype": dtype, "generator": 1})[:16]
 
 
-_OPTIONAL_LATER = ("rms_norm_eps", "moe", "mla")
+_OPTIONAL_LATER = ("rms_norm_eps", "moe", "mla", "moe.expert_std")
+"""Spec fields added after the first checkpoints were cached, by dotted path: left out of the key while unset."""
+
+
+def _without_unset_later(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    return {k: _without_unset_later(v, f"{prefix}{k}.") if isinstance(v, dict) else v for k, v in data.items()
+            if not (f"{prefix}{k}" in _OPTIONAL_LATER and v is None)}
 
 
 def _family_kwargs(spec: SyntheticSpec) -> dict[str, object]:

@@ -134,14 +134,7 @@ class AdapterSync(SyncMode):
         start = time.perf_counter()
         folder = ctx.trainer.export_adapter(ctx.workdir / f"adapter-v{version}{label}")
         ctx.exported(version, folder)
-        if self.same_id and ctx.handle is not None:
-            name, adapter_id = ctx.handle.name, ctx.handle.adapter_id
-        else:
-            adapter_id = ctx.first_adapter_id + version
-            name = f"lora-parity-{adapter_id}-v{version}"
-        handle = self.load(ctx, folder, name, adapter_id, self.load_inplace)
-        _record(ctx, version, name, adapter_id, self.name, start)
-        previous, ctx.handle = ctx.handle, handle
+        previous, handle = self._load_version(ctx, version, folder, start)
         # The version the sync replaces stays loaded until `old_after_sync` has scored it (`keeps_versions`; a
         # sampler on the trainer's own service has phases of its own for that).
         if previous is not None and previous.adapter_id != handle.adapter_id:
@@ -164,12 +157,23 @@ class AdapterSync(SyncMode):
         if not self.keeps_versions:
             self.load(ctx, ctx.handle.path, ctx.handle.name, ctx.handle.adapter_id, True)
             return
-        start, version, previous = time.perf_counter(), len(ctx.adapters), ctx.handle
-        adapter_id = ctx.first_adapter_id + version
-        name = f"lora-parity-{adapter_id}-v{version}-restore"
-        ctx.handle = self.load(ctx, previous.path, name, adapter_id, False)
+        previous, _ = self._load_version(ctx, len(ctx.adapters), ctx.handle.path, time.perf_counter(), "-restore")
+        if previous is not None:
+            ctx.sampler.retire(previous)
+
+    def _load_version(self, ctx: SyncContext, version: int, folder: Path, start: float,
+                      suffix: str = "") -> tuple[AdapterHandle | None, AdapterHandle]:
+        """Load `folder` as version `version` (under the current name and id where the mode keeps one, else a new
+        pair), recorded; it becomes the current handle. Returns (the handle it replaced, the new one)."""
+        if self.same_id and ctx.handle is not None:
+            name, adapter_id = ctx.handle.name, ctx.handle.adapter_id
+        else:
+            adapter_id = ctx.first_adapter_id + version
+            name = f"lora-parity-{adapter_id}-v{version}{suffix}"
+        handle = self.load(ctx, folder, name, adapter_id, self.load_inplace)
         _record(ctx, version, name, adapter_id, self.name, start)
-        ctx.sampler.retire(previous)
+        previous, ctx.handle = ctx.handle, handle
+        return previous, handle
 
     def overwrite(self, ctx: SyncContext) -> None:
         """Reload the current adapter's id in place with the trainer's current weights."""
