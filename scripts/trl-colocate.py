@@ -44,6 +44,12 @@ def build_trainer(checkpoint: str, out_dir: Path, sleep: bool, rank: int) -> obj
                       per_device_train_batch_size=4, num_generations=4, max_completion_length=16, learning_rate=1e-3,
                       max_steps=100, report_to=[], save_strategy="no", logging_steps=1, bf16=bf16,
                       use_cpu=not bf16, model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32})
+    if os.environ.get("LORA_PARITY_TRL_EAGER"):  # vLLM 0.26 on an H100: TRL's graph capture hit an illegal access
+        import functools
+
+        import trl.generation.vllm_generation as generation
+
+        generation.LLM = functools.partial(generation.LLM, enforce_eager=True)
     peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
     return GRPOTrainer(model=checkpoint, reward_funcs=length_reward, args=args, train_dataset=dataset,
                        peft_config=peft_config)

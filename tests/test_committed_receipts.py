@@ -55,6 +55,9 @@ EXPECTED_NOT_PASSING = {
     # and wake pass bit for bit; after a second level-2 sleep the adapter loaded again in place no longer applies (the
     # engine serves the base bit for bit): W.wake_again.level2 fails, an engine finding (docs/deployment.md).
     "smollm2-135m-bf16-path.sleep-1-2.seed-00.1351972__hf__vllm__h100.json",
+    # At e0f4f18 with --sync inplace: every adapter loaded in place after a level-2 sleep serves the base (W.*.level2,
+    # then T and E for every per-target load); the same run with new-id passes (its receipt beside it).
+    "smollm2-135m-bf16-path.sleep-1-2-inplace.seed-00.e0f4f18__hf__vllm__h100.json",
 }
 
 
