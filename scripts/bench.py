@@ -106,7 +106,9 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
     overhead = [w - e - s for w, e, s in zip(walls, engine, score, strict=True)]
     print(f"  all scoring passes          median {med(score):7.3f} s")
     print(f"  sync (export + load)        median {med(sync):7.3f} s   mean publish per version {med(publish):.3f} s")
-    print(f"  engine start + model load   median {med(engine):7.3f} s")
+    print(f"  engine start + model load   median {med(engine):7.3f} s (imports included)")
+    print(f"  wall / (imports + engine start + model load): {med(walls) / med(engine):.2f}x (medians; issue 47's GPU "
+          "target <= 1.3x)")
     targets = [per_target_seconds(r["timings"]) for r in receipts]
     if any(targets):
         shares = [t / w for t, w in zip(targets, walls, strict=True)]

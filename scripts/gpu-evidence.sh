@@ -381,13 +381,19 @@ SH
     # hf-seeds), into /tmp/st/NAME/seed-NN/NAME.json (+ .summary.json, .err); MODEL is smol (SmolLM2-135M bf16 by
     # path) or a project config; its sampler a fixed small share of the GPU (SHARE_LOOP, default 0.03) beside the
     # pseeds processes. ARGs split on commas, a plus for a comma inside one (--sleep-levels,1+2); ARG @dtype=bfloat16
-    # runs a config's model in that dtype (with --budgets bf16 unless ARGs name one). Follow with digest.
+    # runs a config's model in that dtype (with --budgets bf16 unless ARGs name one); ARG @xfault=SPEC rewrites every
+    # adapter file the run exports (scripts/export-fault-site: upper-half, previous, zero-b:down_proj). Follow with digest.
     rev=${2:?revision}; shift 2; mkdir -p /tmp/st
     for spec in "$@"; do
       IFS=: read -r name m from count args <<< "$spec"
       yaml=/tmp/st/loop-$name.yaml
       dtype=""  # @dtype=bfloat16: a config's model in that dtype (vLLM on CUDA starts no fp32 model)
       if [[ $args =~ @dtype=([^,]*) ]]; then dtype=${BASH_REMATCH[1]}; args=${args/@dtype=$dtype/}; fi
+      xfault=""  # @xfault=SPEC: scripts/export-fault-site's fault in every adapter file the run exports (issue 45)
+      if [[ $args =~ @xfault=([^,]*) ]]; then
+        xfault="export EXPORT_FAULT=${BASH_REMATCH[1]} PYTHONPATH=$PWD/scripts/export-fault-site:\$PYTHONPATH;"
+        args=${args/@xfault=${BASH_REMATCH[1]}/}
+      fi
       # a config's fp32 budgets fail any bf16 pair at A (tiny-qwen3-moe at 1351972): the bf16 profile, unless given
       if [ -n "$dtype" ] && [ "$dtype" != float32 ] && [[ $args != *--budgets* ]]; then args="$args,--budgets,bf16"; fi
       if [ "$m" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$yaml" --force >/dev/null
@@ -402,7 +408,7 @@ yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
 PY
       [ "$m" = smol ] || checkpoint "$yaml" >/dev/null  # a synthetic checkpoint generated in the config's dtype
       argv=${args//,/ }; argv=${argv//+/,}; d=/tmp/st/$name
-      setsid nohup bash -c "cd $PWD; export OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0; \
+      setsid nohup bash -c "cd $PWD; export OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0; $xfault \
         for s in \$(seq $from $((from + count - 1))); do n=\$(printf %02d \$s); mkdir -p $d/seed-\$n; \
         timeout ${LOOP_TIMEOUT:-900} python3 -m lora_parity run --model $yaml --seed \$s $argv --revision $rev \
           --out $d/seed-\$n/$name.json --json > $d/seed-\$n.summary.json 2> $d/seed-\$n.err; \
