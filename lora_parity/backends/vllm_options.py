@@ -45,8 +45,9 @@ def _extras(cfg: ModelConfig, cuda: bool) -> dict[str, Any]:
     return extras
 
 
-def _routes_experts(cfg: ModelConfig, model: str) -> bool:
-    """An MoE model: a synthetic shape with experts, or a checkpoint folder whose config.json names them."""
+def returns_routes(cfg: ModelConfig, model: str) -> bool:
+    """An MoE model, whose engine on CUDA returns its routes: a synthetic shape with experts, or a checkpoint folder
+    whose config.json names them."""
     if cfg.model.synthetic is not None:
         return cfg.model.synthetic.moe is not None
     config = Path(model) / "config.json"
@@ -75,7 +76,7 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
         if cfg.sampler.lora_dtype is not None:
             options["lora_dtype"] = cfg.sampler.lora_dtype
     if cuda:
-        if _routes_experts(cfg, model):  # the engine returns each pass's routes, which the trainer replays (R3)
+        if returns_routes(cfg, model):  # the engine returns each pass's routes, which the trainer replays (R3)
             options[vllm_routes.ENGINE_ARG] = True
         options["gpu_memory_utilization"] = cfg.sampler.gpu_memory_utilization
         options["tensor_parallel_size"] = cfg.sampler.tensor_parallel_size

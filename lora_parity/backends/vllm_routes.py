@@ -46,6 +46,31 @@ def moe_layers(config: Mapping[str, Any]) -> list[int]:
     return [i for i in range(n) if i >= dense_first and i not in only and (i + 1) % step == 0 and i % freq == 0]
 
 
+def decoded(text: object, s: int) -> Any:
+    """One choice's `routed_experts` from vLLM's `/v1/completions` (0.26: base64 of an `.npy` of [tokens, layers,
+    top-k] integers; None where the server was started without --enable-return-routed-experts): the array, read
+    without pickle (a server may be a stranger's); a `ScoreError` for anything else."""
+    import base64
+    import binascii
+    import io
+
+    import numpy as np
+
+    if text is None:
+        return None
+    try:
+        if not isinstance(text, str):
+            raise ValueError(f"a {type(text).__name__}, not a string")
+        array = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except (ValueError, OSError, binascii.Error, EOFError) as e:
+        raise ScoreError(f"vLLM server: the routed experts of sequence {s} are not a base64 .npy array "
+                         f"({str(e)[:120]})") from None
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ScoreError(f"vLLM server: the routed experts of sequence {s} are {array.dtype} of shape {array.shape}, "
+                         "not integers of [tokens, layers, top-k]")
+    return array
+
+
 def routes_of(arrays: Sequence[Any], sequences: Sequences, layers: Sequence[int]) -> Routes:
     """Each sequence's routes ([token][MoE layer] -> sorted expert ids, as the HF side records them) from the
     `routed_experts` arrays its requests returned; a `ScoreError` where one is missing or too short."""

@@ -11,7 +11,8 @@ Scoring follows the alignment rule in `backends/base.py`: `/v1/completions` with
 server's entry 0 is null and dropped. vLLM never reads the prefix cache for a prompt_logprobs
 request, so `score_cached` scores the same positions the way a rollout reads them: one
 request per prefix, the next token forced with `allowed_token_ids` and its raw logprob returned
-(`logprobs: 0`), which does read the cache.
+(`logprobs: 0`), which does read the cache. On an MoE model each choice also carries the experts its tokens were
+routed to (`routed_experts`; a server started here on CUDA gets --enable-return-routed-experts), for route replay.
 """
 
 from __future__ import annotations
@@ -25,28 +26,30 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity.backends import bounded_http, engine_args, served
+from lora_parity.backends import bounded_http, engine_args, moe, served, vllm_routes
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
     BackendTraits,
     PreflightOptions,
+    Routes,
     SamplerBackend,
     Scores,
     Sequences,
 )
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess, free_port
-from lora_parity.backends.vllm_options import max_lora_rank
+from lora_parity.backends.vllm_options import max_lora_rank, returns_routes
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
-from lora_parity.util import env, scratch
+from lora_parity.util import env, safe_read, scratch
 from lora_parity.util.errors import ConfigError, ScoreError
 
 REQUEST_TIMEOUT_S = 300.0
@@ -115,6 +118,8 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
                         tensor_parallel_size=cfg.sampler.tensor_parallel_size)
         if cfg.sampler.gpu_kv_cache_gib is not None:
             defaults["kv_cache_memory_bytes"] = int(cfg.sampler.gpu_kv_cache_gib * 2**30)
+        if returns_routes(cfg, str(model_dir)):  # each request's routes, which the trainer replays (R3)
+            defaults[vllm_routes.ENGINE_ARG] = True
     argv += engine_args.serve_flags({**defaults, **user})
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
@@ -252,6 +257,8 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
             except BaseException:
                 self.close()
                 raise
+        self.moe_layers: list[int] = []
+        self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir))
 
     def _launch(self, model_dir: Path | None, launched: ServerProcess | None) -> str:
         """Adopt the server the run launched early (`launched`, unless already stopped), else launch
@@ -334,10 +341,39 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
                                              "temperature": 1.0, **extra}, label)
         return list(out["choices"])
 
+    def _routes_setup(self, model_dir: Path | None) -> str | None:
+        """Why this server returns no routes (None: it does, `moe_layers` read off the checkpoint): one started here
+        returns them on CUDA for an MoE model (`server_argv`); an attached one is asked once, with two tokens."""
+        config = Path(model_dir) / "config.json" if model_dir is not None else None
+        if config is None or not config.is_file() or not returns_routes(self.cfg, str(model_dir)):
+            return "no MoE checkpoint folder here to read the routed layers from"
+        if self.server is not None and not self.cuda:
+            return moe.VLLM_ROUTING_UNAVAILABLE
+        flag = f"--{vllm_routes.ENGINE_ARG.replace('_', '-')}"
+        if self.server is not None and self.cfg.sampler.engine_args.get(vllm_routes.ENGINE_ARG, True) is not True:
+            return f"the server was started without {flag} (the user's engine arguments)"
+        if self.server is None and self._completion([0, 0], self.base_model, "routes_probe")[0].get(
+                "routed_experts") is None:
+            return f"the attached server returns no routed experts (started without {flag})"
+        self.moe_layers = vllm_routes.moe_layers(safe_read.read_json(config))
+        return None
+
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
+        return self._scored(sequences, adapter, routes=False)[0]
+
+    def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
+        """`RouteReturningSampler`: `score`, and the experts the same requests routed each token to in every MoE
+        layer (vLLM 0.26's `routed_experts` of each choice, `vllm_routes.decoded`)."""
+        if self.traits.routing_unavailable:
+            raise ScoreError(f"vLLM server returns no routes here: {self.traits.routing_unavailable}")
+        scores, arrays = self._scored(sequences, adapter, routes=True)
+        return scores, vllm_routes.routes_of(arrays, sequences, self.moe_layers)
+
+    def _scored(self, sequences: Sequences, adapter: AdapterHandle | None, routes: bool) -> tuple[Scores, list[Any]]:
         model = adapter.name if adapter is not None else self.base_model
         batch = self.cfg.scoring.batch_size
         out: Scores = []
+        arrays: list[Any] = []
         for start in range(0, len(sequences), batch):
             group = sequences[start:start + batch]
             choices = sorted(self._completion(group, model, "completions", prompt_logprobs=0),
@@ -349,7 +385,9 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
                     raise ScoreError(f"vLLM server prompt_logprobs for sequence {s}: expected {len(seq)} entries "
                                      f"starting with null, got {got}")
                 out.append([plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))])
-        return out
+                if routes:
+                    arrays.append(vllm_routes.decoded(choice.get("routed_experts"), s))
+        return out, arrays
 
     def _forced_next(self, prefix: list[int], token: int, model: str) -> float:
         choice = self._completion(prefix, model, "completions_cached", logprobs=0, allowed_token_ids=[token],
