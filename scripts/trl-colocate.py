@@ -3,6 +3,7 @@ a clean check, then each planted TRL-path fault (lora_parity.stacks.trl.faults),
 machine (scripts/gpu-plans/trl.md): vLLM's CPU build cannot take TRL's colocate sync (docs/trl.md).
 
     python3 scripts/trl-colocate.py CHECKPOINT OUT_DIR [--faults a,b|all|none] [--sleep] [--steps N] [--revision REV]
+        [--coverage full|targets|none]
 
 The trainer is built as a user's GRPO script builds it (a toy length reward, a two-prompt dataset), trains STEPS
 optimizer steps (TRL syncs and rolls out on its own), then `check_trl` runs once per fault on the same trainer and
@@ -65,6 +66,9 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--revision", default=None)
     parser.add_argument("--device", default="gpu", help="the card, in receipt names")
+    parser.add_argument("--coverage", choices=("full", "targets", "none"), default="full",
+                        help="per-target and per-layer coverage (full), per-target only, or neither: each covered "
+                             "target or layer group is one more TRL sync, which pushes every base weight")
     a = parser.parse_args()
 
     from lora_parity.stacks.trl import FAULTS, ParityCallback, check_trl
@@ -78,8 +82,9 @@ def main() -> int:
     sequences = [[rng.randrange(vocab) for _ in range(n)] for n in (65, 129)]
     tag = "trl-colocate-sleep" if a.sleep else "trl-colocate"
     # The clean check runs inside trainer.train(), from the callback at the last step; the faults after it.
+    coverage = {"per_target": a.coverage != "none", "per_layer": a.coverage == "full"}
     callback = ParityCallback(sequences, at_step=a.steps, out=a.out_dir / f"{tag}.clean__{a.device}.json",
-                              revision=a.revision, force=True).attach(trainer)
+                              revision=a.revision, force=True, **coverage).attach(trainer)
     trainer.args.max_steps = a.steps
     trainer.train()
     print(json.dumps({"setup_and_train_s": round(time.perf_counter() - start, 1)}), flush=True)
@@ -87,7 +92,7 @@ def main() -> int:
     for name in faults:
         t = time.perf_counter()
         result = check_trl(trainer, sequences, fault=name, out=a.out_dir / f"{tag}.{name}__{a.device}.json",
-                           revision=a.revision, force=True)
+                           revision=a.revision, force=True, **coverage)
         runs.append((name, result))
         print(f"# {name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     ok = True
