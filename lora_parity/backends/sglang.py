@@ -31,16 +31,18 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity.backends import bounded_http, served, sglang_server
+from lora_parity.backends import bounded_http, served, sglang_server, vllm_routes
 from lora_parity.backends.base import (
     UNSERVABLE,
     AdapterHandle,
     BackendOptions,
     BackendTraits,
     PreflightOptions,
+    Routes,
     SamplerBackend,
     Scores,
     Sequences,
@@ -52,6 +54,7 @@ from lora_parity.models import adapter_files, lora_targets
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
+from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError, ScoreError
 
 CACHED_CONCURRENCY = 32
@@ -195,6 +198,9 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
             except BaseException:
                 self.close()
                 raise
+        self.moe_layers: list[int] = []
+        self._route_shape = (0, 0)
+        self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir))
 
     def _launch(self, model_dir: Path | None, launched: ServerProcess | None) -> str:
         """Adopt the server the run launched early (unless already stopped), else launch one now; return
@@ -273,21 +279,53 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
             body["lora_path"] = adapter.name if isinstance(input_ids[0], int) else [adapter.name] * len(input_ids)
         return self._call("/generate", body, label)
 
+    def _routes_setup(self, model_dir: Path | None) -> str | None:
+        """Why this server returns no routes (None: it does): one started here gets --enable-return-routed-experts
+        for an MoE model (`sglang_server.server_argv`); an attached one is asked once, with two tokens."""
+        config = Path(model_dir) / "config.json" if model_dir is not None else None
+        if config is None or not config.is_file() or not sglang_server.returns_routes(self.cfg, str(model_dir)):
+            return "no MoE checkpoint folder here to read the routed layers from"
+        fields = safe_read.read_json(config)
+        self._route_shape = (int(fields.get("num_hidden_layers") or 0), int(fields.get("num_experts_per_tok") or 0))
+        if self.server is None:
+            answer = self._generate([0, 0], {"max_new_tokens": 1, "temperature": 0.0}, None, "routes_probe",
+                                    return_routed_experts=True)
+            if not isinstance(answer, dict) or (answer.get("meta_info") or {}).get("routed_experts") is None:
+                return ("the attached server returns no routed experts (started without "
+                        "--enable-return-routed-experts)")
+        self.moe_layers = vllm_routes.moe_layers(fields)
+        return None
+
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         """Prompt logprobs per the alignment rule in `backends/base.py`: one `/generate` per sequence (or
         `scoring.batch_size` per request), `logprob_start_len: 0`, one greedy token (not used)."""
+        return [_prompt_logprobs(a, seq, s) for s, (seq, a) in enumerate(self._answers(sequences, adapter, False))]
+
+    def score_with_routes(self, sequences: Sequences, adapter: AdapterHandle | None) -> tuple[Scores, Routes]:
+        """`RouteReturningSampler`: `score`, and the experts the same requests routed each token to in every MoE
+        layer (`meta_info.routed_experts`, `vllm_routes.decoded_raw`)."""
+        if self.traits.routing_unavailable:
+            raise ScoreError(f"SGLang server returns no routes here: {self.traits.routing_unavailable}")
+        pairs = self._answers(sequences, adapter, True)
+        arrays = [vllm_routes.decoded_raw((a.get("meta_info") or {}).get("routed_experts"), s, *self._route_shape)
+                  for s, (_, a) in enumerate(pairs)]
+        scores = [_prompt_logprobs(a, seq, s) for s, (seq, a) in enumerate(pairs)]
+        return scores, vllm_routes.routes_of(arrays, sequences, self.moe_layers)
+
+    def _answers(self, sequences: Sequences, adapter: AdapterHandle | None,
+                 routes: bool) -> list[tuple[list[int], Any]]:
         batch = self.cfg.scoring.batch_size
-        out: Scores = []
+        out: list[tuple[list[int], Any]] = []
+        extra: dict[str, Any] = {"return_routed_experts": True} if routes else {}
         for start in range(0, len(sequences), batch):
             group = sequences[start:start + batch]
             answer = self._generate(group[0] if batch == 1 else group, {"max_new_tokens": 1, "temperature": 0.0},
-                                    adapter, "generate", logprob_start_len=0)
+                                    adapter, "generate", logprob_start_len=0, **extra)
             answers = [answer] if batch == 1 else answer
             if not isinstance(answers, list) or len(answers) != len(group):
                 raise ScoreError(f"SGLang server: /generate answered {type(answers).__name__} for a batch of "
                                  f"{len(group)}")
-            out += [_prompt_logprobs(a, seq, s) for s, (seq, a) in enumerate(zip(group, answers, strict=True),
-                                                                             start=start)]
+            out += [(list(seq), a if isinstance(a, dict) else {}) for seq, a in zip(group, answers, strict=True)]
         return out
 
     def _forced_next(self, prefix: list[int], token: int, adapter: AdapterHandle | None) -> float:

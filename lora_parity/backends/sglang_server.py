@@ -22,6 +22,7 @@ from pathlib import Path
 from lora_parity.backends import served
 from lora_parity.backends.base import PreflightOptions
 from lora_parity.backends.server_process import ServerProcess, free_port
+from lora_parity.backends.vllm_options import returns_routes
 from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
 from lora_parity.util import env, scratch
@@ -83,6 +84,8 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, deterministic: boo
         argv.append("--enable-deterministic-inference")
     if cfg.sampler.enforce_eager:  # as vLLM's enforce_eager: no CUDA graph capture at start (decode runs eager)
         argv.append("--disable-cuda-graph")
+    if returns_routes(cfg, str(model_dir)):  # each request's routes, which the trainer replays (R3)
+        argv.append("--enable-return-routed-experts")
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
     extra = os.environ.get("LORA_PARITY_SGLANG_ARGS")

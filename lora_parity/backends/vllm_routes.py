@@ -71,6 +71,30 @@ def decoded(text: object, s: int) -> Any:
     return array
 
 
+def decoded_raw(text: object, s: int, num_layers: int, top_k: int) -> Any:
+    """One answer's `meta_info.routed_experts` from SGLang's `/generate` (0.5.16, `return_routed_experts`: base64 of
+    the raw int32 bytes of [tokens, num_hidden_layers, top-k], `state_capturer/routed_experts.py`; absent where the
+    server runs without --enable-return-routed-experts): the array; a `ScoreError` for anything else."""
+    import base64
+    import binascii
+
+    import numpy as np
+
+    if text is None:
+        return None
+    try:
+        if not isinstance(text, str):
+            raise ValueError(f"a {type(text).__name__}, not a string")
+        flat = np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4")
+    except (ValueError, binascii.Error) as e:
+        raise ScoreError(f"SGLang server: the routed experts of sequence {s} are not base64 int32 "
+                         f"({str(e)[:120]})") from None
+    if num_layers < 1 or top_k < 1 or flat.size % (num_layers * top_k):
+        raise ScoreError(f"SGLang server: the routed experts of sequence {s} ({flat.size} ids) are not [tokens, "
+                         f"{num_layers} layers, top-{top_k}]")
+    return flat.reshape(-1, num_layers, top_k)
+
+
 def routes_of(arrays: Sequence[Any], sequences: Sequences, layers: Sequence[int]) -> Routes:
     """Each sequence's routes ([token][MoE layer] -> sorted expert ids, as the HF side records them) from the
     `routed_experts` arrays its requests returned; a `ScoreError` where one is missing or too short."""

@@ -1,7 +1,9 @@
-"""The routes of an MoE model's scoring requests over HTTP (issue 52: the `vllm-server` sampler): vLLM 0.26's
-`/v1/completions` carries each choice's routed experts as base64 of an `.npy` array (its source:
-entrypoints/openai/completion/serving.py and protocol.py, `routed_experts`). A stand-in server on 127.0.0.1 answers as
-vLLM does; the GPU run is a later session's."""
+"""The routes of an MoE model's scoring requests over HTTP (issue 52: the `vllm-server` and `sglang` samplers).
+vLLM 0.26's `/v1/completions` carries each choice's routed experts as base64 of an `.npy` array (its source:
+entrypoints/openai/completion/serving.py and protocol.py, `routed_experts`); SGLang 0.5.16's `/generate`, asked with
+`return_routed_experts`, as base64 of the raw int32 bytes of [tokens, num_hidden_layers, top-k] in
+`meta_info.routed_experts` (srt/managers/tokenizer_manager.py, srt/state_capturer/routed_experts.py). Stand-in
+servers on 127.0.0.1 answer as they do; the GPU runs are a later session's."""
 
 from __future__ import annotations
 
@@ -20,10 +22,14 @@ import pytest
 from lora_parity.backends import moe, vllm_routes
 from lora_parity.backends.base import RouteReturningSampler
 from lora_parity.backends.fake import FakeTrainer
+from lora_parity.backends.sglang import SGLangSampler
+from lora_parity.backends.sglang_server import server_argv as sglang_argv
 from lora_parity.backends.vllm_server import VLLMServerSampler, server_argv
 from lora_parity.models import config
 from lora_parity.run import route_replay
 from lora_parity.util.errors import ScoreError
+
+from .sglang_server import StandIn as SGLangStandIn
 
 pytestmark = pytest.mark.unit
 
@@ -166,3 +172,66 @@ def test_routes_that_are_not_an_integer_array_of_three_axes_are_a_score_error(ba
     assert vllm_routes.decoded(None, 4) is None
     good = vllm_routes.decoded(npy(routed([1, 2, 3])), 4)
     assert good.shape == (3, LAYERS, K) and good.dtype == np.uint8
+
+
+def int32_b64(array: Any) -> str:
+    return base64.b64encode(np.ascontiguousarray(array, dtype="<i4").tobytes()).decode("ascii")
+
+
+@pytest.mark.parametrize("returns", [True, False], ids=["returns-routes", "no-routes"])
+def test_an_attached_sglang_server_that_returns_routes_replays_and_one_that_does_not_says_why(
+        returns: bool, moe_checkpoint: Path) -> None:
+    server = SGLangStandIn()
+    asked: list[dict[str, Any]] = []
+
+    def with_routes(h: http.server.BaseHTTPRequestHandler, body: dict[str, Any]) -> bool:
+        asked.append(body)
+        status, answer = server.answer("POST", "/generate", body)
+        if returns and body.get("return_routed_experts"):
+            answer["meta_info"]["routed_experts"] = int32_b64(routed(body["input_ids"]))
+        data = json.dumps(answer).encode()
+        h.send_response(status)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+        return True
+
+    server.overrides["/generate"] = with_routes
+    try:
+        sampler = SGLangSampler(config.load("tiny-qwen3-moe"), moe_checkpoint, {}, url=server.url)
+        assert isinstance(sampler, RouteReturningSampler)
+        assert asked[0]["input_ids"] == [0, 0] and asked[0]["return_routed_experts"] is True  # asked once
+        why = route_replay.unavailable(FakeTrainer, sampler)
+        if returns:
+            assert why is None and sampler.moe_layers == [0, 1]
+            scores, routes = sampler.score_with_routes([[3, 4, 5], [6, 7]], None)
+            assert scores == sampler.score([[3, 4, 5], [6, 7]], None)  # the same values without routes
+            assert routes[0][0] == [[3, 4], [4, 5]] and routes[1][1] == [[0, 7], [0, 1]]
+            assert "return_routed_experts" not in asked[-1]  # plain scoring does not ask
+        else:
+            assert why is not None and "returns no routed experts" in why
+            with pytest.raises(ScoreError, match="returns no routes"):
+                sampler.score_with_routes([[1, 2]], None)
+    finally:
+        server.close()
+
+
+def test_an_sglang_server_started_here_returns_routes_for_an_moe_model() -> None:
+    flag = "--enable-return-routed-experts"
+    assert flag in sglang_argv(config.load("tiny-qwen3-moe"), Path("ckpt"), 8124)
+    assert flag not in sglang_argv(config.load(None), Path("ckpt"), 8124)  # dense
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("not base64 at all!", "not base64 int32"),
+    (int32_b64(np.zeros(7)), r"\(7 ids\) are not \[tokens, 2 layers, top-2\]"),
+    (3, "not base64 int32"),
+])
+def test_raw_routes_that_do_not_fit_the_models_shape_are_a_score_error(bad: Any, match: str) -> None:
+    with pytest.raises(ScoreError, match=match):
+        vllm_routes.decoded_raw(bad, 1, LAYERS, K)
+    assert vllm_routes.decoded_raw(None, 1, LAYERS, K) is None
+    good = vllm_routes.decoded_raw(int32_b64(routed([1, 2, 3])), 1, LAYERS, K)
+    assert good.shape == (3, LAYERS, K) and good[2].tolist() == [[3, 4], [4, 5]]
+
