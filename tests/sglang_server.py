@@ -51,6 +51,17 @@ from lora_parity.models import config, lora_targets
 _DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64"}
 
 
+def send_json(h: http.server.BaseHTTPRequestHandler, status: int, body: Any) -> bool:
+    """Answer `body` as JSON with `status` (True: answered, as an override returns)."""
+    data = json.dumps(body).encode()
+    h.send_response(status)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", str(len(data)))
+    h.end_headers()
+    h.wfile.write(data)
+    return True
+
+
 class _SafeUnpickler(pickle.Unpickler):
     """SGLang's `SafeUnpickler`, narrowed to what a tensor dict needs: torch's and collections' classes."""
 
@@ -100,13 +111,7 @@ class StandIn:
                 override = stand_in.overrides.get(self.path)
                 if override is not None and override(self, body):
                     return
-                status, answer = stand_in.answer(self.command, self.path, body)
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, *stand_in.answer(self.command, self.path, body))
 
             do_GET = do_POST = _any
 

@@ -11,7 +11,6 @@ import base64
 import http.server
 import io
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from lora_parity.run import route_replay
 from lora_parity.util.errors import ScoreError
 
 from .sglang_server import StandIn as SGLangStandIn
+from .sglang_server import send_json
+from .test_strangers import Heard
 
 pytestmark = pytest.mark.unit
 
@@ -47,48 +48,26 @@ def routed(seq: list[int]) -> Any:
     return np.array([[[(t + layer) % 8, (t + layer + 1) % 8] for layer in range(LAYERS)] for t in seq], dtype=np.uint8)
 
 
-class StandIn:
+class StandIn(Heard):
     """vLLM's OpenAI server as the sampler calls it: /v1/models, and /v1/completions with prompt logprobs
     (-0.1 x the token id) and, where `routes` is on, every prompt's routed experts."""
 
     def __init__(self, routes: bool) -> None:
         self.routes = routes
         self.completions: list[dict[str, Any]] = []
-        heard = self.completions
+        super().__init__(self.reply)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _answer(self, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._answer({"data": [{"id": "base"}]})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                heard.append(body)
-                prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
-                choices = [{"index": i, "text": "",
-                            "prompt_logprobs": [None] + [{str(t): {"logprob": -0.1 * t}} for t in seq[1:]],
-                            "routed_experts": npy(routed(seq)) if routes else None}
-                           for i, seq in enumerate(prompts)]
-                self._answer({"choices": choices})
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def reply(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        if h.command == "GET":
+            send_json(h, 200, {"data": [{"id": "base"}]})
+            return
+        body = json.loads(h.rfile.read(int(h.headers["Content-Length"])))
+        self.completions.append(body)
+        prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        send_json(h, 200, {"choices": [{"index": i, "text": "",
+                                        "prompt_logprobs": [None] + [{str(t): {"logprob": -0.1 * t}} for t in seq[1:]],
+                                        "routed_experts": npy(routed(seq)) if self.routes else None}
+                                       for i, seq in enumerate(prompts)]})
 
 
 @pytest.fixture
@@ -189,13 +168,7 @@ def test_an_attached_sglang_server_that_returns_routes_replays_and_one_that_does
         status, answer = server.answer("POST", "/generate", body)
         if returns and body.get("return_routed_experts"):
             answer["meta_info"]["routed_experts"] = int32_b64(routed(body["input_ids"]))
-        data = json.dumps(answer).encode()
-        h.send_response(status)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-        return True
+        return send_json(h, status, answer)
 
     server.overrides["/generate"] = with_routes
     try:
