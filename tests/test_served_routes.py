@@ -208,3 +208,24 @@ def test_raw_routes_that_do_not_fit_the_models_shape_are_a_score_error(bad: Any,
     good = vllm_routes.decoded_raw(int32_b64(routed([1, 2, 3])), 1, LAYERS, K)
     assert good.shape == (3, LAYERS, K) and good[2].tolist() == [[3, 4], [4, 5]]
 
+
+
+def test_a_strangers_checkpoint_or_a_server_that_refuses_the_question_is_not_available_with_why(
+        moe_checkpoint: Path) -> None:
+    class Refusing(StandIn):
+        def reply(self, h: http.server.BaseHTTPRequestHandler) -> None:
+            if h.command == "GET":
+                send_json(h, 200, {"data": [{"id": "base"}]})
+            else:
+                send_json(h, 400, {"error": "no such field"})
+
+    cfg = config.load("tiny-qwen3-moe")
+    refusing = Refusing(routes=True)
+    try:
+        why = VLLMServerSampler(cfg, moe_checkpoint, {}, url=refusing.url).traits.routing_unavailable
+        assert why is not None and "did not answer a request for routed experts" in why and "400" in why
+        (moe_checkpoint / "config.json").write_text(json.dumps({"num_hidden_layers": "many", "num_experts": 8}))
+        why = VLLMServerSampler(cfg, moe_checkpoint, {}, url=refusing.url).traits.routing_unavailable
+        assert why == "the checkpoint's config.json does not give its layers as numbers"
+    finally:
+        refusing.close()

@@ -9,12 +9,15 @@ import math
 import os
 import shutil
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from lora_parity.backends import bounded_http
+from lora_parity.backends import bounded_http, vllm_routes
 from lora_parity.backends.base import AdapterHandle, PreflightOptions
+from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, redact_url
+from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError, ScoreError
 from lora_parity.util.escape import one_line
 
@@ -143,3 +146,35 @@ class ServedAdapters:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+ROUTES_FLAG = "--enable-return-routed-experts"
+"""The server flag (vLLM 0.26 and SGLang 0.5.16 alike) that makes each scoring request return its routed experts."""
+
+
+def route_setup(cfg: ModelConfig, model_dir: Path | None, started_here: str | None,
+                ask: Callable[[], Any] | None) -> tuple[str | None, dict[str, Any], list[int]]:
+    """A served sampler's route replay (docs/moe.md): (why it returns no routes, None where it does; the checkpoint's
+    config.json; its MoE layers). `started_here`: why a server started here cannot ('' where it can); `ask`: for an
+    attached server, one two-token request, answering its routes or None."""
+    from lora_parity.backends.vllm_options import returns_routes
+
+    config = Path(model_dir) / "config.json" if model_dir is not None else None
+    if config is None or not config.is_file() or not returns_routes(cfg, str(model_dir)):
+        return "no MoE checkpoint folder here to read the routed layers from", {}, []
+    if started_here:
+        return started_here, {}, []
+    try:
+        fields = safe_read.read_json(config)
+        layers = vllm_routes.moe_layers(fields)
+    except (KeyError, TypeError, ValueError):
+        return "the checkpoint's config.json does not give its layers as numbers", {}, []
+    if ask is not None:
+        try:
+            answer = ask()
+        except (ScoreError, KeyError, IndexError, TypeError, AttributeError) as e:
+            return f"the attached server did not answer a request for routed experts ({one_line(str(e))[:200]})", {}, []
+        if answer is None:
+            return f"the attached server returns no routed experts (started without {ROUTES_FLAG})", {}, []
+    return None, fields, layers
+

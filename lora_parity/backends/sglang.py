@@ -54,7 +54,6 @@ from lora_parity.models import adapter_files, lora_targets
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
-from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError, ScoreError
 
 CACHED_CONCURRENCY = 32
@@ -280,21 +279,20 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
         return self._call("/generate", body, label)
 
     def _routes_setup(self, model_dir: Path | None) -> str | None:
-        """Why this server returns no routes (None: it does): one started here gets --enable-return-routed-experts
-        for an MoE model (`sglang_server.server_argv`); an attached one is asked once, with two tokens."""
-        config = Path(model_dir) / "config.json" if model_dir is not None else None
-        if config is None or not config.is_file() or not sglang_server.returns_routes(self.cfg, str(model_dir)):
-            return "no MoE checkpoint folder here to read the routed layers from"
-        fields = safe_read.read_json(config)
-        self._route_shape = (int(fields.get("num_hidden_layers") or 0), int(fields.get("num_experts_per_tok") or 0))
-        if self.server is None:
+        """Why this server returns no routes (`served.route_setup`; None: it does): one started here gets
+        --enable-return-routed-experts for an MoE model (`sglang_server.server_argv`); an attached one is asked once."""
+        def ask() -> Any:
             answer = self._generate([0, 0], {"max_new_tokens": 1, "temperature": 0.0}, None, "routes_probe",
                                     return_routed_experts=True)
-            if not isinstance(answer, dict) or (answer.get("meta_info") or {}).get("routed_experts") is None:
-                return ("the attached server returns no routed experts (started without "
-                        "--enable-return-routed-experts)")
-        self.moe_layers = vllm_routes.moe_layers(fields)
-        return None
+            return (answer.get("meta_info") or {}).get("routed_experts")
+
+        why, fields, self.moe_layers = served.route_setup(self.cfg, model_dir, "", ask if self.server is None else None)
+        if why is None:
+            try:
+                self._route_shape = (int(fields["num_hidden_layers"]), int(fields["num_experts_per_tok"]))
+            except (KeyError, TypeError, ValueError):
+                return "the checkpoint's config.json does not give its layers and top-k as numbers"
+        return why
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         """Prompt logprobs per the alignment rule in `backends/base.py`: one `/generate` per sequence (or

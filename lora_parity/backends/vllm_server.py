@@ -49,7 +49,7 @@ from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
-from lora_parity.util import env, safe_read, scratch
+from lora_parity.util import env, scratch
 from lora_parity.util.errors import ConfigError, ScoreError
 
 REQUEST_TIMEOUT_S = 300.0
@@ -342,21 +342,15 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
         return list(out["choices"])
 
     def _routes_setup(self, model_dir: Path | None) -> str | None:
-        """Why this server returns no routes (None: it does, `moe_layers` read off the checkpoint): one started here
-        returns them on CUDA for an MoE model (`server_argv`); an attached one is asked once, with two tokens."""
-        config = Path(model_dir) / "config.json" if model_dir is not None else None
-        if config is None or not config.is_file() or not returns_routes(self.cfg, str(model_dir)):
-            return "no MoE checkpoint folder here to read the routed layers from"
-        if self.server is not None and not self.cuda:
-            return moe.VLLM_ROUTING_UNAVAILABLE
-        flag = f"--{vllm_routes.ENGINE_ARG.replace('_', '-')}"
-        if self.server is not None and self.cfg.sampler.engine_args.get(vllm_routes.ENGINE_ARG, True) is not True:
-            return f"the server was started without {flag} (the user's engine arguments)"
-        if self.server is None and self._completion([0, 0], self.base_model, "routes_probe")[0].get(
-                "routed_experts") is None:
-            return f"the attached server returns no routed experts (started without {flag})"
-        self.moe_layers = vllm_routes.moe_layers(safe_read.read_json(config))
-        return None
+        """Why this server returns no routes (`served.route_setup`; None: it does): one started here returns them on
+        CUDA for an MoE model (`server_argv`); an attached one is asked once."""
+        started_here = "" if self.server is None else moe.VLLM_ROUTING_UNAVAILABLE if not self.cuda else (
+            f"the server was started without {served.ROUTES_FLAG} (the user's engine arguments)"
+            if self.cfg.sampler.engine_args.get(vllm_routes.ENGINE_ARG, True) is not True else "")
+        ask = (lambda: self._completion([0, 0], self.base_model, "routes_probe")[0].get("routed_experts")) \
+            if self.server is None else None
+        why, _, self.moe_layers = served.route_setup(self.cfg, model_dir, started_here, ask)
+        return why
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         return self._scored(sequences, adapter, routes=False)[0]
