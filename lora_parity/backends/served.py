@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from lora_parity.backends import bounded_http, vllm_routes
 from lora_parity.backends.base import AdapterHandle, PreflightOptions
+from lora_parity.backends.vllm_options import returns_routes
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, redact_url
 from lora_parity.util import safe_read
@@ -157,8 +158,6 @@ def route_setup(cfg: ModelConfig, model_dir: Path | None, started_here: str | No
     """A served sampler's route replay (docs/moe.md): (why it returns no routes, None where it does; the checkpoint's
     config.json; its MoE layers). `started_here`: why a server started here cannot ('' where it can); `ask`: for an
     attached server, one two-token request, answering its routes or None."""
-    from lora_parity.backends.vllm_options import returns_routes
-
     config = Path(model_dir) / "config.json" if model_dir is not None else None
     if config is None or not config.is_file() or not returns_routes(cfg, str(model_dir)):
         return "no MoE checkpoint folder here to read the routed layers from", {}, []

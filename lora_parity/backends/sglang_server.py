@@ -85,7 +85,7 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, deterministic: boo
     if cfg.sampler.enforce_eager:  # as vLLM's enforce_eager: no CUDA graph capture at start (decode runs eager)
         argv.append("--disable-cuda-graph")
     if returns_routes(cfg, str(model_dir)):  # each request's routes, which the trainer replays (R3)
-        argv.append("--enable-return-routed-experts")
+        argv.append(served.ROUTES_FLAG)
     if cfg.model.trust_remote_code:
         argv.append("--trust-remote-code")
     extra = os.environ.get("LORA_PARITY_SGLANG_ARGS")

