@@ -69,6 +69,11 @@
 #                  packed as scripts/gpu-plans/trl.md says; carried one per call) to /tmp/wt
 #   install-trl    join split wheels, install the set into /tmp/site-trl (in front of /tmp/site for the trl step) and
 #                  import trl, datasets and vllm
+#   locate REV NAME:MODEL[:K+K..] ...
+#                  issue 45 on the GPU: one run of MODEL (smol: SmolLM2-135M bf16 by path, or a project config; per-
+#                  target and per-layer coverage off), then `lora-parity locate` on its receipt, clean and with
+#                  --inject engine-norm@K for each K, one after another in the background (setsid) into /tmp/loc/NAME;
+#                  `digest` brings /tmp/loc back as $OUT/locate.tar.xz
 #   trl REV [FAULTS] [ARGS..]
 #                  TRL's GRPOTrainer (PEFT LoRA r8, vLLM colocate) on SmolLM2-135M bf16 by path: one optimizer step,
 #                  then lora_parity.stacks.trl's clean check (from its callback) and each fault (FAULTS: all, none or
@@ -85,7 +90,7 @@ mkdir -p "$out"
 # The background steps run from a copy of the tree of their own: the device tool refreshes the working tree at every
 # call, and a run still going then read a file while the refresh replaced it (a probe file, a module: seen once each)
 case "$step" in
-  pseeds|hf-seeds|loops|sglang-selftest)
+  pseeds|hf-seeds|loops|locate|sglang-selftest)
     if [ -z "${LP_SNAPSHOT:-}" ]; then
       snap=/tmp/lp-src-$(date +%s%N); mkdir -p "$snap"
       tar -C "$PWD" -cf - lora_parity scripts configs pyproject.toml | tar -C "$snap" -xf -
@@ -376,6 +381,28 @@ SH
           2> $d/seed-\$n.err; echo \"seed \$s exit \$?\"; done" > "$d-$first.err" 2>&1 < /dev/null &
     done
     sleep 20; ls /tmp/st ;;
+  locate)
+    rev=${2:?revision}; shift 2; mkdir -p /tmp/loc
+    for spec in "$@"; do
+      IFS=: read -r name m ks <<< "$spec"
+      d=/tmp/loc/$name; mkdir -p "$d"; yaml=$d/$name.yaml
+      if [ "$m" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$yaml" --force >/dev/null
+      else cp "configs/$m.yaml" "$yaml"; fi
+      python3 - "$yaml" "${SHARE_LOOP:-0.05}" <<'PY'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[2]), gpu_kv_cache_gib=0.5)
+yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
+PY
+      injects="clean ${ks//+/ }"
+      setsid nohup bash -c "cd $PWD; export VLLM_ENABLE_V1_MULTIPROCESSING=0; \
+        timeout 600 python3 -m lora_parity run --model $yaml --no-per-target --no-per-layer --revision $rev \
+          --out $d/$name.json --json > $d/run.summary.json 2> $d/run.err; echo \"run exit \$?\"; \
+        for k in $injects; do inj=; [ \$k = clean ] || inj=\"--inject engine-norm@\$k\"; \
+          timeout 600 python3 -m lora_parity locate $d/$name.json --model $yaml \$inj --out $d/\$k.locate.json \
+            --markdown > $d/\$k.md 2> $d/\$k.err; echo \"locate \$k exit \$?\"; done" > "$d.err" 2>&1 < /dev/null &
+    done
+    sleep 5; ls /tmp/loc ;;
   loops)
     # loops REV NAME:MODEL:FIRST:COUNT[:ARG,..] ...: `run` per seed in one background loop per spec (setsid, like
     # hf-seeds), into /tmp/st/NAME/seed-NN/NAME.json (+ .summary.json, .err); MODEL is smol (SmolLM2-135M bf16 by
@@ -429,6 +456,7 @@ PY
     while [ "$(pgrep -fc 'lora_parity (selftest|run)' || true)" -gt 0 ] && [ "$(date +%s)" -lt "$end" ]; do sleep 20; done
     specs=(); for d in /tmp/st/*/; do d=${d%/}; [ -d "$d" ] && specs+=("$(basename "$d")=$d"); done
     python3 scripts/digest-runs.py "$out/digest" "${specs[@]}"
+    [ -d /tmp/loc ] && (cd /tmp && XZ_OPT=-6 tar -cJf "$out/locate.tar.xz" loc) && cat /tmp/loc/*.err
     python3 - "$out/digest.jsonl" > /tmp/picked.txt <<'PY'
 import collections, json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
