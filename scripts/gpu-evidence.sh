@@ -479,9 +479,9 @@ PY
         && mv "$out/seeds.tar.xz.tmp" "$out/seeds.tar.xz")
     }
     while :; do
-      pack
       busy=$(pgrep -fc "lora_parity (selftest|run)|gpu-evidence.sh sglang" || true)
-      [ "$busy" -gt 0 ] && [ "$(date +%s)" -lt "$end" ] || break
+      pack  # after the count: a run that ends meanwhile is in this pack (at ad8cc03 two receipts written between
+      [ "$busy" -gt 0 ] && [ "$(date +%s)" -lt "$end" ] || break  # a pack and the count never came back)
       sleep 60
     done
     for f in /tmp/st/*.err; do

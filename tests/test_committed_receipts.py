@@ -20,6 +20,11 @@ def test_there_is_committed_evidence() -> None:
 # Committed evidence of runs that do not pass, and why (see README, "Evidence"). Every other
 # committed receipt must pass.
 EXPECTED_NOT_PASSING = {
+    # TRL 1.16's GRPOTrainer in colocate mode at ad8cc03 (an H100, issue 43): the check through TRL's own sync moved
+    # the engine as the trainer (C's changes 0.631 and 0.622) but judged A by the bf16 profile's absolute budgets,
+    # no fp32 reference being scored through the Python API then: A's mean 0.091 against 0.05 (lora-parity's own
+    # runs of the same model and engine: 0.07-0.08, passing by the fp32 triangulation). BENCHMARKS.md, nineteenth.
+    "smollm2-135m-bf16-path.trl-colocate.ad8cc03.clean__trl__trl__h100.json",
     # bf16 on the synthetic Qwen3-8B shape, made before the bf16 profile (issue 16): every pair of bf16
     # stacks measured disagrees beyond the 0.05 mean budget at zero-init already (mean 0.12-0.14):
     # Megatron TP2 vs vLLM, and Megatron vs HF without vLLM at all. The re-runs under the bf16 profile
