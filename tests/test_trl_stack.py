@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import random
 import sys
 import tomllib
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from lora_parity import stacks
 from lora_parity.evidence.receipt import Verdict
@@ -108,6 +110,47 @@ def test_each_trl_path_fault_fails_its_declared_check(folder: Path, tmp_path: Pa
     # Removed after: TRL's objects are as they were.
     assert "sync_weights" not in vars(trainer.vllm_generation) and "reset_prefix_cache" not in vars(trainer.llm)
     assert "merge_adapter" not in vars(trainer.model)
+
+
+def test_a_bf16_policy_is_judged_by_its_checkpoints_fp32_copy(folder: Path, tmp_path: Path) -> None:
+    """The policy's own checkpoint folder scores the fp32 reference (by default): A is judged by what each side's
+    precision explains, as `lora-parity run` judges it, not by the bf16 profile's fixed budgets (issue 43: TRL's
+    bf16 engine on the GPU failed A at 0.09 against them, where lora-parity's own runs pass by the reference)."""
+    trainer = standins.StandInGRPOTrainer(folder, dtype=torch.bfloat16, engine_dtype=torch.float16)
+    trainer.train(1)
+    result = _check(trainer, out=tmp_path / "bf16.json", per_layer=False)
+    receipt = result.receipt
+    assert result.passed, result.summary()
+    assert receipt.reference is not None and receipt.reference.status == "scored"
+    assert receipt.model.weights_digest  # the reference's checkpoint, recorded
+    checks = {c.id: c for c in receipt.checks}
+    assert {"A.fp32.trainer.mean", "A.fp32.sampler.mean", "A.fp32.balance"} <= checks.keys()
+    sides = [receipt.comparisons[k].mean_abs for k in ("R.trainer_vs_fp32", "R.sampler_vs_fp32")]
+    assert checks["A.parity.mean"].budget == pytest.approx(1.5 * math.hypot(*sides))  # a_triangulation's, not 0.05
+    assert verify(tmp_path / "bf16.json").verdict == Verdict.PASS
+
+
+def test_an_engine_far_from_fp32_fails_a_with_the_reference_and_is_named(folder: Path) -> None:
+    trainer = standins.StandInGRPOTrainer(folder, dtype=torch.bfloat16, engine_dtype=torch.float16)
+    forward = trainer.llm._forward
+    trainer.llm._forward = lambda ids, read_cache: forward(ids, read_cache) * 1.05  # sampling at temperature 0.95
+    result = _check(trainer, per_target=False)
+    assert {"A.fp32.sampler.mean", "A.fp32.balance"} <= set(result.failed_checks), result.summary()
+    assert "A.fp32.trainer.mean" not in result.failed_checks
+    assert "A.fp32.sampler.mean: fail: the sampler is far from fp32" in result.summary()
+
+
+def test_the_reference_is_the_policys_local_folder_or_none(folder: Path, tmp_path: Path) -> None:
+    from lora_parity.stacks.trl.callback import base_checkpoint
+
+    trainer = standins.StandInGRPOTrainer(folder)
+    assert base_checkpoint(trainer.model) == folder
+    trainer.model.name_or_path = "HuggingFaceTB/SmolLM2-135M"  # a hub name: nothing to load here
+    assert base_checkpoint(trainer.model) is None
+    result = _check(trainer, per_target=False)
+    assert result.receipt.reference is not None and result.receipt.reference.status == "skipped"
+    with pytest.raises(ConfigError, match=r"^reference: .*nope is not a model folder \(no config.json in it\)$"):
+        _check(trainer, reference=tmp_path / "nope")
 
 
 def test_the_callback_checks_at_its_step_during_training(folder: Path, tmp_path: Path) -> None:

@@ -48,10 +48,10 @@ def checkpoint(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def load_hf(folder: Path) -> Any:
+def load_hf(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 @dataclass
@@ -95,14 +95,15 @@ class StandInVLLMModel(torch.nn.Module):
 class StandInLLM:
     """`vllm.LLM` as TRL's colocate mode uses it (see the module docstring)."""
 
-    def __init__(self, folder: Path, logprobs_mode: str = "processed_logprobs") -> None:
+    def __init__(self, folder: Path, logprobs_mode: str = "processed_logprobs",
+                 dtype: torch.dtype = torch.float32) -> None:
         self.folder = folder
-        self.model = StandInVLLMModel(load_hf(folder))
+        self.model = StandInVLLMModel(load_hf(folder, dtype))
         runner = SimpleNamespace(model=self.model)
         self.llm_engine = SimpleNamespace(
             model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
             vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)),
-            model_config=SimpleNamespace(logprobs_mode=logprobs_mode, max_model_len=128, dtype=torch.float32))
+            model_config=SimpleNamespace(logprobs_mode=logprobs_mode, max_model_len=128, dtype=dtype))
         self.cache: dict[tuple[int, ...], Any] = {}
         self.asleep: set[str] = set()
         self.cache_hits = 0
@@ -261,14 +262,16 @@ class StandInGRPOTrainer:
     """The GRPOTrainer attributes the plugin reads, and a training loop shaped like TRL's (see the module docstring)."""
 
     def __init__(self, folder: Path, generation: Any = StandInVLLMGeneration, enable_sleep_mode: bool = False,
-                 rank: int = 4, alpha: float = 8.0) -> None:
+                 rank: int = 4, alpha: float = 8.0, dtype: torch.dtype = torch.float32,
+                 engine_dtype: torch.dtype | None = None) -> None:
         from peft import LoraConfig, get_peft_model
 
-        self.model = get_peft_model(load_hf(folder), LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS))
+        lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS)
+        self.model = get_peft_model(load_hf(folder, dtype), lora)
         self.model.name_or_path = str(folder)
         self.accelerator = StandInAccelerator()
         self.use_vllm, self.vllm_mode = True, "colocate"
-        self.llm = StandInLLM(folder)
+        self.llm = StandInLLM(folder, dtype=engine_dtype or dtype)
         self.vllm_generation = generation(self.model, self.llm, enable_sleep_mode=enable_sleep_mode)
         if enable_sleep_mode:
             self.llm.sleep(level=2)

@@ -90,7 +90,8 @@ def check(trainer: Trainer, engine: Engine, sync: Sync, sequences: Sequence[Sequ
           alpha: float, targets: Sequence[str] | None = None, rank: int | None = None, seed: int = 0,
           dtype: Dtype = "float32", budgets: str | None = None, std: Std = "auto", per_target: bool = True,
           per_layer: bool = True, out: Path | str | None = None, force: bool = False, model: str = "caller-model",
-          revision: str | None = None, progress: Progress | None = None) -> Result:
+          reference: Path | str | None = None, revision: str | None = None,
+          progress: Progress | None = None) -> Result:
     """Run base → zero-init → update → stale → sync → fresh → per-target (and per-layer) coverage on the caller's
     objects and judge it as `lora-parity run` does; return the `Result` (write the receipt to `out` if given).
 
@@ -98,8 +99,11 @@ def check(trainer: Trainer, engine: Engine, sync: Sync, sequences: Sequence[Sequ
     adapter version. The start point is the trainer's A with B zero; lora-parity's update is seeded noise on B
     (`std`, or 'auto': calibrated on the trainer). Targets and rank are read from the trainer's tensor names and
     shapes (given, they must match); `alpha` is recorded. `dtype` is what the models compute in; it picks the
-    budget profile where `budgets` names none ('fp32' for float32, else 'bf16'). On return the trainer holds its
-    tensors as they were, and `sync()` has been called once more, so the engine serves them again.
+    budget profile where `budgets` names none ('fp32' for float32, else 'bf16'). `reference` is the folder of the
+    base model's HF checkpoint (config.json, safetensors) the two sides compute on: where given, its fp32 copy scores
+    the start point as `lora-parity run` scores it, and A is judged by what precision explains (each side's distance
+    from fp32) instead of the profile's fixed budgets. On return the trainer holds its tensors as they were, and
+    `sync()` has been called once more, so the engine serves them again.
 
     Bad input (no tensors, a name that is not a LoRA tensor's, an existing `out` without `force`) raises
     `ConfigError` before anything runs; once the sequence starts every outcome, an exception in the caller's
@@ -112,7 +116,8 @@ def check(trainer: Trainer, engine: Engine, sync: Sync, sequences: Sequence[Sequ
     layout = tn.layout(start)
     rows = [seq.tolist() if hasattr(seq, "tolist") else seq for seq in sequences]  # numpy or torch rows too
     probes = probe_sources.given(rows, MAX_SEQUENCES)
-    cfg = _config(model, dtype, layout, targets, rank, alpha, budgets, std, per_target, probes.sequences)
+    folder = _reference_folder(reference)
+    cfg = _config(model, dtype, layout, targets, rank, alpha, budgets, std, per_target, probes.sequences, folder)
     loads = isinstance(engine, TensorLoadingEngine)
     path = Path(out) if out is not None else None
     if path is not None:
@@ -122,7 +127,7 @@ def check(trainer: Trainer, engine: Engine, sync: Sync, sequences: Sequence[Sequ
                       per_target=per_target, per_layer=per_layer, out=path, force=force, revision=revision)
     sampler = (CallerCachedEngine if isinstance(engine, CachedScoringEngine) else CallerEngine)(engine)
     plan = Plan(opts, cfg, type(wrapped), type(sampler), CallerSync(sync), probes, git_revision(revision), {},
-                trainer=wrapped, sampler=sampler)
+                trainer=wrapped, sampler=sampler, reference_checkpoint=folder is not None)
     try:
         result = _run(plan, progress or (lambda phase, status, seconds: None))
     except BaseException:
@@ -130,6 +135,16 @@ def check(trainer: Trainer, engine: Engine, sync: Sync, sequences: Sequence[Sequ
         raise
     _restore(wrapped, sync, result)
     return result
+
+
+def _reference_folder(reference: Path | str | None) -> Path | None:
+    """The `reference` checkpoint folder; `ConfigError` where it is not one (before anything runs)."""
+    if reference is None:
+        return None
+    folder = Path(reference)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"reference: {folder} is not a model folder (no config.json in it)")
+    return folder
 
 
 def _require(obj: object, who: str, methods: tuple[str, ...]) -> None:
@@ -173,7 +188,7 @@ def _run(plan: Plan, say: Progress) -> Result:
 
 def _config(model: str, dtype: Dtype, layout: tn.Layout, targets: Sequence[str] | None, rank: int | None,
             alpha: float, budgets: str | None, std: Std, per_target: bool,
-            sequences: list[list[int]]) -> ModelConfig:
+            sequences: list[list[int]], reference: Path | None = None) -> ModelConfig:
     """The run's config: the adapter as the trainer's tensors show it, the update, the budgets; `ConfigError` where
     the given targets or rank are not the tensors'."""
     if targets is not None and sorted(targets) != sorted(layout.targets):
@@ -184,7 +199,7 @@ def _config(model: str, dtype: Dtype, layout: tn.Layout, targets: Sequence[str] 
     try:
         return ModelConfig(
             name=model, description="the caller's trainer and engine (lora_parity.api.check)",
-            model=ModelSpec(path=model, dtype=dtype),
+            model=ModelSpec(path=str(reference) if reference is not None else model, dtype=dtype),
             adapter=AdapterSpec(rank=layout.rank, alpha=alpha, targets=list(targets or layout.targets)),
             perturbation=PerturbationSpec(std=std),
             probes=ProbeSpec(lengths=[len(s) for s in sequences], seeds={"default": 0}, max_sequences=MAX_SEQUENCES),

@@ -99,6 +99,7 @@ class Plan:
     """A sampler the caller built, likewise (not built from `sampler_cls`)."""
     replays: bool = False
     """Route replay, as far as the config and the backends' classes tell (`route_replay.preflight`)."""
+    reference_checkpoint: bool = False  # the Python API's `reference`: cfg.model.path loaded for the fp32 reference
 
     @property
     def sampled(self) -> bool:
@@ -107,8 +108,8 @@ class Plan:
 
     @property
     def needs_checkpoint(self) -> bool:
-        """Whether either backend loads the local checkpoint."""
-        return self.trainer_cls.traits.needs_checkpoint or self.sampler_cls.traits.needs_checkpoint
+        """Whether either backend (or the API's fp32 reference) loads the local checkpoint."""
+        return any(c.traits.needs_checkpoint for c in (self.trainer_cls, self.sampler_cls)) or self.reference_checkpoint
 
     def backend_options(self) -> BackendOptions:
         """What the backends are built with."""
@@ -119,11 +120,10 @@ class Plan:
 
 
 def prepare(opts: RunOptions, launch_early: bool = False) -> Plan:
-    """Preflight: resolve the config, backends and probes; raise on bad input; write nothing. With
-    `launch_early`, a sampler's server is launched once the sampler's own checks pass, before the
-    trainer's imports (`Plan.server`; a later refusal stops it: the caller stops it after the run).
-    torch's compile cache goes to a scratch folder from here on (`scratch.torch_compile_cache`),
-    removed when the backends close, or at once on a refusal."""
+    """Preflight: resolve the config, backends and probes; raise on bad input; write nothing. With `launch_early`, a
+    sampler's server is launched once the sampler's own checks pass, before the trainer's imports (`Plan.server`; a
+    later refusal stops it: the caller stops it after the run). torch's compile cache goes to a scratch folder from
+    here on (`scratch.torch_compile_cache`), removed when the backends close, or at once on a refusal."""
     scratch.torch_compile_cache()  # before torch is imported: it may make its default folder then
     try:
         return _prepare(opts, launch_early)

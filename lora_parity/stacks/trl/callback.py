@@ -22,7 +22,9 @@ def check_trl(trainer: Any, sequences: Sequence[Sequence[int]], *, out: Path | s
     """Run the A/B/C sequence (per-target and per-layer coverage, the prefix cache where the engine has one) on
     `trainer`'s policy and TRL's engine, every adapter version moved by TRL's own sync; return the `Result` (and
     write the receipt to `out`). `fault` plants one of `faults.FAULTS` for the run (recorded in the receipt's
-    sampler settings). `alpha` and `dtype` default to the policy's; other keywords go to `lora_parity.api.check`.
+    sampler settings). `alpha` and `dtype` default to the policy's, `reference` (the checkpoint whose fp32 copy
+    judges A by what precision explains) to the folder the policy was loaded from where it is a local one; other
+    keywords go to `lora_parity.api.check`.
 
     Call it where no rollout is in flight (between optimizer steps): the engine is woken from TRL's sleep mode for
     the check and put back to sleep after; on return the policy holds its tensors as they were and TRL's sync has
@@ -42,9 +44,17 @@ def check_trl(trainer: Any, sequences: Sequence[Sequence[int]], *, out: Path | s
 
     kwargs.setdefault("alpha", policy.alpha)
     kwargs.setdefault("dtype", policy.dtype)
+    kwargs.setdefault("reference", base_checkpoint(policy.model))
     name = model or str(getattr(policy.model, "name_or_path", "") or "trl-policy")
     with engine.awake(), faults.planted(trainer, fault):
         return check(policy, engine, sync, sequences, out=out, model=name, **kwargs)
+
+
+def base_checkpoint(model: Any) -> Path | None:
+    """The local folder a PEFT policy's base model was loaded from (its `name_or_path`), or None: a hub name, or
+    a model built in memory."""
+    folder = Path(str(getattr(model, "name_or_path", "") or ""))
+    return folder if str(folder) not in ("", ".") and (folder / "config.json").is_file() else None
 
 
 class ParityFailed(LoraParityError, RuntimeError):
