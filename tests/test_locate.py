@@ -197,8 +197,9 @@ def test_an_existing_result_and_a_bad_fault_are_refused_before_anything_runs(tmp
     (tmp_path / "r.locate.json").write_text("keep")
     _one_line_exit_2(cli("locate", str(receipt)), "exists", "--force")
     assert (tmp_path / "r.locate.json").read_text() == "keep"
-    _one_line_exit_2(cli("locate", str(receipt), "--out", str(tmp_path / "x.json"), "--inject", "engine-norm@x"),
-                     "engine-norm@K")
+    for bad in ("engine-norm@x", "engine-norm@1x3", "engine-norm@1x0.9"):
+        _one_line_exit_2(cli("locate", str(receipt), "--out", str(tmp_path / "x.json"), "--inject", bad),
+                         "engine-norm@K")
 
 
 def test_a_receipt_that_names_no_shipped_config_or_another_digest_cannot_be_located_here(tmp_path: Path) -> None:
@@ -222,3 +223,28 @@ def test_a_receipt_of_other_backends_is_refused_in_one_line(tmp_path: Path) -> N
     assert made.returncode == 0, made.stderr
     _one_line_exit_2(cli("locate", str(receipt)), "--trainer hf and --sampler vllm")
     assert not (tmp_path / "fake.locate.json").exists()
+
+
+def test_tokens_routed_apart_at_a_near_tie_are_left_out_from_their_moe_layer_on() -> None:
+    # tiny-glm-dsa on the GPU, clean: the engine took other experts at near ties in layer 1 and its MLP output there
+    # left fp32 at those tokens by the max; precision explains a near-tie flip, so they are left out from that
+    # layer's output on (a flip across a wide gap is not in `near_ties` and still names the layer).
+    points = _bf16_like(11)
+    flipped = {(1, 17): 3, (0, 5): 3}
+    for i, p in enumerate(points):
+        if p.layer is not None and p.layer >= 3:
+            engine = [list(s) for s in p.engine]
+            engine[1][17] *= 400
+            engine[0][5] *= 400
+            points[i] = lr.PointData(p.name, p.layer, p.module, p.trainer, engine)
+    _, named = lr.judge(points, RULE)
+    assert [(d.point, d.statistic) for d in named] == [("layers.3", "max")]
+    judged, found = lr.judge(points, RULE, near_ties=flipped)
+    assert found == []
+    assert [p.left_out for p in judged] == [0] * 4 + [2] * (len(NAMES) - 4)  # from layers.3 (its output) on
+    line = lr.summary_line(found, judged)
+    assert line.startswith("no layer named") and "2 token(s) that a side routed apart from fp32 at a near tie left " \
+        "out from layers.3 on: precision" in line
+    # A departure at those tokens before the flip's layer is still seen: the flip at layer 3 leaves layer 2 whole.
+    judged, found = lr.judge(points, RULE, near_ties={(1, 17): 4, (0, 5): 4})
+    assert [d.point for d in found] == ["layers.3"]

@@ -39,13 +39,15 @@ def test_a_clean_receipt_names_no_layer(receipt: Path) -> None:
     assert again.returncode == 2 and "--force" in again.stderr
 
 
-@pytest.mark.parametrize("layer", [0, 1])
-def test_a_norm_scaled_in_the_engine_is_named_at_its_layer(receipt: Path, tmp_path: Path, layer: int) -> None:
+@pytest.mark.parametrize(("layer", "factor"), [(0, ""), (1, "x1.05")])
+def test_a_norm_scaled_in_the_engine_is_named_at_its_layer(receipt: Path, tmp_path: Path, layer: int,
+                                                           factor: str) -> None:
     out = tmp_path / "planted.json"
-    result = cli("locate", str(receipt), "--inject", f"engine-norm@{layer}", "--out", str(out), "--markdown")
+    inject = f"engine-norm@{layer}{factor}"
+    result = cli("locate", str(receipt), "--inject", inject, "--out", str(out), "--markdown")
     assert result.returncode == 1, result.stderr
     data = json.loads(out.read_text())
     assert [(d["side"], d["point"], d["layer"]) for d in data["divergences"]] == [
         ("engine", f"layers.{layer}.input_layernorm", layer)]
-    assert data["injected"].startswith(f"engine-norm@{layer}")
+    assert data["injected"].startswith(inject) and f"weight x {factor[1:] or '1.01'}, engine only" in data["injected"]
     assert f"the engine leaves at layers.{layer}.input" in result.stdout.replace("\\_", "_")

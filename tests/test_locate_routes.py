@@ -143,3 +143,12 @@ def test_the_named_layer_for_routing_is_the_earliest_divergence() -> None:
     assert named_layer([div("layers.3", 3), div("layers.1.self_attn", 1)]) == 1
     assert named_layer([div("embed", None)]) == 0
     assert named_layer([div("norm", None)]) is None and named_layer([]) is None
+
+
+def test_near_ties_are_the_tokens_flipped_within_the_band_at_their_first_moe_layer() -> None:
+    noisy = _moved(REFERENCE, {}, 0.006)
+    engine = _moved(REFERENCE, {(0, 0): [0, 0, 0.02, 0], (0, 1): [0, 0, 0.5, 0]}, 0.004)
+    layers = [lr.LayerScores(3, 2, REFERENCE, noisy, engine), lr.LayerScores(5, 2, REFERENCE, noisy, engine)]
+    assert lr.near_ties(layers, 2.0) == {(0, 0): 3}  # the wide gap at token 1 is a divergence, never left out
+    assert lr.near_ties(layers[1:], 2.0) == {(0, 0): 5}
+    assert lr.near_ties([lr.LayerScores(3, 2, REFERENCE, noisy, noisy)], 2.0) == {}

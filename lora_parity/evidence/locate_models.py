@@ -88,6 +88,9 @@ class Point(Strict):
     """The engine (the in-process vLLM model, base weights)."""
     fp32_vs_fp64: Distance | None = None
     """The fp32 reference's own distance from an fp64 forward (fp32 checkpoints only): what fp32 explains here."""
+    left_out: int = Field(default=0, ge=0)
+    """MoE: tokens left out here on both sides, routed apart from fp32 at a near tie by a side at this point's
+    layer or before (`locate_routes.near_ties`): precision's, whatever their distance."""
 
 
 class Divergence(Strict):

@@ -41,7 +41,8 @@ def headline(result: LocateResult) -> str:
     seqs = ", ".join(f"{s.index} (max |Δ| {s.max_abs:.3g})" for s in result.sequences)
     a = f"A failed ({', '.join(result.a_failed)})" if result.a_failed else "A passed"
     planted = f"; planted: {result.injected}" if result.injected else ""
-    return f"{summary_line(result.divergences)}. {a}; sequences {seqs}; {result.model} {result.dtype}{planted}"
+    line = summary_line(result.divergences, result.points)
+    return f"{line}. {a}; sequences {seqs}; {result.model} {result.dtype}{planted}"
 
 
 MOE_HEADERS = ("MoE layer", "tokens", "apart", "trainer vs fp32", "engine vs fp32", "margin min", "margin median",

@@ -25,11 +25,11 @@ from lora_parity.models import synthetic
 from lora_parity.models.checkpoint import weights_digest
 from lora_parity.run import locate_moe
 from lora_parity.util.errors import ConfigError
-from lora_parity.verdict import locate_rule
+from lora_parity.verdict import locate_routes, locate_rule
 
-INJECT = re.compile(r"engine-norm@(\d{1,4})")
-"""`--inject engine-norm@K`: decoder layer K's input_layernorm weight scaled by `PLANTED_FACTOR` in the engine's copy
-only, after load: a divergence planted to show that the report names it."""
+INJECT = re.compile(r"engine-norm@(\d{1,4})(?:x(1\.\d{1,6}|2))?")
+"""`--inject engine-norm@K[xF]`: decoder layer K's input_layernorm weight scaled by F (default `PLANTED_FACTOR`; above
+1, at most 2) in the engine's copy only, after load: a divergence planted to show that the report names it."""
 PLANTED_FACTOR = 1.01
 SUPPORTED = (("hf", "vllm"),)
 """(trainer, sampler) pairs locate hooks: HF + PEFT, and vLLM in this process."""
@@ -48,14 +48,20 @@ class LocateOptions:
 
 
 def planted_layer(inject: str | None) -> int | None:
-    """The layer `--inject engine-norm@K` names (None without one); `ConfigError` for anything else."""
+    """The layer `--inject engine-norm@K[xF]` names (None without one); `ConfigError` for anything else."""
+    planted = _planted(inject)
+    return planted[0] if planted is not None else None
+
+
+def _planted(inject: str | None) -> tuple[int, float] | None:
     if inject is None:
         return None
     match = INJECT.fullmatch(inject)
-    if match is None:
-        raise ConfigError(f"--inject {inject!r}: locate plants only engine-norm@K (layer K's input_layernorm weight "
-                          f"x {PLANTED_FACTOR} in the engine)")
-    return int(match.group(1))
+    factor = float(match.group(2) or PLANTED_FACTOR) if match is not None else 0.0
+    if match is None or not 1.0 < factor <= 2.0:
+        raise ConfigError(f"--inject {inject!r}: locate plants only engine-norm@K or engine-norm@KxF (layer K's "
+                          f"input_layernorm weight x F, 1 < F <= 2, default {PLANTED_FACTOR}, in the engine)")
+    return int(match.group(1)), factor
 
 
 def check_locatable(plan: Any, receipt: Receipt) -> None:
@@ -81,7 +87,7 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
 
     say = progress or (lambda phase, status, seconds: None)
     check_locatable(plan, receipt)
-    layer = planted_layer(options.inject)
+    layer, factor = _planted(options.inject) or (None, PLANTED_FACTOR)
     timings: dict[str, float] = {}
     start = last = time.perf_counter()
 
@@ -123,7 +129,7 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
     finally:
         trainer.close()
     lap("trainer")
-    engine = _engine(plan, model_dir, sequences, reference, names, layer, gates)
+    engine = _engine(plan, model_dir, sequences, reference, names, layer, gates, factor)
     captures["engine"] = (engine.states, engine.gates)
     moe_unavailable = moe_unavailable or engine.moe_unavailable
     lap("engine")
@@ -132,15 +138,17 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
     noise = cfg.budgets.noise
     rule = LocateRule(tail_alpha=noise.tail_alpha) if noise is not None else LocateRule()
     floor = locate_rule.rounding_floor(hs.machine_eps(cfg.model.dtype), int(reference[0][names[-1]].shape[-1]))
-    points, divergences = locate_rule.judge(data, rule, floor)
+    routed = bool(gates) and moe_unavailable is None
+    near_ties = locate_routes.near_ties(locate_moe.layer_scores(captures), rule.balance) if routed else None
+    points, divergences = locate_rule.judge(data, rule, floor, near_ties)
     moe = None
-    if gates and moe_unavailable is None:
+    if routed:
         moe = locate_moe.routing(captures, picked, receipt.scores, divergences, rule.balance)
         lap("moe")
     planted = engine.planted
     timings["total"] = round(time.perf_counter() - start, 6)
     created = dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-    injected = f"{options.inject} ({planted} weight x {PLANTED_FACTOR}, engine only)" if planted else None
+    injected = f"{options.inject} ({planted} weight x {factor:g}, engine only)" if planted else None
     return LocateResult(tool_version=__version__, created_at=created, receipt_digest=receipt.digest, model=cfg.name,
                         dtype=cfg.model.dtype, trainer=plan.opts.trainer, sampler=plan.opts.sampler,
                         a_failed=locate_rule.failing_a(receipt.checks), sequences=picked, rule=rule,
@@ -165,7 +173,7 @@ class _EngineSide:
 
 
 def _engine(plan: Any, model_dir: Any, sequences: list[list[int]], reference: list[Any], names: list[str],
-            layer: int | None, trainer_gates: list[Any]) -> _EngineSide:
+            layer: int | None, trainer_gates: list[Any], factor: float = PLANTED_FACTOR) -> _EngineSide:
     """The engine's hidden states (and router logits where `trainer_gates` has MoE gates) and their distances."""
     from lora_parity.backends import hidden_states as hs
 
@@ -173,7 +181,7 @@ def _engine(plan: Any, model_dir: Any, sequences: list[list[int]], reference: li
     try:
         try:
             stack = hs.engine_stack(sampler.llm)
-            planted = hs.scale_norm(stack, layer, PLANTED_FACTOR) if layer is not None else None
+            planted = hs.scale_norm(stack, layer, factor) if layer is not None else None
         except ValueError as e:
             raise ConfigError(f"locate: {e}") from None
         engine_points = hs.points(stack)

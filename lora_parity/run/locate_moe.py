@@ -69,11 +69,16 @@ def routing(captures: Mapping[str, tuple[PerSequence, Sequence[Any]]], picked: S
     every side) under `reference`, `trainer`, `engine` and, for an fp32 checkpoint, `fp64`."""
     from lora_parity.backends.moe import RANKINGS
 
-    per_side = {side: scores(states, gates) for side, (states, gates) in captures.items()}
     gates = captures["reference"][1]
-    layers = [locate_routes.LayerScores(g.layer, g.top_k, per_side["reference"][g.layer], per_side["trainer"][g.layer],
-                                        per_side["engine"][g.layer],
-                                        per_side["fp64"][g.layer] if "fp64" in per_side else None) for g in gates]
     ranking = "; ".join(sorted({RANKINGS[g.ranking] for g in gates}))
-    return locate_routes.routing(layers, [p.index for p in picked], a_differences(receipt_scores, picked),
-                                 named_layer(divergences), ranking, balance)
+    return locate_routes.routing(layer_scores(captures), [p.index for p in picked],
+                                 a_differences(receipt_scores, picked), named_layer(divergences), ranking, balance)
+
+
+def layer_scores(captures: Mapping[str, tuple[PerSequence, Sequence[Any]]]) -> list[locate_routes.LayerScores]:
+    """Each MoE layer's router scores on every forward of `captures` (see `routing`), the sequences in order."""
+    per_side = {side: scores(states, gates) for side, (states, gates) in captures.items()}
+    return [locate_routes.LayerScores(g.layer, g.top_k, per_side["reference"][g.layer], per_side["trainer"][g.layer],
+                                      per_side["engine"][g.layer],
+                                      per_side["fp64"][g.layer] if "fp64" in per_side else None)
+            for g in captures["reference"][1]]

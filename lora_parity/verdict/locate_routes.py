@@ -101,6 +101,19 @@ def judge_layer(data: LayerScores, sequences: Sequence[int], a_diffs: Sequence[S
     return layer, flips
 
 
+def near_ties(layers: Sequence[LayerScores], balance: float) -> dict[tuple[int, int], int]:
+    """Every token (its sequence's place in `layers`' scores, its position) that a side routes apart from the fp32
+    reference at a near tie (`judge_layer`'s tie band), with the first MoE layer where one does: from that layer's
+    output on, its hidden states carry another expert choice, which precision explains."""
+    out: dict[tuple[int, int], int] = {}
+    for data in layers:
+        none: list[list[float]] = [[] for _ in data.reference]
+        for flip in judge_layer(data, range(len(data.reference)), none, balance)[1]:
+            if flip.near_tie:
+                out.setdefault((flip.sequence, flip.position), data.layer)
+    return out
+
+
 def _worst_first(flips: list[RouterFlip]) -> list[RouterFlip]:
     """By A's difference at the flipped token (largest first; none last), then the narrowest margin."""
     return sorted(flips, key=lambda f: (f.a_diff is None, -(f.a_diff or 0.0), f.margin, f.sequence, f.position))

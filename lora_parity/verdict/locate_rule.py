@@ -145,16 +145,37 @@ def judge_side(own: PerSequence, other: PerSequence, fp64: PerSequence | None, r
                        max_threshold=max_t, leaves=mine.median.value > median_t or mine.max.value > max_t)
 
 
-def judge(points: Sequence[PointData], rule: LocateRule, floor: float = 0.0) -> tuple[list[Point], list[Divergence]]:
+def judge(points: Sequence[PointData], rule: LocateRule, floor: float = 0.0,
+          near_ties: Mapping[tuple[int, int], int] | None = None) -> tuple[list[Point], list[Divergence]]:
     """Every point judged for both sides (`floor`: `rounding_floor` of the sides' dtype), and the first point each
-    side leaves at (trainer first)."""
+    side leaves at (trainer first). `near_ties` (MoE: `locate_routes.near_ties`) are tokens some side routed apart
+    from fp32 at a near tie, by sequence and position, with the MoE layer where it did: from that layer's output
+    on they are left out on both sides (`Point.left_out`), their distance being precision's."""
     judged: list[Point] = []
     for p in points:
-        fp64 = distance(p.fp32_vs_fp64) if p.fp32_vs_fp64 is not None else None
-        judged.append(Point(name=p.name, layer=p.layer, module=p.module, fp32_vs_fp64=fp64,
-                            trainer=judge_side(p.trainer, p.engine, p.fp32_vs_fp64, rule, floor),
-                            engine=judge_side(p.engine, p.trainer, p.fp32_vs_fp64, rule, floor)))
+        out = _left_out(p, near_ties or {})
+        trainer, engine = _without(p.trainer, out), _without(p.engine, out)
+        fp64_data = _without(p.fp32_vs_fp64, out) if p.fp32_vs_fp64 is not None else None
+        fp64 = distance(fp64_data) if fp64_data is not None else None
+        judged.append(Point(name=p.name, layer=p.layer, module=p.module, fp32_vs_fp64=fp64, left_out=len(out),
+                            trainer=judge_side(trainer, engine, fp64_data, rule, floor),
+                            engine=judge_side(engine, trainer, fp64_data, rule, floor)))
     return judged, first_divergences(judged)
+
+
+def _left_out(p: PointData, near_ties: Mapping[tuple[int, int], int]) -> set[tuple[int, int]]:
+    """The near-tie tokens whose MoE layer computes at or before `p`: its output (`layers.L`), later layers, the
+    final norm."""
+    def after(layer: int) -> bool:
+        return p.name == "norm" or (p.layer is not None and (p.layer > layer or p.name == f"layers.{layer}"))
+
+    return {token for token, layer in near_ties.items() if after(layer)}
+
+
+def _without(values: PerSequence, out: set[tuple[int, int]]) -> PerSequence:
+    if not out:
+        return values
+    return [[x for t, x in enumerate(seq) if (s, t) not in out] for s, seq in enumerate(values)]
 
 
 def first_divergences(points: Sequence[Point]) -> list[Divergence]:
@@ -189,10 +210,13 @@ def locate_hint(checks: Sequence[object], path: str) -> str | None:
             "and module where a side's hidden states leave what its precision explains, against the fp32 reference)")
 
 
-def summary_line(divergences: Sequence[Divergence]) -> str:
-    """One line for people: where each side parts, or that neither does."""
+def summary_line(divergences: Sequence[Divergence], points: Sequence[Point] = ()) -> str:
+    """One line for people: where each side parts, or that neither does; and the near-tie tokens left out."""
+    first = next((p for p in points if p.left_out), None)
+    aside = (f" ({max(p.left_out for p in points)} token(s) that a side routed apart from fp32 at a near tie left "
+             f"out from {first.name} on: precision)") if first is not None else ""
     if not divergences:
-        return "no layer named: both sides stay within what their precision explains at every point"
+        return "no layer named: both sides stay within what their precision explains at every point" + aside
     parts = []
     for d in divergences:
         where = f"layer {d.layer}, {d.module}" if d.layer is not None else d.module
@@ -200,4 +224,4 @@ def summary_line(divergences: Sequence[Divergence]) -> str:
                      f"> {d.threshold:.3g}")
         if d.statistic == "max":
             parts[-1] += " (a few tokens)"
-    return "; ".join(parts)
+    return "; ".join(parts) + aside

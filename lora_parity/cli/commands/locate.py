@@ -49,7 +49,7 @@ def locate(
     public_key: PublicKeyOpt = None,
     inject: Annotated[str | None, typer.Option(
         help="Plant a divergence to see the report fire: engine-norm@K scales layer K's input_layernorm weight by "
-             "1.01 in the engine's copy only.")] = None,
+             "1.01 in the engine's copy only (engine-norm@KxF by F, 1 < F <= 2).")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the markdown section instead of the table.")]
     = False,
     plot: Annotated[Path | None, typer.Option(
