@@ -149,6 +149,7 @@ def test_the_reference_is_the_policys_local_folder_or_none(folder: Path, tmp_pat
     assert base_checkpoint(trainer.model) is None
     result = _check(trainer, per_target=False)
     assert result.receipt.reference is not None and result.receipt.reference.status == "skipped"
+    assert "reference=FOLDER" in result.receipt.reference.reason  # what would score it
     with pytest.raises(ConfigError, match=r"^reference: .*nope is not a model folder \(no config.json in it\)$"):
         _check(trainer, reference=tmp_path / "nope")
 

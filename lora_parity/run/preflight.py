@@ -52,7 +52,8 @@ def reference_decision(choice: str | None, needs_checkpoint: bool, dtype: str,
     if choice == "none":
         return Reference(status="skipped", reason="turned off (--reference none)")
     if not needs_checkpoint:
-        return Reference(status="skipped", reason="these backends load no checkpoint")
+        return Reference(status="skipped", reason="these backends load no checkpoint (the Python API scores one given "
+                                                  "reference=FOLDER, the base model's checkpoint)")
     if choice == "fp32":
         return Reference(status="scored", reason="asked for (--reference fp32)")
     if dtype == "float32":
