@@ -123,6 +123,7 @@ def test_a_bf16_policy_is_judged_by_its_checkpoints_fp32_copy(folder: Path, tmp_
     assert result.passed, result.summary()
     assert receipt.reference is not None and receipt.reference.status == "scored"
     assert receipt.model.weights_digest  # the reference's checkpoint, recorded
+    assert receipt.model.name == folder.name  # by its name: no path of this machine in the receipt
     checks = {c.id: c for c in receipt.checks}
     assert {"A.fp32.trainer.mean", "A.fp32.sampler.mean", "A.fp32.balance"} <= checks.keys()
     sides = [receipt.comparisons[k].mean_abs for k in ("R.trainer_vs_fp32", "R.sampler_vs_fp32")]

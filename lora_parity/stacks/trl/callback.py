@@ -44,8 +44,10 @@ def check_trl(trainer: Any, sequences: Sequence[Sequence[int]], *, out: Path | s
 
     kwargs.setdefault("alpha", policy.alpha)
     kwargs.setdefault("dtype", policy.dtype)
-    kwargs.setdefault("reference", base_checkpoint(policy.model))
-    name = model or str(getattr(policy.model, "name_or_path", "") or "trl-policy")
+    folder = base_checkpoint(policy.model)
+    kwargs.setdefault("reference", folder)
+    hub = str(getattr(policy.model, "name_or_path", "") or "trl-policy")
+    name = model or (folder.name if folder is not None else hub)  # a local folder by its name: no path in the receipt
     with engine.awake(), faults.planted(trainer, fault):
         return check(policy, engine, sync, sequences, out=out, model=name, **kwargs)
 
