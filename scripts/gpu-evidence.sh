@@ -110,6 +110,21 @@ checkpoint() {
   python3 -c "import sys; from lora_parity import config, synthetic; print(synthetic.materialize(config.load(sys.argv[1])))" "$1"
 }
 
+# loop_config MODEL YAML SHARE [DTYPE]: MODEL's config (smol: SmolLM2-135M bf16 by path, else a project config)
+# into YAML with its sampler a fixed SHARE of the GPU and a 0.5 GiB KV cache (and the model in DTYPE, if given)
+loop_config() {
+  if [ "$1" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$2" --force >/dev/null
+  else cp "configs/$1.yaml" "$2"; fi
+  python3 - "$2" "$3" "${4:-}" <<'PY'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[2]), gpu_kv_cache_gib=0.5)
+if sys.argv[3]:
+    cfg["model"]["dtype"] = sys.argv[3]
+yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
+PY
+}
+
 # user_adapter CHECKPOINT OUT RANK ALPHA: a user's PEFT adapter (all seven projections, B ~ N(0, 0.02), seed 7)
 user_adapter() {
   python3 - "$@" <<'PY'
@@ -386,14 +401,7 @@ SH
     for spec in "$@"; do
       IFS=: read -r name m ks <<< "$spec"
       d=/tmp/loc/$name; mkdir -p "$d"; yaml=$d/$name.yaml
-      if [ "$m" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$yaml" --force >/dev/null
-      else cp "configs/$m.yaml" "$yaml"; fi
-      python3 - "$yaml" "${SHARE_LOOP:-0.05}" <<'PY'
-import sys, yaml
-cfg = yaml.safe_load(open(sys.argv[1]))
-cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[2]), gpu_kv_cache_gib=0.5)
-yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
-PY
+      loop_config "$m" "$yaml" "${SHARE_LOOP:-0.05}"
       injects="clean ${ks//+/ }"
       setsid nohup bash -c "cd $PWD; export VLLM_ENABLE_V1_MULTIPROCESSING=0; \
         timeout 600 python3 -m lora_parity run --model $yaml --no-per-target --no-per-layer --revision $rev \
@@ -423,16 +431,7 @@ PY
       fi
       # a config's fp32 budgets fail any bf16 pair at A (tiny-qwen3-moe at 1351972): the bf16 profile, unless given
       if [ -n "$dtype" ] && [ "$dtype" != float32 ] && [[ $args != *--budgets* ]]; then args="$args,--budgets,bf16"; fi
-      if [ "$m" = smol ]; then python3 -m lora_parity init "$(checkpoint smollm2-135m-bf16)" --out "$yaml" --force >/dev/null
-      else cp "configs/$m.yaml" "$yaml"; fi
-      python3 - "$yaml" "${SHARE_LOOP:-0.03}" "$dtype" <<'PY'
-import sys, yaml
-cfg = yaml.safe_load(open(sys.argv[1]))
-cfg.setdefault("sampler", {}).update(gpu_memory_utilization=float(sys.argv[2]), gpu_kv_cache_gib=0.5)
-if sys.argv[3]:
-    cfg["model"]["dtype"] = sys.argv[3]
-yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
-PY
+      loop_config "$m" "$yaml" "${SHARE_LOOP:-0.03}" "$dtype"
       [ "$m" = smol ] || checkpoint "$yaml" >/dev/null  # a synthetic checkpoint generated in the config's dtype
       argv=${args//,/ }; argv=${argv//+/,}; d=/tmp/st/$name
       setsid nohup bash -c "cd $PWD; export OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0; $xfault \

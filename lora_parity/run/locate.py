@@ -139,11 +139,12 @@ def locate(plan: Any, receipt: Receipt, options: LocateOptions, progress: Progre
     rule = LocateRule(tail_alpha=noise.tail_alpha) if noise is not None else LocateRule()
     floor = locate_rule.rounding_floor(hs.machine_eps(cfg.model.dtype), int(reference[0][names[-1]].shape[-1]))
     routed = bool(gates) and moe_unavailable is None
-    near_ties = locate_routes.near_ties(locate_moe.layer_scores(captures), rule.balance) if routed else None
+    layers = locate_moe.layer_scores(captures) if routed else []  # every side's router scores, once
+    near_ties = locate_routes.near_ties(layers, rule.balance) if routed else None
     points, divergences = locate_rule.judge(data, rule, floor, near_ties)
     moe = None
     if routed:
-        moe = locate_moe.routing(captures, picked, receipt.scores, divergences, rule.balance)
+        moe = locate_moe.routing(captures, picked, receipt.scores, divergences, rule.balance, layers)
         lap("moe")
     planted = engine.planted
     timings["total"] = round(time.perf_counter() - start, 6)

@@ -64,14 +64,15 @@ def named_layer(divergences: Sequence[Divergence]) -> int | None:
 
 def routing(captures: Mapping[str, tuple[PerSequence, Sequence[Any]]], picked: Sequence[PickedSequence],
             receipt_scores: Mapping[str, Sequence[Sequence[float]]], divergences: Sequence[Divergence],
-            balance: float) -> MoeRouting:
+            balance: float, layers: Sequence[locate_routes.LayerScores]) -> MoeRouting:
     """The MoE record of a locate run: `captures` holds each forward's states and its own gates (the same layers on
-    every side) under `reference`, `trainer`, `engine` and, for an fp32 checkpoint, `fp64`."""
+    every side) under `reference`, `trainer`, `engine` and, for an fp32 checkpoint, `fp64`; `layers` is their
+    `layer_scores`."""
     from lora_parity.backends.moe import RANKINGS
 
     gates = captures["reference"][1]
     ranking = "; ".join(sorted({RANKINGS[g.ranking] for g in gates}))
-    return locate_routes.routing(layer_scores(captures), [p.index for p in picked],
+    return locate_routes.routing(layers, [p.index for p in picked],
                                  a_differences(receipt_scores, picked), named_layer(divergences), ranking, balance)
 
 

@@ -55,8 +55,8 @@ def check_trl(trainer: Any, sequences: Sequence[Sequence[int]], *, out: Path | s
 def base_checkpoint(model: Any) -> Path | None:
     """The local folder a PEFT policy's base model was loaded from (its `name_or_path`), or None: a hub name, or
     a model built in memory."""
-    folder = Path(str(getattr(model, "name_or_path", "") or ""))
-    return folder if str(folder) not in ("", ".") and (folder / "config.json").is_file() else None
+    name = str(getattr(model, "name_or_path", "") or "")
+    return Path(name) if name and (Path(name) / "config.json").is_file() else None
 
 
 class ParityFailed(LoraParityError, RuntimeError):
