@@ -181,6 +181,20 @@ def test_in_sleep_mode_the_engine_is_woken_for_the_check_and_put_back(folder: Pa
     assert trainer.state.global_step == 2
 
 
+def test_a_skipped_sync_in_sleep_mode_is_caught_at_the_start_point(folder: Path, tmp_path: Path) -> None:
+    """Asleep, the engine dropped its weights and only TRL's sync loads them: skipped, the engine scores what its
+    memory holds from the first score on (on the H100, 3.4 nats from fp32), caught before any update."""
+    from lora_parity.stacks.trl import FAULTS
+
+    trainer = standins.StandInGRPOTrainer(folder, enable_sleep_mode=True)
+    trainer.train(1)
+    result = _check(trainer, fault="skip-sync", out=tmp_path / "skip.json", per_target=False)
+    check = FAULTS["skip-sync"].check(sleep_mode=True)
+    assert check == "A.zero_adapter_noop" != FAULTS["skip-sync"].check(sleep_mode=False)
+    assert result.verdict == Verdict.FAIL and check in result.failed_checks, result.summary()
+    assert result.receipt.verdicts.sync.verdict == Verdict.FAIL
+
+
 def test_a_failing_check_can_stop_training(folder: Path, tmp_path: Path) -> None:
     from lora_parity.stacks.trl import ParityCallback, ParityFailed
 
