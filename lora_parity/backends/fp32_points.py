@@ -21,6 +21,7 @@ import torch
 from lora_parity.backends.base import RouteTable, Scores, Sequences
 from lora_parity.backends.hf import load_base, pack_tokens, pick_device, score_sequences
 from lora_parity.backends.moe import forced_routes
+from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.util.errors import ConfigError
@@ -63,10 +64,7 @@ def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward,
               routes: Sequence[RouteTable | None] | None = None) -> list[Scores]:
         where = device or pick_device()
         base = load_base(cfg, model_dir, where, dtype=dtype)
-        spec = cfg.adapter
-        lora = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),  # type: ignore[arg-type]
-                               lora_dropout=0.0, bias="none", init_lora_weights=True)
-        model = peft.get_peft_model(base, lora).to(where).eval()
+        model = peft.get_peft_model(base, peft_config(cfg.adapter)).to(where).eval()
         params = {n.replace(".default.weight", ".weight"): p for n, p in model.named_parameters() if "lora_" in n}
         try:
             out = []

@@ -29,6 +29,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.moe import REPLAYED_WEIGHTS, Routes, forced_routes, hf_router_topk, recorded_routes, routers
 from lora_parity.backends.raw_tensors import to_raw
 from lora_parity.evidence.receipt import BackendInfo, Perturbation, sha256_json
+from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import add_noise, is_lora_b, noise_seed, target_kind
@@ -166,15 +167,7 @@ class HFTrainer(TrainerBackend):
         start = time.perf_counter()
         base = load_base(cfg, model_dir, self.device)
         torch.manual_seed(seed)
-        lora = peft.LoraConfig(
-            r=cfg.adapter.rank,
-            lora_alpha=cfg.adapter.alpha,  # type: ignore[arg-type]  # PEFT accepts a float alpha
-            target_modules=list(cfg.adapter.targets),
-            lora_dropout=0.0,
-            bias="none",
-            init_lora_weights=True,
-        )
-        self.model = peft.get_peft_model(base, lora).to(self.device).eval()
+        self.model = peft.get_peft_model(base, peft_config(cfg.adapter)).to(self.device).eval()
         self.pack = pack_tokens(cfg, base)
         """Tokens per scoring forward (0: `scoring.batch_size` sequences)."""
         self.start_b: dict[str, torch.Tensor] | None = None
@@ -335,6 +328,8 @@ class HFTrainer(TrainerBackend):
             "dtype": self.cfg.model.dtype, "device": device_name(self.device), "rank": self.cfg.adapter.rank,
             "alpha": self.cfg.adapter.alpha, "targets": list(self.cfg.adapter.targets), "dropout": 0.0,
             "forward": forward_description(self.cfg, self.pack),
+            **({"target_parameters": list(self.cfg.adapter.target_parameters)}
+               if self.cfg.adapter.target_parameters else {}),
         })
 
     def close(self) -> None:

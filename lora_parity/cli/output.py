@@ -21,7 +21,7 @@ from lora_parity.util import escape as esc
 from lora_parity.util.errors import ConfigError
 from lora_parity.util.escape import rich as escape
 from lora_parity.verdict import explain, findings, lifecycle
-from lora_parity.verdict.check_rules import compared_nothing
+from lora_parity.verdict.check_rules import compared_nothing, target_of
 from lora_parity.verdict.checks import not_passing
 from lora_parity.verdict.locate_rule import locate_hint
 
@@ -107,7 +107,7 @@ def checks_table(receipt: Receipt, fold_passing_targets: bool = True) -> Table:
         if c.id == "C.parity.max":
             _equal_row(table, receipt, "C.trainer_vs_sampler")
     if fold:
-        kinds = {c.id.split(".")[1] for c in targets}
+        kinds = {target_of(c.id) for c in targets}
         table.add_row(f"T.* ({len(targets)} checks)", f"{len(kinds)} targets", "", "", "", "[green]pass[/]")
     return table
 

@@ -5,7 +5,6 @@ file in `configs/` (read with `strict_yaml`: the safe loader, aliases and duplic
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lora_parity.evidence.receipt import Budgets, sha256_json
 from lora_parity.evidence.receipt_io import nonfinite_field, one_line
 from lora_parity.models import strict_yaml
+from lora_parity.models.adapter_spec import TARGET_NAME as TARGET_NAME
+from lora_parity.models.adapter_spec import AdapterSpec as AdapterSpec
 from lora_parity.models.launch import LaunchSpec as LaunchSpec
 from lora_parity.models.launch import SamplerLaunch as SamplerLaunch
 from lora_parity.models.launch import TrainerLaunch as TrainerLaunch
@@ -22,10 +23,6 @@ from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError
 
 DEFAULT_MODEL = "tiny-qwen3"
-TARGET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}(\.[A-Za-z0-9_]{1,128}){0,15}")
-"""A LoRA target module name: a Python identifier, or dotted ones (`model.layers.0.q_proj`). The
-names go onto `vllm serve`'s command line, so nothing else (an option such as `--host=0.0.0.0`,
-a space, a shell character) is ever taken."""
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -154,22 +151,6 @@ class ModelSpec(_Cfg):
     def _one_source(self) -> ModelSpec:
         if sum(x is not None for x in (self.synthetic, self.gguf, self.path, self.hf_id)) != 1:
             raise ValueError("model needs exactly one of synthetic, gguf, path, hf_id")
-        return self
-
-
-class AdapterSpec(_Cfg):
-    """The LoRA adapter both sides use."""
-
-    rank: int = Field(gt=0)
-    alpha: float = Field(gt=0, allow_inf_nan=False)
-    targets: list[str] = Field(min_length=1)
-    """Module names (`TARGET_NAME`: identifiers only, never an option or a path)."""
-
-    @model_validator(mode="after")
-    def _target_names(self) -> AdapterSpec:
-        bad = next((t for t in self.targets if not TARGET_NAME.fullmatch(t)), None)
-        if bad is not None:
-            raise ValueError(f"target module {bad!r} is not a module name (letters, digits, _ and .)")
         return self
 
 
@@ -302,9 +283,12 @@ class ModelConfig(_Cfg):
         return self
 
     def digest(self) -> str:
-        """sha256 of the config's canonical JSON (`route_replay` left out where unset: older digests hold)."""
-        unset = {"route_replay"} if self.route_replay is None else None
-        return sha256_json(self.model_dump(mode="json", exclude=unset))
+        """sha256 of the config's canonical JSON (`route_replay` where unset and `adapter.target_parameters` where
+        empty left out: older digests hold)."""
+        unset: dict[str, Any] = {"route_replay": True} if self.route_replay is None else {}
+        if not self.adapter.target_parameters:
+            unset["adapter"] = {"target_parameters"}
+        return sha256_json(self.model_dump(mode="json", exclude=unset or None))
 
 
 def configs_dir() -> Path:

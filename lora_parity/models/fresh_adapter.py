@@ -21,9 +21,11 @@ RawTensor = tuple[str, list[int], bytes]
 ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
-def write(folder: Path, tensors: Mapping[str, RawTensor], rank: int, alpha: float, targets: Sequence[str]) -> Path:
+def write(folder: Path, tensors: Mapping[str, RawTensor], rank: int, alpha: float, targets: Sequence[str],
+          target_parameters: Sequence[str] = ()) -> Path:
     """Write `adapter_model.safetensors` and `adapter_config.json` for `tensors` into the new folder
-    `folder` (rank `rank`, lora_alpha `alpha`, on `targets`); return it."""
+    `folder` (rank `rank`, lora_alpha `alpha`, on `targets`, and on the expert parameters `target_parameters`
+    where given: without them PEFT would not load the expert tensors); return it."""
     header: dict[str, object] = {}
     offset = 0
     for name in sorted(tensors):
@@ -44,5 +46,7 @@ def write(folder: Path, tensors: Mapping[str, RawTensor], rank: int, alpha: floa
               "target_modules": sorted(targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "use_dora": False, "modules_to_save": None, "base_model_name_or_path": None,
               "inference_mode": True}
+    if target_parameters:
+        config["target_parameters"] = list(target_parameters)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return folder

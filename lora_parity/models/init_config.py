@@ -67,8 +67,8 @@ def _section(name: str, spec: BaseModel, notes: list[str]) -> list[str]:
     lines = [*_comment(_SECTIONS.get(name), ""), f"{name}:"]
     values = spec.model_dump(mode="json")
     for key, field in type(spec).model_fields.items():
-        if values[key] is None:
-            continue
+        if values[key] is None or ((name, key) == ("adapter", "target_parameters") and not values[key]):
+            continue  # unset; and expert LoRA only where asked for (Qwen3-MoE's fused experts, docs/moe.md)
         lines += _comment(_FIELDS.get((name, key)) or field.description, "  ")
         if (name, key) == ("adapter", "targets"):
             lines += [f"  # Left out: {n}." for n in notes]

@@ -29,12 +29,22 @@ def is_lora_b(param_name: str) -> bool:
     return ".lora_B" in param_name or ".adapter.linear_out" in param_name
 
 
+EXPERT_WRAPPERS = {"experts.base_layer": "experts.gate_up_proj", "experts": "experts.down_proj"}
+"""PEFT's wrappers of the fused expert parameters (`adapter_spec.EXPERT_PARAMETERS`, both targeted: PEFT wraps
+gate_up_proj inside down_proj) -> their target kinds."""
+
+
 def target_kind(param_name: str) -> str:
-    """The target module a LoRA parameter belongs to: the path component before lora_A/lora_B."""
+    """The target module a LoRA parameter belongs to: the path component before lora_A/lora_B; the routed
+    experts' `experts.base_layer` and `experts` (`EXPERT_WRAPPERS`) read `experts.gate_up_proj` and
+    `experts.down_proj`."""
     parts = logical_name(param_name).split(".")
     for i, part in enumerate(parts):
         if part in ("lora_A", "lora_B", "adapter") and i > 0:
-            return parts[i - 1]
+            wrapper = ".".join(parts[max(0, i - 2):i])
+            if wrapper in EXPERT_WRAPPERS:
+                return EXPERT_WRAPPERS[wrapper]
+            return EXPERT_WRAPPERS.get(parts[i - 1], parts[i - 1])
     raise ValueError(f"{param_name} is not a LoRA parameter")
 
 

@@ -141,7 +141,8 @@ def fresh(run: Any, id_offset: int) -> None:
     if not tensors:  # an adapter of no tensors is not the trainer's: X compared nothing (`checks.handed_nothing`)
         run.scores["fresh"] = []
         return
-    folder = fresh_adapter.write(run.workdir / "fresh", tensors, spec.rank, spec.alpha, spec.targets)
+    folder = fresh_adapter.write(run.workdir / "fresh", tensors, spec.rank, spec.alpha, spec.targets,
+                                 spec.target_parameters)
     adapter_id = run.first_adapter_id + id_offset
     handle = run.sampler.publish(folder, f"lora-parity-fresh-{adapter_id}", adapter_id)
     try:

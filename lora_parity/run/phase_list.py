@@ -18,7 +18,7 @@ class _PhaseLister:
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.names = cfg, list[str]()
-        self.covered_targets = list(cfg.adapter.targets)
+        self.covered_targets = cfg.adapter.kinds
         # A sync mode with LoRA that kept the replaced version, and one that reloads the base weights, which the
         # run's last phases restore: no run is both, the list has the phases of either (`engine_state`).
         self.mode, self.kept = SimpleNamespace(sampler_lora=True, reloads_base=True), SimpleNamespace(adapter_id=1)

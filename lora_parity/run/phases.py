@@ -234,7 +234,7 @@ class Run:
         """The target kinds per-target coverage runs for, in the config's order (none where it is off)."""
         if not (self.per_target and self.trainer_has_per_target):
             return []
-        return [k for k in self.cfg.adapter.targets if self.per_target_only is None or k in self.per_target_only]
+        return [k for k in self.cfg.adapter.kinds if self.per_target_only is None or k in self.per_target_only]
 
     @property
     def checks_fresh(self) -> bool:

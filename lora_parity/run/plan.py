@@ -180,7 +180,7 @@ def render(cfg: ModelConfig, model_ref: str | None = None, trainer: str | None =
         f"lora-parity plan: {cfg.name}",
         f"  model       {source(cfg)}, {cfg.model.dtype}, {launch.num_params / 1e9:,.1f}B parameters "
         f"= {total:,.0f} GiB of weights",
-        f"  adapter     LoRA r{cfg.adapter.rank} alpha {cfg.adapter.alpha:g} on {', '.join(cfg.adapter.targets)}",
+        f"  adapter     LoRA r{cfg.adapter.rank} alpha {cfg.adapter.alpha:g} on {', '.join(cfg.adapter.kinds)}",
         *([f"  routing     route replay {cfg.route_replay}: the trainer's routers replay the experts the engine's "
            "pass at each point chose (R3; docs/moe.md)"] if cfg.route_replay else []),
         "",

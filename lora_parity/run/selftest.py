@@ -36,7 +36,7 @@ from lora_parity.run.faults import FAULTS, SAMPLED_FAULTS, SELFTEST_FAULTS, Faul
 from lora_parity.run.options import RunOptions
 from lora_parity.run.runner import Backends, Plan, prepare, run_once, warms
 from lora_parity.util.errors import ConfigError
-from lora_parity.verdict.check_rules import compared_nothing
+from lora_parity.verdict.check_rules import compared_nothing, target_of
 from lora_parity.verdict.thresholds import EXACT_PREFIXES
 
 NO_FAULTS = "none"
@@ -264,7 +264,7 @@ def plan_for(plan: Plan, fault: str) -> Plan:
     With `--no-per-target`, a fault that only a per-target check can name still gets coverage of the
     target it breaks (drop-target: the dropped one), and of no other."""
     spec = FAULTS[fault.partition("=")[0]]
-    named = [c.split(".")[1] for c in spec.caught_by + spec.must_pass if c.startswith("T.")]
+    named = [target_of(c) for c in spec.caught_by + spec.must_pass if c.startswith("T.")]
     needs_targets = bool(named)
     if not plan.opts.per_target:
         if not needs_targets:
@@ -320,7 +320,7 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
         raise ConfigError(f"--out-dir {folder}: cannot create the folder: {e.strerror or e}") from None
     result = SelftestResult(repeats=max(1, repeat))
     loaded = Backends(plan, say)
-    targets = list(plan.cfg.adapter.targets)
+    targets = plan.cfg.adapter.kinds
     update = "step" if warms(plan) else "noise"
     applicable = faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled, targets, update, plan.trainer_cls.traits,
                             plan.cfg.model.dtype, issubclass(plan.trainer_cls, TensorReadingTrainer), plan.replays,

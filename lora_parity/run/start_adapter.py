@@ -60,6 +60,8 @@ def _refuse_variants(folder: Path, config: dict[str, Any]) -> None:
         raise ConfigError(f"--adapter {folder}: bias and modules_to_save are not supported (LoRA A and B only)")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ConfigError(f"--adapter {folder}: per-module ranks or alphas are not supported")
+    if config.get("target_parameters"):
+        raise ConfigError(f"--adapter {folder}: target_parameters (expert LoRA) start adapters are not supported yet")
     targets = config.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise ConfigError(f"--adapter {folder}: target_modules must be a list of module names, "

@@ -36,6 +36,12 @@ class Threshold:
     """Noise explains any outcome (a delta whose noise is as large as its change): inconclusive."""
 
 
+def target_of(check_id: str) -> str:
+    """The target of a per-target check `T.K.stat` (K may hold dots: `experts.down_proj`, `down_proj@3-5`); ''
+    for another check."""
+    return check_id[2:].rpartition(".")[0] if check_id.startswith("T.") else ""
+
+
 def group_of(check_id: str) -> str:
     """'numerics' for A's parity, fp32 and repeat-noise checks and the trainer's own change against fp32's
     (C.delta.trainer, T.K.trainer: never a delivery question), else 'sync'."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from lora_parity.verdict import check_rules
+
 
 class CheckLike(Protocol):
     """What `line` reads from a receipt check."""
@@ -120,7 +122,7 @@ def meaning(check_id: str) -> str | None:
     if not matches:
         return None
     text = EXPLAIN[max(matches, key=len)]
-    target = check_id.split(".")[1] if check_id.startswith("T.") and check_id.count(".") >= 2 else ""
+    target = check_rules.target_of(check_id)
     return text.format(target=target)
 
 
