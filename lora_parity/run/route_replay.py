@@ -36,7 +36,7 @@ from lora_parity.backends.moe import route_table
 from lora_parity.evidence.receipt import RouteReplay
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.hub import hub_checkpoint
-from lora_parity.run.moe_faults import ROUTE_FAULT_NAMES
+from lora_parity.run.moe_faults import REPLAY_FAULTS
 from lora_parity.run.options import RunOptions
 from lora_parity.util.errors import ConfigError, PhaseError
 from lora_parity.verdict import routes as route_stats
@@ -96,7 +96,8 @@ def unavailable(trainer: type[TrainerBackend] | Trainer, sampler: type[SamplerBa
 
 def preflight(opts: RunOptions, cfg: ModelConfig, trainer: type[TrainerBackend], sampler: type[SamplerBackend]) -> bool:
     """Whether this run will replay routes, as far as the config (`_moe_before_loading`) and the backends' classes
-    tell. `ConfigError`: `on` where a side cannot, or a route fault injected into a run that does not replay."""
+    tell. `ConfigError`: `on` where a side cannot, or a fault that needs replay (`REPLAY_FAULTS`) injected into a run
+    that does not replay."""
     mode = mode_of(opts.route_replay, cfg)
     moe = _moe_before_loading(cfg)
     why = unavailable(trainer, sampler) if moe else "the model is dense: there are no routes to replay"
@@ -105,8 +106,8 @@ def preflight(opts: RunOptions, cfg: ModelConfig, trainer: type[TrainerBackend],
         raise ConfigError(f"--route-replay on: {side + ': ' if moe else ''}{why}")
     replays = mode != "off" and why is None
     fault = (opts.inject or "").partition("=")[0]
-    if fault in ROUTE_FAULT_NAMES and not replays:
-        raise ConfigError(f"fault {fault!r} changes the routes the trainer replays: it needs route replay (an MoE "
+    if fault in REPLAY_FAULTS and not replays:
+        raise ConfigError(f"fault {fault!r} {REPLAY_FAULTS[fault]}: it needs route replay (an MoE "
                           f"model, --route-replay on or auto, backends that can); here: {why or '--route-replay off'}")
     return replays
 

@@ -337,7 +337,7 @@ def run_once(plan: Plan, loaded: Backends, inject: str | None, out: Path, force:
     """One pass of the sequence on loaded backends, then the receipt, whatever happened."""
     cfg, probes = plan.cfg, plan.probes
     when = dt.datetime.now(dt.UTC).replace(microsecond=0)
-    faults = Faults(inject, list(cfg.adapter.targets), probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
+    faults = Faults(inject, cfg.adapter.kinds, probes.num_scored_positions, cfg.budgets.mean, plan.opts.sync,
                     sampled=plan.sampled, update="step" if warms(plan) else "noise",
                     start_adapter=plan.opts.adapter is not None, max_ceiling=one_token_ceiling(cfg.budgets))
     workdir = Path(tempfile.mkdtemp(prefix="lora-parity-"))

@@ -69,9 +69,9 @@ def _target_slope_lines(scores: Scores, failing: set[str]) -> list[str]:
 
 
 def _name(kind: str) -> str:
-    """A target kind (or `kind@first-last`) as printed: a receipt is data from anyone, so only letters, digits,
-    _, @ and - pass."""
-    return "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_@-") else "?" for ch in kind[:40])
+    """A target kind (or `kind@first-last`, `experts.down_proj`) as printed: a receipt is data from anyone, so only
+    letters, digits, _, @, - and . pass."""
+    return "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_@-.") else "?" for ch in kind[:40])
 
 
 def _status(check: Any) -> str:
@@ -152,10 +152,15 @@ def _scale_where(scores: Scores) -> str:
 
 
 def _swap_line(failing: set[str]) -> str | None:
-    kinds = sorted({c.split(".")[1] for c in failing if c.startswith("T.") and c.count(".") >= 2
+    kinds = sorted({check_rules.target_of(c) for c in failing if check_rules.target_of(c)
                     and c.endswith((".cosine", ".scale", ".rel_l2"))})
     if len(kinds) != 2:
         return None
+    if all(k.startswith("experts.") for k in kinds):  # the routed experts' two kinds: one expert's slice lost
+        # (in one layer or all) fails both, which are no pair of like tensors to swap (models.perturb.target_kind)
+        return ("only the routed experts' targets fail (experts.gate_up_proj, experts.down_proj), every other target "
+                "passes: some expert's update does not reach the engine as the trainer applies it (lost in the export, "
+                "or another expert layout on the engine's side)")
     a, b = (_name(k) for k in kinds)
     return (f"a swap: only {a} and {b} fail, every other target passes: their tensors are exchanged or cross-wired "
             f"({a}'s update reaches {b} and back), in the export or in how the engine maps them")
