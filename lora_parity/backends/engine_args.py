@@ -36,6 +36,7 @@ OWNED = {
     "lora_target_modules": "set from the adapter's targets", "skip_tokenizer_init": "scoring sends token ids",
     "seed": "lora-parity seeds the engine", "load_format": "safetensors only, never a pickle",
     "trust_remote_code": "runs the checkpoint's own Python code: use --trust-remote-code",
+    "enable_mixed_moe_lora_format": "set for expert LoRA (adapter.target_parameters)",
 }
 """Keys lora-parity sets itself, and why a user's value is refused."""
 

@@ -34,7 +34,7 @@ from lora_parity.backends.base import (
     groups,
 )
 from lora_parity.backends.mixed_batch import cpu_lora_defect
-from lora_parity.backends.vllm_options import engine_options, llm_kwargs, packing, private_dist_store
+from lora_parity.backends.vllm_options import engine_options, expert_lora, llm_kwargs, packing, private_dist_store
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
 from lora_parity.util import safe_read
@@ -220,7 +220,8 @@ class VLLMSampler(SamplerBackend):
     def _request(self, handle: AdapterHandle | None, inplace: bool = False) -> Any:
         if handle is None:
             return None
-        return self._LoRARequest(handle.name, handle.adapter_id, str(handle.path), load_inplace=inplace)
+        return self._LoRARequest(handle.name, handle.adapter_id, str(handle.path), load_inplace=inplace,
+                                 is_3d_lora_weight=expert_lora(self.cfg))  # PEFT's fused expert tensors as saved
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         request = self._request(adapter)

@@ -54,6 +54,19 @@ def returns_routes(cfg: ModelConfig, model: str) -> bool:
     return config.is_file() and routes_experts(safe_read.read_json(config))
 
 
+def expert_lora(cfg: ModelConfig) -> bool:
+    """The adapter holds routed-expert LoRA (`adapter.target_parameters`, docs/moe.md): vLLM loads PEFT's fused file
+    as it is only with `enable_mixed_moe_lora_format` on the engine and `is_3d_lora_weight` on each load (vLLM 0.26:
+    `LoRAModelManager._convert_3d_to_2d_moe_lora` splits it per expert), and puts LoRA on the MoE layers' `experts`
+    module only where the deployment's target modules name it."""
+    return bool(cfg.adapter.target_parameters)
+
+
+def lora_modules(cfg: ModelConfig) -> list[str]:
+    """The modules the engine puts LoRA on: the adapter's targets, and `experts` for expert LoRA."""
+    return [*cfg.adapter.targets, *(["experts"] if expert_lora(cfg) else [])]
+
+
 def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) -> dict[str, Any]:
     """The engine's options for `cfg` (JSON-able: the receipt records them, less `model`). `lora`:
     LoRA enabled for the adapter's own target modules (off in the merged sync modes). The user's
@@ -72,7 +85,9 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
     }
     if lora:
         options.update(max_lora_rank=max_lora_rank(cfg.adapter.rank), max_loras=1,
-                       lora_target_modules=list(cfg.adapter.targets))
+                       lora_target_modules=lora_modules(cfg))
+        if expert_lora(cfg):
+            options["enable_mixed_moe_lora_format"] = True
         if cfg.sampler.lora_dtype is not None:
             options["lora_dtype"] = cfg.sampler.lora_dtype
     if cuda:

@@ -43,7 +43,7 @@ from lora_parity.backends.base import (
 )
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess, free_port
-from lora_parity.backends.vllm_options import max_lora_rank, returns_routes
+from lora_parity.backends.vllm_options import expert_lora, lora_modules, max_lora_rank, returns_routes
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
@@ -97,7 +97,8 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
     # An absolute path: a folder named like an option (`-x`) can never read as one.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(Path(model_dir).absolute()),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.model.dtype,
-            "--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *cfg.adapter.targets,
+            "--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *lora_modules(cfg),
+            *(["--enable-mixed-moe-lora-format"] if expert_lora(cfg) else []),
             "--skip-tokenizer-init", "--seed", "0",
             # As the in-process engine (`vllm.LLM` logs no stats); no access-log line per request.
             "--disable-log-stats", "--disable-uvicorn-access-log"]
@@ -408,7 +409,8 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         path = self._served_path(directory)
         served = name if name.endswith(self.suffix) else name + self.suffix
-        self._call("/v1/load_lora_adapter", {"lora_name": served, "lora_path": str(path), "load_inplace": inplace},
+        self._call("/v1/load_lora_adapter", {"lora_name": served, "lora_path": str(path), "load_inplace": inplace,
+                                             **({"is_3d_lora_weight": True} if expert_lora(self.cfg) else {})},
                    f"load_lora_adapter.{name.removesuffix(self.suffix)}")
         self.loaded.add(served)
         return AdapterHandle(served, adapter_id, path)

