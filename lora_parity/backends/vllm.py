@@ -220,8 +220,8 @@ class VLLMSampler(SamplerBackend):
     def _request(self, handle: AdapterHandle | None, inplace: bool = False) -> Any:
         if handle is None:
             return None
-        return self._LoRARequest(handle.name, handle.adapter_id, str(handle.path), load_inplace=inplace,
-                                 is_3d_lora_weight=expert_lora(self.cfg))  # PEFT's fused expert tensors as saved
+        fused: dict[str, Any] = {"is_3d_lora_weight": True} if expert_lora(self.cfg) else {}  # PEFT's file as saved
+        return self._LoRARequest(handle.name, handle.adapter_id, str(handle.path), load_inplace=inplace, **fused)
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         request = self._request(adapter)
