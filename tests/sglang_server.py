@@ -140,7 +140,8 @@ class StandIn:
         if method == "GET" and path == "/health":
             return 200, {}
         if method == "GET" and path in ("/model_info", "/get_model_info"):
-            return 200, {"model_path": "/models/tiny-qwen3", "is_generation": True}
+            return 200, {"model_path": "/models/tiny-qwen3", "is_generation": True,
+                         "weight_version": self.server_args.get("weight_version", "default")}
         if method == "GET" and path in ("/server_info", "/get_server_info"):
             return 200, dict(self.server_args)
         with self.lock:

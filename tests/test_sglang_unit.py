@@ -37,6 +37,7 @@ from lora_parity.run.faults import FAULTS, faults_for
 from lora_parity.run.runner import RunOptions, execute
 from lora_parity.run.selftest import selftest
 from lora_parity.util.errors import BackendUnavailableError, ConfigError, ScoreError
+from lora_parity.verdict import findings
 
 from .conftest import ROOT, cli
 from .sglang_server import StandIn
@@ -346,6 +347,9 @@ def test_an_attached_run_passes_records_the_url_without_credentials_and_leaves_n
                                                    "updated_cached"]
     assert {"P.parity.mean", "C.parity.mean"} <= {c.id for c in receipt.checks}
     assert receipt.sampler.backend == "sglang" and receipt.sampler.settings["server"] == f"attached at {stand_in.url}"
+    assert {a.weight_version for a in receipt.adapters} == {"default"}  # read at each sync; a LoRA load leaves it
+    assert any(line.startswith("the engine's weight version did not move across the sync ('default'")
+               for line in findings.of_receipt(receipt))
     text = (tmp_path / "r.json").read_text()
     assert "pw" not in text.replace("pw@", "") and "token=t" not in text
     assert stand_in.registry == {}
@@ -645,6 +649,30 @@ def test_server_and_model_info_use_the_current_names_and_fall_back_on_an_older_r
         assert gets.index("/get_model_info") > gets.index("/model_info") and "/get_server_info" in gets
     finally:
         older.close()
+
+
+def test_the_weight_version_is_read_from_model_info_and_a_lora_load_leaves_it(stand_in: StandIn,
+                                                                                tmp_path: Path) -> None:
+    """Issue 51: SGLang's `weight_version` (`/model_info`, "default" unless `--weight-version` or a weight update
+    names one) is recorded; a LoRA load does not move it, which the stand-in keeps as SGLang does."""
+    folder, _ = exported(tmp_path, "v1")
+    sampler = attach(stand_in.url)
+    try:
+        before = sampler.weight_version()
+        sampler.publish(folder, "a", 1)
+        assert before == sampler.weight_version() == "default"
+    finally:
+        sampler.close()
+    quiet = StandIn()  # a server whose /model_info carries no version, then one that refuses the route
+    quiet.overrides = {"/model_info": answer_with(200, b'{"model_path": "m"}')}
+    try:
+        sampler = attach(quiet.url)
+        assert sampler.weight_version() is None
+        quiet.overrides = {p: answer_with(500, b"{}") for p in ("/model_info", "/get_model_info")}
+        assert sampler.weight_version() is None
+        sampler.close()
+    finally:
+        quiet.close()
 
 
 def test_what_a_server_says_about_itself_is_bounded_finite_and_redacted(checkpoint: Path, tmp_path: Path,

@@ -267,6 +267,16 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
                 raise
         return self._call(f"/get_{name}", None, name)
 
+    def weight_version(self) -> str | None:
+        """`/model_info`'s weight version (`--weight-version`, moved by SGLang's weight updates that name one; a LoRA
+        load leaves it); None where the server reports none."""
+        try:
+            answer = self._info("model_info")
+        except ServerError:
+            return None
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        return served.server_text(version, self.api_key) if version is not None else None
+
     def _redact(self, text: str) -> str:
         return " ".join(redact_secrets(text, self.api_key).split())
 
