@@ -74,6 +74,30 @@ def test_rows_follow_what_ran_not_the_settings_alone() -> None:
         == "not covered"  # the second wake without a sync is part of it
 
 
+def test_graphs_that_run_decode_batches_only_cover_a_run_only_where_it_decoded() -> None:
+    """SGLang with LoRA captures CUDA graphs for decode alone: a run that scored prompts only did not go through
+    them, one with the generation phases (--probes sampled) did."""
+    from lora_parity.backends.sglang_server import deployment
+
+    settings = deployment({"disable_cuda_graph": False, "enable_deterministic_inference": True})
+    assert settings["cuda_graphs"].startswith(lifecycle.GRAPHS_DECODE_ONLY)
+    prompts_only = lifecycle.derive("sglang", settings, ok("zero", "updated"))
+    assert status(prompts_only, "CUDA graphs") == "not covered"
+    assert detail(prompts_only, "CUDA graphs").endswith("this run scored prompts alone (--probes sampled decodes "
+                                                        "through them)")
+    assert status(lifecycle.derive("sglang", settings, ok("zero", "sample")), "CUDA graphs") == "covered"
+    assert status(prompts_only, "batch-variant kernels") == "not covered"  # deterministic inference: not deployed
+    assert detail(prompts_only, "sleep level 1 + wake").startswith("no sleep/wake phase ran: off (lora-parity does "
+                                                                   "not drive SGLang's memory release")
+    eager = deployment({"disable_cuda_graph": True, "enable_deterministic_inference": False})
+    rows = lifecycle.derive("sglang", eager, ok("sample"))
+    assert status(rows, "CUDA graphs") == "not covered"
+    assert detail(rows, "CUDA graphs") == "off (disable_cuda_graph: true)"
+    assert status(rows, "batch-variant kernels") == "covered"
+    assert "cuda_graphs" not in deployment({})  # not reported by the server: the row says "not recorded"
+    assert detail(lifecycle.derive("sglang", deployment({}), []), "CUDA graphs") == "not recorded by the sglang sampler"
+
+
 def test_the_terminal_and_the_report_print_the_not_covered_rows(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     receipt = execute(RunOptions(trainer="fake", sampler="fake", out=tmp_path / "r.json")).receipt

@@ -348,6 +348,12 @@ def test_an_attached_run_passes_records_the_url_without_credentials_and_leaves_n
     assert {"P.parity.mean", "C.parity.mean"} <= {c.id for c in receipt.checks}
     assert receipt.sampler.backend == "sglang" and receipt.sampler.settings["server"] == f"attached at {stand_in.url}"
     assert {a.weight_version for a in receipt.adapters} == {"default"}  # read at each sync; a LoRA load leaves it
+    settings = receipt.sampler.settings  # the lifecycle's settings, read off what the server reported
+    assert settings["batch_invariant"] == "on (enable_deterministic_inference: true)"
+    assert "cuda_graphs" not in settings and settings["sleep_mode"].startswith("off (")
+    assert [r.detail for r in receipt.lifecycle or [] if r.condition == "batch-variant kernels"] == [
+        "batch-invariant kernels on (enable_deterministic_inference: true): repeats exact, the deployed kernels "
+        "not run"]
     assert any(line.startswith("the engine's weight version did not move across the sync ('default'")
                for line in findings.of_receipt(receipt))
     text = (tmp_path / "r.json").read_text()

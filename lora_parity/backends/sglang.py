@@ -442,8 +442,7 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
                           "sequences") + ", logprob_start_len=0; cached: one request per prefix, token_ids_logprob",
             "sync": "/load_lora_adapter or /load_lora_adapter_from_tensors (--sync tensors), /unload_lora_adapter "
                     "(inplace: unload, then load under the same name)",
-            **{f"server.{k}": v for k, v in recorded["args"].items()},
-        }
+            **{f"server.{k}": v for k, v in recorded["args"].items()}, **sglang_server.deployment(recorded["args"])}
         if self.server is not None:
             settings["deterministic_inference"] = "--enable-deterministic-inference" in self.server.argv
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))

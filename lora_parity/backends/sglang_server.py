@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from lora_parity.backends import served
 from lora_parity.backends.base import PreflightOptions
@@ -27,6 +28,7 @@ from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
 from lora_parity.util import env, scratch
 from lora_parity.util.errors import ConfigError
+from lora_parity.verdict.lifecycle import GRAPHS_DECODE_ONLY
 
 SGLANG_PIN = "sglang==0.5.16"
 """The release the GPU evidence is for (scripts/gpu-sglang-wheels.txt pins what it needs)."""
@@ -92,6 +94,26 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, deterministic: boo
     if extra:
         argv += shlex.split(extra)
     return argv
+
+
+SLEEP_OFF = ("off (lora-parity does not drive SGLang's memory release and resume, /release_memory_occupation: "
+             "its sleep phases run on vLLM)")
+
+
+def deployment(args: dict[str, Any]) -> dict[str, str]:
+    """What the server does about the deployment conditions (`verdict.lifecycle`), read off the settings it reported
+    (`/server_info`), not off the options given: CUDA graphs (`disable_cuda_graph`), batch invariance
+    (`enable_deterministic_inference`), and sleep mode (off: not driven here). A setting the server did not
+    report stays out (the table says "not recorded")."""
+    out = {"sleep_mode": SLEEP_OFF}
+    if isinstance(args.get("disable_cuda_graph"), bool):
+        out["cuda_graphs"] = ("off (disable_cuda_graph: true)" if args["disable_cuda_graph"]
+                              else f"{GRAPHS_DECODE_ONLY} (disable_cuda_graph: false; SGLang turns its prefill graphs "
+                              "off with LoRA and with deterministic inference, so the scored prompts run eager)")
+    if isinstance(args.get("enable_deterministic_inference"), bool):
+        out["batch_invariant"] = ("on (enable_deterministic_inference: true)" if args["enable_deterministic_inference"]
+                                  else "off (enable_deterministic_inference: false)")
+    return out
 
 
 def server_env() -> dict[str, str]:

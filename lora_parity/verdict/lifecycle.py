@@ -38,8 +38,16 @@ def _setting(settings: Mapping[str, Any], key: str) -> str | None:
     return None if value is None else str(value)
 
 
-def _graphs(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+GRAPHS_DECODE_ONLY = "on for decode batches only"
+"""How a sampler whose CUDA graphs never run the scored prompts (prefill) starts its `cuda_graphs` setting (SGLang with
+LoRA): the row is covered only where the decode path was scored too (`--probes sampled`)."""
+
+
+def _graphs(settings: Mapping[str, Any], backend: str, done: set[str]) -> LifecycleRow:
     recorded = _setting(settings, "cuda_graphs")
+    if recorded is not None and recorded.startswith(GRAPHS_DECODE_ONLY) and not done & set(GENERATION_PHASES):
+        return _row("CUDA graphs", False, f"{recorded}; this run scored prompts alone (--probes sampled decodes "
+                                          "through them)")
     if recorded is not None:
         return _row("CUDA graphs", recorded.startswith("on"), recorded)
     if settings.get("enforce_eager") is True:
@@ -131,7 +139,7 @@ def derive(backend: str, settings: Mapping[str, Any], phases: Sequence[Any]) -> 
     and `status`) ran; a phase counts as run only where it completed."""
     names = {p.name for p in phases}
     done = {p.name for p in phases if p.status == PhaseStatus.OK}
-    return [_graphs(settings, backend), _sleep(1, done, names, settings, backend),
+    return [_graphs(settings, backend, done), _sleep(1, done, names, settings, backend),
             _sleep(2, done, names, settings, backend),
             _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend),
             _mixed(done, names, settings),
