@@ -1,6 +1,7 @@
 """A stand-in SGLang server for the `sglang` sampler's CPU tests: SGLang's native HTTP API on loopback
 (`/health`, `/model_info`, `/server_info` and their deprecated `/get_` names, `/generate`, `/load_lora_adapter`,
-`/load_lora_adapter_from_tensors`, `/unload_lora_adapter`), serving the fake model of
+`/load_lora_adapter_from_tensors`, `/unload_lora_adapter`, and the memory saver's `/release_memory_occupation`,
+`/resume_memory_occupation` with `/update_weights_from_disk`), serving the fake model of
 `lora_parity.backends.fake` with the adapters it loads from PEFT folders or tensors, so that a fake
 trainer and this server agree exactly, as a correct sync does.
 
@@ -45,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lora_parity.backends import fake
+from lora_parity.backends.sleep import LOST_LOGPROB
 from lora_parity.models import adapter_files as af
 from lora_parity.models import config, lora_targets
 
@@ -98,7 +100,12 @@ class StandIn:
         """What the first request with such an adapter does: stop answering (as a process: exit)."""
         self.server_args = {"version": "0.5.16-standin", "enable_deterministic_inference": True,
                             "attention_backend": "fa3", "disable_radix_cache": False, "api_key": None,
+                            "enable_memory_saver": False, "enable_weights_cpu_backup": False,
                             **(server_args or {})}
+        self.released: set[str] = set()
+        """Memory tags released (`/release_memory_occupation`) and not yet resumed."""
+        self.weights_lost = False
+        """The weights came back without a CPU copy and nothing loaded them since (`/update_weights_from_disk`)."""
         self.lock = threading.Lock()
         stand_in = self
 
@@ -145,6 +152,8 @@ class StandIn:
         if method == "GET" and path in ("/server_info", "/get_server_info"):
             return 200, dict(self.server_args)
         with self.lock:
+            if path in ("/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk"):
+                return self._memory(path, body)
             if path == "/load_lora_adapter":
                 return self._load(body)
             if path == "/load_lora_adapter_from_tensors":
@@ -210,7 +219,28 @@ class StandIn:
         self.ref_cache[str(name)] = "__tensor__"
         return 200, {"success": True, "loaded_adapters": self._loaded()}
 
+    def _memory(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """SGLang's memory saver: without `--enable-memory-saver` a release frees nothing (a no-op); with it, the
+        released tags hold nothing until resumed, a KV release flushes the radix cache, and weights released without
+        a CPU copy come back undefined until `/update_weights_from_disk` loads them (the adapters' buffers stay)."""
+        if path == "/update_weights_from_disk":
+            self.weights_lost, self.cache = False, {}
+            return 200, {"success": True, "message": "Succeeded to update model weights."}
+        tags = set(body.get("tags") or ["kv_cache", "weights", "cuda_graph"])
+        if not self.server_args["enable_memory_saver"]:
+            return 200, {}
+        if path == "/release_memory_occupation":
+            self.released |= tags
+            self.cache = {} if "kv_cache" in tags else self.cache
+        else:
+            if "weights" in tags & self.released and not self.server_args["enable_weights_cpu_backup"]:
+                self.weights_lost = True
+            self.released -= tags
+        return 200, {}
+
     def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        if self.released:  # SGLang serves nothing from released memory
+            return 500, {"error": {"message": f"memory released: {sorted(self.released)}"}}
         ids = body["input_ids"]
         single = isinstance(ids[0], int)
         batch = [ids] if single else ids
@@ -244,6 +274,7 @@ class StandIn:
         meta: dict[str, Any] = {"prompt_tokens": len(seq)}
         if body.get("return_logprob"):
             row = fake._score([seq], coefficients, self.kinds)[0]
+            row = [LOST_LOGPROB] * len(row) if self.weights_lost else row
             meta["input_token_logprobs"] = [[None if t == start else row[t - 1], self._clip(seq[t]), None]
                                             for t in range(start, len(seq))]
             if body.get("token_ids_logprob"):
@@ -262,7 +293,7 @@ class StandIn:
 
     def _logprob(self, prev: int, tok: int, t: int, coefficients: dict[str, float]) -> float:
         """The fake model's logprob of `tok` after `prev` at position t, as its scores have it (at most 0)."""
-        return min(fake._score_at(prev, tok, t, coefficients, self.kinds), 0.0)
+        return LOST_LOGPROB if self.weights_lost else min(fake._score_at(prev, tok, t, coefficients, self.kinds), 0.0)
 
     def _clip(self, token: int) -> int:
         return token if token < self.vocab_size - 1 else 0

@@ -87,8 +87,11 @@ def test_graphs_that_run_decode_batches_only_cover_a_run_only_where_it_decoded()
                                                         "through them)")
     assert status(lifecycle.derive("sglang", settings, ok("zero", "sample")), "CUDA graphs") == "covered"
     assert status(prompts_only, "batch-variant kernels") == "not covered"  # deterministic inference: not deployed
-    assert detail(prompts_only, "sleep level 1 + wake").startswith("no sleep/wake phase ran: off (lora-parity does "
-                                                                   "not drive SGLang's memory release")
+    assert detail(prompts_only, "sleep level 1 + wake") == ("no sleep/wake phase ran: off (the server runs without "
+                                                            "--enable-memory-saver (it cannot give its memory back))")
+    for backup, level in ((True, 1), (False, 2)):  # the CPU copy of the weights decides the level
+        saver = deployment({"enable_memory_saver": True, "enable_weights_cpu_backup": backup})
+        assert saver["sleep_mode"] == f"on (levels {level})"
     eager = deployment({"disable_cuda_graph": True, "enable_deterministic_inference": False})
     rows = lifecycle.derive("sglang", eager, ok("sample"))
     assert status(rows, "CUDA graphs") == "not covered"

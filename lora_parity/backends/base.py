@@ -240,15 +240,20 @@ class MergingTrainer(Protocol):
 
 
 @runtime_checkable
-class BaseReloadingSampler(Protocol):
+class BaseResettingSampler(Protocol):
+    """A sampler that loads its checkpoint's own base weights again in place (after a level-2 sleep)."""
+
+    def reset_base(self) -> None:
+        """Reload the checkpoint's own base weights."""
+        ...
+
+
+@runtime_checkable
+class BaseReloadingSampler(BaseResettingSampler, Protocol):
     """A sampler that reloads its base weights in place (the merged sync modes)."""
 
     def reload_base(self, folder: Path | None = None, tensors: Any = None) -> None:
         """Replace the base weights: from a checkpoint folder, or from tensors in memory."""
-        ...
-
-    def reset_base(self) -> None:
-        """Reload the checkpoint's own base weights."""
         ...
 
 

@@ -49,6 +49,7 @@ from lora_parity.backends.base import (
 )
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess
+from lora_parity.backends.sglang_state import SGLangEngineState
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models import adapter_files, lora_targets
 from lora_parity.models.config import ModelConfig
@@ -75,7 +76,8 @@ scheduler dies at the first request that uses the adapter, taking the server dow
 an adapter lacking q_proj: benchmarks/gpu-sglang-09560bc.tar.xz); q_proj without v_proj fails the load."""
 SERVER_ARGS_RECORDED = ("enable_deterministic_inference", "attention_backend", "sampling_backend", "lora_backend",
                         "disable_radix_cache", "dtype", "max_lora_rank", "max_loras_per_batch", "tp_size",
-                        "random_seed", "mem_fraction_static", "chunked_prefill_size", "disable_cuda_graph")
+                        "random_seed", "mem_fraction_static", "chunked_prefill_size", "disable_cuda_graph",
+                        "enable_memory_saver", "enable_weights_cpu_backup")
 """The attached or started server's settings that change numbers, read back from `/server_info`
 into the receipt as `server.<name>` (only these: that answer also holds the server's API key)."""
 
@@ -146,13 +148,14 @@ def _prompt_logprobs(answer: Any, seq: list[int], s: int) -> list[float]:
     return out
 
 
-class SGLangSampler(ServedAdapters, SamplerBackend):
-    """SGLang's server with LoRA, started here or attached to by URL. It scores the way rollouts read
-    the radix cache too (`score_cached`: a `CachedScoringSampler`) and generates (`GeneratingSampler`)."""
+class SGLangSampler(SGLangEngineState, ServedAdapters, SamplerBackend):
+    """SGLang's server with LoRA, started here or attached to by URL. It scores the way rollouts read the radix cache
+    too (`score_cached`: a `CachedScoringSampler`), generates (`GeneratingSampler`), and sleeps and reports its
+    weight version (`SGLangEngineState`)."""
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
                            reload_gets_fresh_cache=RELOAD_GETS_FRESH_CACHE, at_checkpoint_precision=True,
-                           unload_reloads=UNLOAD_RELOADS, adapter_needs=ADAPTER_NEEDS)
+                           unload_reloads=UNLOAD_RELOADS, adapter_needs=ADAPTER_NEEDS, sleep_unavailable=None)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:
@@ -199,7 +202,8 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
                 raise
         self.moe_layers: list[int] = []
         self._route_shape = (0, 0)
-        self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir))
+        self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir),
+                              sleep_unavailable=self._sleep_unavailable())
 
     def _launch(self, model_dir: Path | None, launched: ServerProcess | None) -> str:
         """Adopt the server the run launched early (unless already stopped), else launch one now; return
@@ -266,16 +270,6 @@ class SGLangSampler(ServedAdapters, SamplerBackend):
             if f"/{name} answered 404" not in str(e):
                 raise
         return self._call(f"/get_{name}", None, name)
-
-    def weight_version(self) -> str | None:
-        """`/model_info`'s weight version (`--weight-version`, moved by SGLang's weight updates that name one; a LoRA
-        load leaves it); None where the server reports none."""
-        try:
-            answer = self._info("model_info")
-        except ServerError:
-            return None
-        version = answer.get("weight_version") if isinstance(answer, dict) else None
-        return served.server_text(version, self.api_key) if version is not None else None
 
     def _redact(self, text: str) -> str:
         return " ".join(redact_secrets(text, self.api_key).split())

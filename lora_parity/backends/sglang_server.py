@@ -6,7 +6,8 @@ The flags are `ServerArgs` fields of SGLang's `python/sglang/srt/server_args.py`
 its name with dashes): `--model-path`, `--host`, `--port`, `--dtype`, `--enable-lora`,
 `--max-lora-rank`, `--lora-target-modules`, `--skip-tokenizer-init`, `--context-length`,
 `--random-seed`, `--mem-fraction-static`, `--load-format`, `--trust-remote-code`, `--tp-size`,
-`--enable-deterministic-inference` and `--disable-cuda-graph` (`sampler.enforce_eager`, as for vLLM).
+`--enable-deterministic-inference`, `--disable-cuda-graph` (`sampler.enforce_eager`, as for vLLM), and
+`--enable-memory-saver` with `--enable-weights-cpu-backup` where the run sleeps (`backends.sglang_state`).
 The radix (prefix) cache stays on, as rollouts are served: SGLang never reads it for a request whose
 logprobs start at 0, and `score_cached` reads it as a rollout does.
 """
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lora_parity.backends import served
+from lora_parity.backends import served, sglang_state, sleep
 from lora_parity.backends.base import PreflightOptions
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import returns_routes
@@ -86,6 +87,7 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, deterministic: boo
         argv.append("--enable-deterministic-inference")
     if cfg.sampler.enforce_eager:  # as vLLM's enforce_eager: no CUDA graph capture at start (decode runs eager)
         argv.append("--disable-cuda-graph")
+    argv += sglang_state.server_flags(cfg.sampler.sleep_levels)  # the memory saver, where the run sleeps
     if returns_routes(cfg, str(model_dir)):  # each request's routes, which the trainer replays (R3)
         argv.append(served.ROUTES_FLAG)
     if cfg.model.trust_remote_code:
@@ -96,16 +98,14 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, deterministic: boo
     return argv
 
 
-SLEEP_OFF = ("off (lora-parity does not drive SGLang's memory release and resume, /release_memory_occupation: "
-             "its sleep phases run on vLLM)")
-
-
 def deployment(args: dict[str, Any]) -> dict[str, str]:
     """What the server does about the deployment conditions (`verdict.lifecycle`), read off the settings it reported
     (`/server_info`), not off the options given: CUDA graphs (`disable_cuda_graph`), batch invariance
-    (`enable_deterministic_inference`), and sleep mode (off: not driven here). A setting the server did not
-    report stays out (the table says "not recorded")."""
-    out = {"sleep_mode": SLEEP_OFF}
+    (`enable_deterministic_inference`), and sleep mode (its memory saver, and the level its CPU copy of the weights
+    gives: `sglang_state.levels_of`). A setting the server did not report stays out (the table says "not
+    recorded")."""
+    levels = sglang_state.levels_of(args)
+    out = {"sleep_mode": sleep.setting(None if levels else sglang_state.NO_SAVER, levels)}
     if isinstance(args.get("disable_cuda_graph"), bool):
         out["cuda_graphs"] = ("off (disable_cuda_graph: true)" if args["disable_cuda_graph"]
                               else f"{GRAPHS_DECODE_ONLY} (disable_cuda_graph: false; SGLang turns its prefill graphs "

@@ -9,7 +9,7 @@ from lora_parity.models.config import ModelConfig
 from lora_parity.run.phases import run_sequence
 
 SLEEPS_AND_RELOADS = ("sleep", "wake_up", "reload_base", "reset_base")
-"""What a sampler that sleeps at level 2 does (`SleepingSampler`, `BaseReloadingSampler`)."""
+"""What a sampler that sleeps at level 2 does (`SleepingSampler`, `BaseResettingSampler`)."""
 
 
 class _PhaseLister:

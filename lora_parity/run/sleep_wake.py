@@ -19,9 +19,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lora_parity.backends.base import BaseReloadingSampler
+from lora_parity.backends.base import BaseResettingSampler
 from lora_parity.backends.sleep import KV_CACHE, WEIGHTS, SleepingSampler
-from lora_parity.run.sync import reloading
 from lora_parity.util.errors import ConfigError
 from lora_parity.verdict.lifecycle import SLEEP_PHASES
 
@@ -44,13 +43,13 @@ def parse_levels(text: str | None) -> tuple[int, ...] | None:
 
 def levels(run: Any) -> tuple[int, ...]:
     """The sleep levels this run exercises: those asked that the sampler's engine sleeps at; level 2 also needs a
-    sampler that reloads its base weights (`BaseReloadingSampler`), as the loop does after the wake."""
+    sampler that loads its base weights again (`BaseResettingSampler`), as the loop does after the wake."""
     sampler = run.sampler
     if sampler.traits.sleep_unavailable is not None or not isinstance(sampler, SleepingSampler):
         return ()
     can = set(sampler.sleep_levels)
     return tuple(level for level in sorted(set(run.cfg.sampler.sleep_levels)) if level in can
-                 and (level == 1 or isinstance(sampler, BaseReloadingSampler)))
+                 and (level == 1 or isinstance(sampler, BaseResettingSampler)))
 
 
 def after_sync(run: Any) -> None:
@@ -99,14 +98,14 @@ def retire(run: Any) -> None:
     the merged modes' retire gives the checkpoint's weights back: a next run on this engine (the selftest's) must meet
     them, not the weights the sleep discarded."""
     if run.faults.skips_base_reload(2) and any(p.name == SLEEP_PHASES[2][0] for p in run.phases):
-        reloading(run.sampler).reset_base()
+        _resetting(run.sampler).reset_base()
 
 
 def _reload_base(run: Any, level: int) -> None:
     """After a level-2 wake the loop reloads the base weights the sleep discarded, from the checkpoint (not where the
     injected fault skips it: level2-base-lost)."""
     if level == 2 and not run.faults.skips_base_reload(level):
-        reloading(run.sampler).reset_base()
+        _resetting(run.sampler).reset_base()
 
 
 def _score(run: Any, key: str, level: int) -> None:
@@ -114,3 +113,8 @@ def _score(run: Any, key: str, level: int) -> None:
     run.faults.after_wake(run.sampler)
     run.sampler_score(key, run.faults.woken_handle(run.handle, level))
 
+
+def _resetting(sampler: object) -> BaseResettingSampler:
+    """`sampler` as a `BaseResettingSampler` (`levels` ran level 2 only for one)."""
+    assert isinstance(sampler, BaseResettingSampler), type(sampler).__name__
+    return sampler
