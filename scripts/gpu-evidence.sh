@@ -60,7 +60,8 @@
 #                  out are printed with the call that runs them (RUNS="megatron vllm-server" ...)
 #   sglang-selftest REV [MODEL[:TRAINER[:SEEDS]]..]
 #                  selftest --sampler sglang per spec (default smollm2-bf16-path:hf:2; MODEL as for `sglang`;
-#                  SGLANG_ARGS: more selftest options for every spec, e.g. "--faults base-changed,empty-handoff"),
+#                  SGLANG_ARGS: more selftest options for every spec, e.g. "--faults base-changed,empty-handoff";
+#                  SGLANG_GRAPHS=1: each model's config with sampler.enforce_eager false, so the server captures graphs),
 #                  per-target coverage off, one after another in the background like pseeds, each into
 #                  /tmp/st/sglang-MODEL-TRAINER (.json, .err, and -server-logs: its servers' logs, a restarted one's
 #                  too). A spec `runs` puts the `sglang` step's RUNS on smollm2-bf16-path at that place in the
@@ -636,6 +637,12 @@ PY
         ck=$(checkpoint "$cfg")  # built here under the vLLM set's Python (SGLang's transformers never writes it)
         model=$m; [ "$m" = smollm2-bf16-path ] && model=$ck
         tag=sglang-$m-$trainer
+        if [ -n "${SGLANG_GRAPHS:-}" ]; then  # SGLANG_GRAPHS=1: the server captures its CUDA graphs (enforce_eager off)
+          if [ "$m" = smollm2-bf16-path ]; then python3 -m lora_parity init "$ck" --out "/tmp/st/$tag.yaml" --force >/dev/null
+          else cp "configs/$m.yaml" "/tmp/st/$tag.yaml"; fi
+          python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c.setdefault('sampler', {})['enforce_eager'] = False; yaml.safe_dump(c, open(sys.argv[1], 'w'), sort_keys=False)" "/tmp/st/$tag.yaml"
+          model=/tmp/st/$tag.yaml
+        fi
         echo "timeout -k 15 ${WINDOW:-1500} python3 -m lora_parity selftest --model '$model' --trainer $trainer \\"
         echo "  --sampler sglang --no-per-target --seeds $seeds --revision $rev --out-dir /tmp/st/$tag --json ${SGLANG_ARGS:-} \\"
         echo "  > /tmp/st/$tag.json 2>> /tmp/st/$tag.err &"
