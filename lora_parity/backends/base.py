@@ -1,6 +1,5 @@
-"""The two roles, what each backend declares about itself, and how every backend is built.
-
-A trainer owns the LoRA adapter being trained; a sampler serves published versions of it.
+"""The two roles (a trainer owns the LoRA adapter being trained; a sampler serves its published versions), what each
+backend declares about itself, and how every backend is built.
 
 Token alignment (the rule every other module points to as "the alignment rule in backends/base.py"):
 for a sequence of n token ids, every `score` returns n - 1 values, and entry t is
@@ -10,7 +9,7 @@ drops it and checks the length. Sequences are grouped into forwards or requests 
 (`scoring`, `groups`), the same way in every phase, because batching changes numbers on real backends.
 
 A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
-are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`,
+are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`, `BaseResettingSampler`,
 `CachedScoringSampler`, `RoutingIntrospection`, `RouteReturningSampler`, `RouteReplayingTrainer`,
 `GeneratingSampler`, `StartAdapterTrainer`, `SteppingTrainer`, `TensorReadingTrainer`; `mixed_batch`'s
 `MixedBatchSampler`, `sleep`'s `SleepingSampler`), which callers test with `isinstance`/`issubclass`, never by
@@ -243,18 +242,15 @@ class MergingTrainer(Protocol):
 class BaseResettingSampler(Protocol):
     """A sampler that loads its checkpoint's own base weights again in place (after a level-2 sleep)."""
 
-    def reset_base(self) -> None:
-        """Reload the checkpoint's own base weights."""
-        ...
+    def reset_base(self) -> None: ...
 
 
 @runtime_checkable
 class BaseReloadingSampler(BaseResettingSampler, Protocol):
-    """A sampler that reloads its base weights in place (the merged sync modes)."""
+    """A sampler that also replaces its base weights in place (the merged sync modes): from a checkpoint folder, or
+    from tensors in memory."""
 
-    def reload_base(self, folder: Path | None = None, tensors: Any = None) -> None:
-        """Replace the base weights: from a checkpoint folder, or from tensors in memory."""
-        ...
+    def reload_base(self, folder: Path | None = None, tensors: Any = None) -> None: ...
 
 
 @runtime_checkable
@@ -354,11 +350,10 @@ class TensorReadingTrainer(Protocol):
 
 @runtime_checkable
 class WeightVersionSampler(Protocol):
-    """A sampler whose engine reports a weight version (vLLM's `get_weight_version`, `GET /weight_info`)."""
+    """A sampler whose engine reports its weight version now (vLLM's `get_weight_version`, `GET /weight_info`;
+    SGLang's `/model_info`), or None where this engine reports none."""
 
-    def weight_version(self) -> str | None:
-        """The engine's weight version now, or None where this engine reports none."""
-        ...
+    def weight_version(self) -> str | None: ...
 
 
 PointScores = list[list[list[float]]]

@@ -26,10 +26,10 @@ from lora_parity.backends.base import PreflightOptions
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import returns_routes
 from lora_parity.evidence.receipt_io import one_line
+from lora_parity.evidence.receipt_models import GRAPHS_DECODE_ONLY
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
 from lora_parity.util import env, scratch
 from lora_parity.util.errors import ConfigError
-from lora_parity.verdict.lifecycle import GRAPHS_DECODE_ONLY
 
 SGLANG_PIN = "sglang==0.5.16"
 """The release the GPU evidence is for (scripts/gpu-sglang-wheels.txt pins what it needs)."""

@@ -385,6 +385,11 @@ class Reference(Strict):
     """Memory available for it (free GPU memory, else available host RAM), where measured."""
 
 
+GRAPHS_DECODE_ONLY = "on for decode batches only"
+"""How a sampler whose CUDA graphs never run the scored prompts (prefill) starts its `cuda_graphs` setting (SGLang with
+LoRA): the lifecycle row is covered only where the decode path was scored too (`--probes sampled`)."""
+
+
 class LifecycleRow(Strict):
     """One condition of the engine as deployed, and whether this run exercised it (`verdict.lifecycle`).
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lora_parity.evidence.receipt_models import LifecycleRow, PhaseStatus
+from lora_parity.evidence.receipt_models import GRAPHS_DECODE_ONLY, LifecycleRow, PhaseStatus
 
 SLEEP_PHASES = {1: ("sleep_wake.level1", "wake_again.level1"), 2: ("sleep_wake.level2", "wake_again.level2")}
 """The phases of a sleep level (`run.sleep_wake`, `--sleep-levels`): sleep -> sync -> wake -> score, then a second
@@ -36,11 +36,6 @@ CONDITIONS = ("CUDA graphs", "sleep level 1 + wake", "sleep level 2 + wake", "wa
 def _setting(settings: Mapping[str, Any], key: str) -> str | None:
     value = settings.get(key)
     return None if value is None else str(value)
-
-
-GRAPHS_DECODE_ONLY = "on for decode batches only"
-"""How a sampler whose CUDA graphs never run the scored prompts (prefill) starts its `cuda_graphs` setting (SGLang with
-LoRA): the row is covered only where the decode path was scored too (`--probes sampled`)."""
 
 
 def _graphs(settings: Mapping[str, Any], backend: str, done: set[str]) -> LifecycleRow:
