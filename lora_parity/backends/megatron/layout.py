@@ -131,16 +131,18 @@ def _moe_fields(hf: dict[str, Any], tp: int) -> dict[str, Any]:
     --tp above 1, a dense layer among the MoE ones (mlp_only_layers, decoder_sparse_step), shared experts."""
     if tp != 1:
         raise ConfigError(f"the megatron trainer runs MoE models at --tp 1 only, not --tp {tp}")
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    fields = {"num_experts": experts, "top_k": hf.get("num_experts_per_tok"),
-              "moe_ffn_hidden_size": hf.get("moe_intermediate_size")}
-    missing = [k for k, v in fields.items() if not isinstance(v, int) or v < 1]
+    given = {"num_experts": hf.get("num_experts", hf.get("num_local_experts")),
+             "num_experts_per_tok": hf.get("num_experts_per_tok"),
+             "moe_intermediate_size": hf.get("moe_intermediate_size")}
+    missing = [k for k, v in given.items() if not isinstance(v, int) or v < 1]
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)} (positive integers the megatron trainer needs)")
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1 or hf.get("shared_expert_intermediate_size"):
         raise ConfigError("the megatron trainer supports MoE models with routed experts in every layer only "
                           "(mlp_only_layers empty, decoder_sparse_step 1, no shared expert)")
-    return {**fields, "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+    return {"num_experts": given["num_experts"], "top_k": given["num_experts_per_tok"],
+            "moe_ffn_hidden_size": given["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def check_targets(shape: Shape, targets: Sequence[str]) -> None:
@@ -244,7 +246,7 @@ def hf_weight_plan(shape: Shape) -> list[tuple[str, str, tuple[str, ...]]]:
 def _expert_plan(shape: Shape, hf: str, mc: str) -> list[tuple[str, str, tuple[str, ...]]]:
     """One MoE layer: the router (HF `mlp.gate`), then each expert's fc1 (gate rows, then up rows: layout
     `expert_fc1`, whole at --tp 1) and fc2, from the per-expert names Qwen3-MoE checkpoints hold on disk."""
-    plan = [(mc + "mlp.router.weight", "replicated", (hf + "mlp.gate.weight",))]
+    plan: list[tuple[str, str, tuple[str, ...]]] = [(mc + "mlp.router.weight", "replicated", (hf + "mlp.gate.weight",))]
     for e in range(shape.num_experts):
         theirs, ours = f"{hf}mlp.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
         plan += [(ours + "linear_fc1.weight", "expert_fc1", (theirs + "gate_proj.weight", theirs + "up_proj.weight")),

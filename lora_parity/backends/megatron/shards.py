@@ -415,10 +415,10 @@ class Shard:
                        "log-softmax in fp32",
         }
         if self.shape.moe:
-            settings["moe"] = {"experts": self.shape.num_experts, "top_k": self.shape.top_k,
-                               "layers": len(self.routing.routers), "norm_topk_prob": self.shape.norm_topk_prob,
-                               "layer": "TopKRouter, allgather dispatcher, SequentialMLP, no aux loss, no capacity",
-                               "router_replay": "megatron-core RouterReplay (moe_enable_routing_replay)"}
+            settings.update(moe_experts=self.shape.num_experts, moe_top_k=self.shape.top_k,
+                            moe_layers=len(self.routing.routers), moe_norm_topk_prob=self.shape.norm_topk_prob,
+                            moe_layer="TopKRouter, allgather dispatcher, SequentialMLP, no aux loss, no capacity",
+                            moe_router_replay="megatron-core RouterReplay (moe_enable_routing_replay)")
         if self.device.type == "cpu":
             settings["cpu_workarounds"] = ["inference rng tracker", "current_device -> cpu in trainer calls",
                                            "explicit causal mask", "gloo over loopback, cores / ranks threads"]

@@ -122,7 +122,7 @@ class MegatronTrainer(TrainerBackend):
 
     def moe_layers(self) -> int:
         """The model's MoE layers (0: dense)."""
-        return int(self.described["settings"].get("moe", {}).get("layers", 0))
+        return int(self.described["settings"].get("moe_layers", 0))
 
     def replayed_weights(self) -> str:
         """How replayed experts are weighed (`routes.REPLAYED_WEIGHTS`), with this model's norm_topk_prob."""
