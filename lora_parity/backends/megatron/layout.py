@@ -8,7 +8,7 @@ linear_qkv interleaves by KV group: for each group its query heads, then its key
 value head; a rank holds a contiguous run of groups. linear_fc1 is gate then up on each rank: a
 rank holds its slice of gate, then the same slice of up. Row-parallel layers (proj, fc2) split
 their input columns, and the vocabulary-parallel ones (embedding, output layer) their rows, in
-rank order.
+rank order. An MoE model (Qwen3-MoE, TP=1 only) maps its router and each expert's gate/up/down whole.
 """
 
 from __future__ import annotations
