@@ -6,7 +6,9 @@ One module per layer, lowest first (each imports only those above it):
 - `protocol`: the driver ↔ rank 0 command lines. Pure.
 - `cpu`: what megatron-core needs to run without CUDA, each workaround with its reason.
 - `lora`: the LoRA layers around megatron-core's parallel linears.
-- `shards`: one rank's model (`Shard`): build, load, score, perturb, gather and export.
+- `model`: the `GPTModel` for a `Shape` (dense, or Qwen3-MoE with megatron-core's MoE layer at TP=1).
+- `routes`: route replay and route capture on the MoE routers (megatron-core's `RouterReplay`).
+- `shards`: one rank's model (`Shard`): build, load, score, perturb, replay routes, gather and export.
 - `liveness`: each rank's heartbeats through the rendezvous store (a lost rank is named, within
   `LORA_PARITY_RANK_TIMEOUT`, instead of a hang) and its placement (node, host digest).
 - `ranks`: the driver's side of TP=N; `serve`: the rank process (`python -m ...megatron.serve`).

@@ -18,6 +18,10 @@ with the workarounds below; on a CUDA machine none of them is applied except whe
 6. Processes: several CPU ranks on one host share its cores (threads per rank = cores / ranks),
    and gloo picks its network interface from the host name, which in containers may not route
    to itself: ranks spawned on one host use the loopback interface.
+7. MoE router without Transformer Engine (CPU or CUDA): megatron-core 0.16.1's router gating
+   (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not None`, a name bound only
+   when Transformer Engine imports; without it the first MoE forward raises NameError. The name is
+   bound to None, which takes the function's own torch.mm branch.
 """
 
 from __future__ import annotations
@@ -45,10 +49,14 @@ def quiet() -> Iterator[None]:
 
 
 def import_megatron() -> Any:
-    """`megatron.core` and the GPT model modules, imported quietly (1)."""
+    """`megatron.core` and the GPT model modules, imported quietly (1); the MoE router's gating runs
+    without Transformer Engine (7)."""
     with quiet():
         import megatron.core
         import megatron.core.models.gpt  # every module the local spec uses
+        from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # (7)
     return megatron.core
 
 

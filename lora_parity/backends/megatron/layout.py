@@ -8,7 +8,7 @@ linear_qkv interleaves by KV group: for each group its query heads, then its key
 value head; a rank holds a contiguous run of groups. linear_fc1 is gate then up on each rank: a
 rank holds its slice of gate, then the same slice of up. Row-parallel layers (proj, fc2) split
 their input columns, and the vocabulary-parallel ones (embedding, output layer) their rows, in
-rank order.
+rank order. An MoE model (Qwen3-MoE, TP=1 only) maps its router and each expert's gate/up/down whole.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from lora_parity.util.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+"""Routed experts in every layer (megatron-core's MoE layer: SequentialMLP experts, `experts`)."""
+MLP_KINDS = ("gate_proj", "up_proj", "down_proj")
+"""LoRA target kinds of the MLP: a dense model's, refused on an MoE model (its MLP is the experts)."""
 _REQUIRED_SETTINGS = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                       ("use_sliding_window", False))
 
@@ -55,6 +59,19 @@ class Shape:
     tied_embeddings: bool
     qk_norm: bool
     max_positions: int
+    num_experts: int = 0
+    """Routed experts per layer (0: a dense model)."""
+    top_k: int = 0
+    """Experts per token."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's intermediate size."""
+    norm_topk_prob: bool = False
+    """The top-k weights renormalized to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's MLP is routed experts."""
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -94,8 +111,9 @@ class Shape:
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_positions=int(hf.get("max_position_embeddings", 4096)),
+            **(_moe_fields(hf, tp) if arch in MOE_ARCHITECTURES else {}),
         )
         if shape.num_heads % shape.num_groups:
             raise ConfigError(f"{shape.num_heads} attention heads are not a multiple of {shape.num_groups} KV heads")
@@ -106,6 +124,33 @@ class Shape:
                                   f"{shape.num_heads} attention heads, {shape.num_groups} KV heads, "
                                   f"intermediate_size {shape.ffn_hidden_size} and vocab_size {shape.vocab_size}")
         return shape
+
+
+def _moe_fields(hf: dict[str, Any], tp: int) -> dict[str, Any]:
+    """The experts of a Qwen3-MoE config, after refusing what megatron-core's MoE layer here does not build:
+    --tp above 1, a dense layer among the MoE ones (mlp_only_layers, decoder_sparse_step), shared experts."""
+    if tp != 1:
+        raise ConfigError(f"the megatron trainer runs MoE models at --tp 1 only, not --tp {tp}")
+    given = {"num_experts": hf.get("num_experts", hf.get("num_local_experts")),
+             "num_experts_per_tok": hf.get("num_experts_per_tok"),
+             "moe_intermediate_size": hf.get("moe_intermediate_size")}
+    missing = [k for k, v in given.items() if not isinstance(v, int) or v < 1]
+    if missing:
+        raise ConfigError(f"config.json lacks {', '.join(missing)} (positive integers the megatron trainer needs)")
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1 or hf.get("shared_expert_intermediate_size"):
+        raise ConfigError("the megatron trainer supports MoE models with routed experts in every layer only "
+                          "(mlp_only_layers empty, decoder_sparse_step 1, no shared expert)")
+    return {"num_experts": given["num_experts"], "top_k": given["num_experts_per_tok"],
+            "moe_ffn_hidden_size": given["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+
+
+def check_targets(shape: Shape, targets: Sequence[str]) -> None:
+    """On an MoE model LoRA goes on the attention projections only: its MLP is the routed experts."""
+    mlp = [t for t in targets if t in MLP_KINDS]
+    if shape.moe and mlp:
+        raise ConfigError(f"the megatron trainer puts LoRA on an MoE model's attention only (q/k/v/o_proj), "
+                          f"not on {mlp[0]} (its MLP is the routed experts)")
 
 
 def _check_supported(hf: dict[str, Any]) -> str:
@@ -171,7 +216,8 @@ def full_a_name(layer: int, module: LoraModule) -> str:
 
 def hf_weight_plan(shape: Shape) -> list[tuple[str, str, tuple[str, ...]]]:
     """(megatron-core name, layout, HF names) for every base weight; layout is one of replicated,
-    vocab (rows split), row (input columns split), linear_qkv or linear_fc1 (fused, `fused_rows`)."""
+    vocab (rows split), row (input columns split), linear_qkv or linear_fc1 (fused, `fused_rows`), or
+    expert_fc1 (an MoE expert's gate and up, whole)."""
     plan: list[tuple[str, str, tuple[str, ...]]] = [
         ("embedding.word_embeddings.weight", "vocab", ("model.embed_tokens.weight",))]
     for i in range(shape.num_layers):
@@ -182,6 +228,8 @@ def hf_weight_plan(shape: Shape) -> list[tuple[str, str, tuple[str, ...]]]:
              tuple(hf + f"self_attn.{k}.weight" for k in FUSED_PARTS["linear_qkv"])),
             (mc + "self_attention.linear_proj.weight", "row", (hf + "self_attn.o_proj.weight",)),
             (mc + "pre_mlp_layernorm.weight", "replicated", (hf + "post_attention_layernorm.weight",)),
+        ]
+        plan += _expert_plan(shape, hf, mc) if shape.moe else [
             (mc + "mlp.linear_fc1.weight", "linear_fc1",
              tuple(hf + f"mlp.{k}.weight" for k in FUSED_PARTS["linear_fc1"])),
             (mc + "mlp.linear_fc2.weight", "row", (hf + "mlp.down_proj.weight",)),
@@ -192,6 +240,17 @@ def hf_weight_plan(shape: Shape) -> list[tuple[str, str, tuple[str, ...]]]:
     plan.append(("decoder.final_layernorm.weight", "replicated", ("model.norm.weight",)))
     if not shape.tied_embeddings:
         plan.append(("output_layer.weight", "vocab", ("lm_head.weight",)))
+    return plan
+
+
+def _expert_plan(shape: Shape, hf: str, mc: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """One MoE layer: the router (HF `mlp.gate`), then each expert's fc1 (gate rows, then up rows: layout
+    `expert_fc1`, whole at --tp 1) and fc2, from the per-expert names Qwen3-MoE checkpoints hold on disk."""
+    plan: list[tuple[str, str, tuple[str, ...]]] = [(mc + "mlp.router.weight", "replicated", (hf + "mlp.gate.weight",))]
+    for e in range(shape.num_experts):
+        theirs, ours = f"{hf}mlp.experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
+        plan += [(ours + "linear_fc1.weight", "expert_fc1", (theirs + "gate_proj.weight", theirs + "up_proj.weight")),
+                 (ours + "linear_fc2.weight", "replicated", (theirs + "down_proj.weight",))]
     return plan
 
 
@@ -262,6 +321,10 @@ def shard_weight(layout: str, hf_tensors: list[torch.Tensor], rank: int, tp: int
     """This rank's part of one base weight (see `hf_weight_plan`)."""
     if layout == "replicated":
         return hf_tensors[0]
+    if layout == "expert_fc1":  # MoE models run at --tp 1: gate rows, then up rows
+        import torch
+
+        return torch.cat(hf_tensors)
     if layout == "vocab":
         start, stop = tp_slice(hf_tensors[0].shape[0], rank, tp)
         return hf_tensors[0][start:stop]

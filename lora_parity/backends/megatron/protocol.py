@@ -22,7 +22,8 @@ PIPE_ENV = "LORA_PARITY_MEGATRON_PIPE"
 SPAWNED_ENV = "LORA_PARITY_MEGATRON_SPAWNED"
 RANK_MODULE = "lora_parity.backends.megatron.serve"
 """The module each spawned rank process runs (`python -m`)."""
-METHODS = ("init", "score", "perturb", "step", "zero_b", "export", "lora_tensors", "load_start_adapter", "close")
+METHODS = ("init", "score", "perturb", "step", "zero_b", "export", "lora_tensors", "load_start_adapter", "replay",
+           "router_topk", "close")
 CLOSE = b'{"method": "close", "args": {}}\n'
 # Rank processes wait for rank 0's next command while the sampler works; a long wait is not an error.
 CONTROL_TIMEOUT = dt.timedelta(hours=6)

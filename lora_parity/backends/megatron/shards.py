@@ -20,13 +20,14 @@ from typing import Any
 import torch
 
 from lora_parity.backends.base import Scores, Sequences
-from lora_parity.backends.megatron import blocks, cpu
+from lora_parity.backends.megatron import blocks, cpu, model, routes
 from lora_parity.backends.megatron import step as step_module
 from lora_parity.backends.megatron.layout import (
     LORA_MODULES,
     MODULE_MAP,
     MODULE_OF_KIND,
     LoraModule,
+    check_targets,
     full_a_name,
     hf_weight_plan,
     peft_name,
@@ -112,10 +113,12 @@ class Shard:
         if unknown:
             raise ConfigError(f"the megatron trainer has no LoRA target {unknown[0]!r}; "
                               f"targets: {', '.join(MODULE_OF_KIND)}")
+        check_targets(self.shape, self.targets)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp)
         self.owns_parallel_state = True
         cpu.install_rng_tracker()
-        self.model = self._gpt_model()
+        self.model = model.gpt_model(self.shape, self.tp, self.dtype, self.device)
+        self.routing = routes.Routing(self.model, self.shape.num_experts, self.shape.top_k)
         # The local spec's torch norms are built without a dtype (fp32); Megatron's bf16/fp16
         # training runs the model under Float16Module, which casts every parameter to that dtype.
         for module in self.model.modules():
@@ -138,32 +141,6 @@ class Shard:
         if self.tp != tp:
             raise PhaseError(f"this process's default process group has {self.tp} ranks, not the --tp {tp} "
                              "the trainer needs")
-
-    def _gpt_model(self) -> Any:
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        s = self.shape
-        config = TransformerConfig(
-            num_layers=s.num_layers, hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size,
-            num_attention_heads=s.num_heads, num_query_groups=s.num_groups, kv_channels=s.head_dim,
-            normalization="RMSNorm", layernorm_epsilon=s.norm_eps, qk_layernorm=s.qk_norm,
-            gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            add_bias_linear=False, add_qkv_bias=False,
-            hidden_dropout=0.0, attention_dropout=0.0,  # defaults are 0.1
-            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-            bias_dropout_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-            tensor_model_parallel_size=self.tp, params_dtype=self.dtype,
-            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16,
-            use_cpu_initialization=self.device.type == "cpu", perform_initialization=False,
-        )
-        return GPTModel(
-            config, get_gpt_layer_local_spec(qk_layernorm=s.qk_norm, normalization="RMSNorm"),
-            vocab_size=s.vocab_size, max_sequence_length=s.max_positions, position_embedding_type="rope",
-            rotary_base=s.rope_theta,  # type: ignore[arg-type,unused-ignore]  # a float works; hinted int
-            share_embeddings_and_output_weights=s.tied_embeddings, parallel_output=True,
-        ).to(self.device)
 
     def _wrap_lora(self, cfg: ModelConfig) -> None:
         from megatron.core import parallel_state
@@ -242,20 +219,37 @@ class Shard:
 
     # The Trainer operations.
 
+    def _logits(self, seq: list[int]) -> torch.Tensor:
+        """[1, n, vocab]: one sequence's forward, explicit causal mask, logits gathered over the vocabulary."""
+        ids = torch.tensor([seq], device=self.device)
+        positions = torch.arange(len(seq), device=self.device)[None]
+        return self.model(ids, positions, cpu.causal_mask(len(seq), self.device), runtime_gather_output=True)
+
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        """`_logits`, the MoE routers replaying `seq`'s routes where routes are replayed (`replay`)."""
+        with self.routing.forward(seq):
+            return self._logits(seq)
+
     @torch.no_grad()
     def score(self, sequences: Sequences) -> Scores:
         """Entry t = log p(s[t+1] | s[:t+1]); one sequence per forward; fp32 log-softmax of the
         vocabulary-gathered logits."""
         out: Scores = []
         for seq in sequences:
-            n = len(seq)
-            ids = torch.tensor([seq], device=self.device)
-            positions = torch.arange(n, device=self.device)[None]
-            logits = self.model(ids, positions, cpu.causal_mask(n, self.device),
-                                runtime_gather_output=True)
-            logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+            ids = torch.tensor(seq[1:], device=self.device)[:, None]
+            logprobs = torch.log_softmax(self.logits(seq)[0, :-1].float(), dim=-1).gather(1, ids)[:, 0]
             out.append(logprobs.cpu().tolist())
         return out
+
+    def replay(self, routes: list[list[Any]] | None) -> None:
+        """From now on every forward replays `routes` ([[sequence, [token][MoE layer] -> experts], ...]) in the
+        MoE routers (`routes.Routing`); None: the routers choose again."""
+        self.routing.replay(routes)
+
+    @torch.no_grad()
+    def router_topk(self, sequences: Sequences) -> list[Any] | None:
+        """Each token's own top-k experts per MoE layer under the current adapter, never replayed (None: dense)."""
+        return self.routing.own(sequences, self._logits)
 
     def _noise(self, name: str, rows: int, std: float, seed: int) -> torch.Tensor:
         # Exactly the `hf` trainer's draw for the PEFT tensor `name`.
@@ -420,6 +414,11 @@ class Shard:
             "forward": "one sequence per forward, explicit causal mask, logits gathered over the vocabulary, "
                        "log-softmax in fp32",
         }
+        if self.shape.moe:
+            settings.update(moe_experts=self.shape.num_experts, moe_top_k=self.shape.top_k,
+                            moe_layers=len(self.routing.routers), moe_norm_topk_prob=self.shape.norm_topk_prob,
+                            moe_layer="TopKRouter, allgather dispatcher, SequentialMLP, no aux loss, no capacity",
+                            moe_router_replay="megatron-core RouterReplay (moe_enable_routing_replay)")
         if self.device.type == "cpu":
             settings["cpu_workarounds"] = ["inference rng tracker", "current_device -> cpu in trainer calls",
                                            "explicit causal mask", "gloo over loopback, cores / ranks threads"]
@@ -434,6 +433,9 @@ class Shard:
 
     def _teardown(self) -> None:
         import torch.distributed as dist
+
+        if hasattr(self, "routing"):
+            self.routing.close()
 
         if self.owns_parallel_state:
             self._parallel_state.destroy_model_parallel()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lora_parity.backends.base import Sequences
-from lora_parity.backends.megatron import blocks, cpu
+from lora_parity.backends.megatron import blocks
 from lora_parity.backends.megatron.layout import LORA_MODULES
 from lora_parity.backends.native_ops import native_autograd_ops
 from lora_parity.evidence.receipt import Perturbation, TensorChange
@@ -85,14 +85,12 @@ def _at_start(shard: Shard) -> bool:
 
 
 def _loss_backward(shard: Shard, sequences: Sequences) -> None:
-    """Accumulate the gradient of -mean logprob over every scored position, one sequence per forward."""
+    """Accumulate the gradient of -mean logprob over every scored position, one sequence per forward (an MoE
+    model's routes replayed where the shard replays them: `Shard.logits`)."""
     num_positions = sum(len(seq) - 1 for seq in sequences)
     for seq in sequences:
-        n = len(seq)
-        ids = torch.tensor([seq], device=shard.device)
-        positions = torch.arange(n, device=shard.device)[None]
-        logits = shard.model(ids, positions, cpu.causal_mask(n, shard.device), runtime_gather_output=True)
-        logprobs = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        ids = torch.tensor(seq[1:], device=shard.device)[:, None]
+        logprobs = torch.log_softmax(shard.logits(seq)[0, :-1].float(), dim=-1).gather(1, ids)[:, 0]
         (-logprobs.sum() / num_positions).backward()
 
 

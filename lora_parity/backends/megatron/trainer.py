@@ -14,13 +14,23 @@ is `python -m lora_parity.launch`: its rank 0 runs the CLI, the other ranks serv
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lora_parity.backends.base import BackendOptions, BackendTraits, Scores, Sequences, TrainerBackend
+from lora_parity.backends.base import (
+    BackendOptions,
+    BackendTraits,
+    Routes,
+    RouteTable,
+    Scores,
+    Sequences,
+    TrainerBackend,
+)
 from lora_parity.evidence.receipt import BackendInfo, Perturbation
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
@@ -31,8 +41,9 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 
 # Imported after the check above, so that a missing megatron-core names the extra to install.
 from lora_parity.backends.megatron import cpu, protocol
-from lora_parity.backends.megatron.layout import Shape, read_shape
+from lora_parity.backends.megatron.layout import Shape, check_targets, read_shape
 from lora_parity.backends.megatron.ranks import RankProcesses
+from lora_parity.backends.megatron.routes import REPLAYED_WEIGHTS
 from lora_parity.backends.megatron.shards import Shard
 
 
@@ -63,7 +74,8 @@ class MegatronTrainer(TrainerBackend):
     def __init__(self, cfg: ModelConfig, model_dir: Path, seed: int, timings: dict[str, float], tp: int = 1) -> None:
         self.cfg, self.tp = cfg, tp
         start = time.perf_counter()
-        read_shape(model_dir, tp)  # bad input fails here, before any process starts
+        self.shape = read_shape(model_dir, tp)  # bad input fails here, before any process starts
+        check_targets(self.shape, cfg.adapter.targets)
         protocol.rank_timeout(os.environ)
         torchrun = _torchrun_world()
         if torchrun is not None and os.environ.get("RANK") != "0":
@@ -101,6 +113,30 @@ class MegatronTrainer(TrainerBackend):
         """Entry t = log p(s[t+1] | s[:t+1]); len(s) - 1 values per sequence."""
         scores: Scores = self._call("score", sequences=sequences)
         return scores
+
+    def router_topk(self, sequences: Sequences) -> Routes | None:
+        """Each token's own top-k experts per MoE layer under the current adapter (None: a dense model), read
+        by megatron-core's router replay (RECORD), never replayed."""
+        routes: Routes | None = self._call("router_topk", sequences=sequences)
+        return routes
+
+    def moe_layers(self) -> int:
+        """The model's MoE layers (0: dense)."""
+        return int(self.described["settings"].get("moe_layers", 0))
+
+    def replayed_weights(self) -> str:
+        """How replayed experts are weighed (`routes.REPLAYED_WEIGHTS`), with this model's norm_topk_prob."""
+        return f"{REPLAYED_WEIGHTS}; this model: Qwen3-MoE norm_topk_prob={self.shape.norm_topk_prob}"
+
+    @contextlib.contextmanager
+    def replaying(self, routes: RouteTable) -> Iterator[None]:
+        """Every forward within (score, step) routes the tokens of `routes`' sequences as given, through
+        megatron-core's router replay (`routes.Routing`); the routes cross to the ranks as JSON."""
+        self._call("replay", routes=[[list(seq), token_routes] for seq, token_routes in routes.items()])
+        try:
+            yield
+        finally:
+            self._call("replay", routes=None)
 
     def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
         """Seeded noise on every B (or kind `only`'s rows), seeded per PEFT tensor name."""
