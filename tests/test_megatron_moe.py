@@ -1,7 +1,7 @@
 """The megatron trainer on Qwen3-MoE (tiny-qwen3-moe, fp32): megatron-core's MoE layer built from the HF
 checkpoint, what it refuses, and route replay through megatron-core's router replay against the HF trainer's.
 
-Cost on a 2-core CPU: the shape checks take nothing (they read the generated config.json); the in-process pair
+Cost on a 2-core CPU: the shape checks take nothing (they read the generated config.json); each in-process pair
 of trainers about two seconds; the CLI runs (megatron trainer, hf sampler: route replay off and on, and the
 route faults) about six seconds each.
 """
@@ -106,8 +106,10 @@ def test_tp2_on_moe_is_refused_at_preflight_in_one_line() -> None:
 # --- In-process trainers (fp32) --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def trainers() -> Any:
+    """Both trainers in this process, closed after each test (one megatron trainer per process: the selftest
+    below builds its own)."""
     from lora_parity.backends.hf import HFTrainer
     from lora_parity.backends.megatron.trainer import MegatronTrainer
 
@@ -175,16 +177,19 @@ def test_replay_refuses_a_sequence_without_routes_or_routes_of_another_shape(tra
 
 
 @requires_megatron
-@pytest.mark.parametrize("mode", ["off", "on"])
-def test_megatron_against_hf_on_tiny_qwen3_moe_passes(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "update"), [("off", "noise"), ("on", "noise"), ("on", "step")])
+def test_megatron_against_hf_on_tiny_qwen3_moe_passes(tmp_path: Path, mode: str, update: str) -> None:
     out = tmp_path / "r.json"
     res = cli("run", "--model", "tiny-qwen3-moe", "--trainer", "megatron", "--sampler", "hf",
-              "--route-replay", mode, "--out", str(out))
+              "--route-replay", mode, "--update", update, "--out", str(out))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     receipt = rc.load(out)[0]
     assert receipt.verdict == rc.Verdict.PASS and receipt.route_replay is not None
     assert receipt.route_replay.status == ("replayed" if mode == "on" else "off")
     assert receipt.comparisons["A.trainer_vs_sampler"].max_abs <= receipt.budgets.max
+    if update == "step":  # the AdamW step's forwards replayed the start point's routes
+        assert receipt.perturbation is not None and receipt.perturbation.kind == "optimizer_step"
+        assert receipt.route_replay.sources["perturb"] == "zero"
 
 
 @requires_megatron
