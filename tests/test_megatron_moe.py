@@ -194,7 +194,7 @@ def test_megatron_against_hf_on_tiny_qwen3_moe_passes(tmp_path: Path, mode: str,
 
 @requires_megatron
 def test_route_faults_are_caught_with_the_megatron_trainer(tmp_path: Path) -> None:
-    # A process of its own: the module's in-process trainers hold megatron-core's parallel state in this one.
+    # A process of its own, as a user runs it (megatron-core keeps one parallel state per process).
     res = cli("selftest", "--model", "tiny-qwen3-moe", "--trainer", "megatron", "--sampler", "hf", "--no-per-target",
               "--faults", ",".join(ROUTE_FAULT_NAMES), "--out-dir", str(tmp_path), "--json")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
