@@ -8,7 +8,6 @@ route faults) about six seconds each.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -21,17 +20,9 @@ from lora_parity.run.moe_faults import ROUTE_FAULT_NAMES
 from lora_parity.util.errors import ConfigError, PhaseError
 
 from .conftest import cli
-
-
-def _has_megatron() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        return False
-
+from .test_megatron import requires_megatron
 
 pytestmark = pytest.mark.megatron
-requires_megatron = pytest.mark.skipif(not _has_megatron(), reason="megatron-core (the 'megatron' extra) is absent")
 
 HF_TOLERANCE = 1e-5
 """Megatron vs HF trainer scores, max |Δ| per token, fp32 (measured about 6e-6 on the logits)."""
