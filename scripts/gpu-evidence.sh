@@ -532,6 +532,26 @@ PY
       python3 scripts/bench.py --model "$m" --runs "$runs" --probes default,default-x10 --per-target \
         --keep "$out/bench-not-passing"
     done 2>&1 | tee "$out/bench.txt" ;;
+  profile)
+    # profile [WARM]: where a default run's wall time goes (issue 47), SmolLM2-135M bf16 by path with per-target
+    # coverage: WARM plain runs first (the first fills the JIT caches), then one under cProfile (the main thread: the
+    # in-process engine runs there) and the imports' own times (-X importtime); $OUT/profile.txt
+    ck=$(checkpoint smollm2-135m-bf16)
+    run=(-m lora_parity run --model "$ck" --per-target --json --force)
+    for i in $(seq "${2:-1}"); do
+      SECONDS=0; python3 "${run[@]}" --out "/tmp/prof-warm-$i.json" > /dev/null 2>&1 || true; echo "warm run $i: ${SECONDS}s"
+    done
+    SECONDS=0; python3 -X importtime "${run[@]}" --out /tmp/prof-imports.json > /dev/null 2> /tmp/prof-imports.txt || true
+    echo "importtime run: ${SECONDS}s"
+    SECONDS=0; python3 -m cProfile -o /tmp/run.prof "${run[@]}" --out /tmp/prof.json > /dev/null 2>&1 || true
+    echo "profiled run: ${SECONDS}s"
+    {
+      python3 -c "import json; t = json.load(open('/tmp/prof.json'))['timings']; print(sorted(((round(v, 3), k) for k, v in t.items() if not k.startswith(('score.', 'http.'))), reverse=True))"
+      python3 -c "import pstats; p = pstats.Stats('/tmp/run.prof'); p.sort_stats('cumulative').print_stats(150); p.sort_stats('tottime').print_stats(60)"
+      echo "== imports, cumulative microseconds (top 80)"
+      grep 'import time:' /tmp/prof-imports.txt | sort -t'|' -k2 -n | tail -80
+    } > "$out/profile.txt" 2>&1
+    head -c 2000 "$out/profile.txt" ;;
   stash-sglang)
     mkdir -p /tmp/ws && cp ".gpu-wheels-sglang/c${2:?chunk}"/* /tmp/ws/ && ls /tmp/ws | wc -l
     if [ "$2" = 0 ]; then  # what SGLang's JIT kernels and pip's LZMA members need, and the card
