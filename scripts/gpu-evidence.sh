@@ -543,11 +543,11 @@ PY
     done
     SECONDS=0; python3 -X importtime "${run[@]}" --out /tmp/prof-imports.json > /dev/null 2> /tmp/prof-imports.txt || true
     echo "importtime run: ${SECONDS}s"
-    SECONDS=0; python3 -m cProfile -o /tmp/run.prof "${run[@]}" --out /tmp/prof.json > /dev/null 2>&1 || true
+    SECONDS=0; python3 scripts/profile-run.py /tmp/run.prof "${run[@]:2}" --out /tmp/prof.json > /dev/null 2>&1 || true
     echo "profiled run: ${SECONDS}s"
     {
       python3 -c "import json; t = json.load(open('/tmp/prof.json'))['timings']; print(sorted(((round(v, 3), k) for k, v in t.items() if not k.startswith(('score.', 'http.'))), reverse=True))"
-      python3 -c "import pstats; p = pstats.Stats('/tmp/run.prof'); p.sort_stats('cumulative').print_stats(150); p.sort_stats('tottime').print_stats(60)"
+      python3 -c "import pstats; p = pstats.Stats('/tmp/run.prof'); p.sort_stats('cumulative').print_stats(150); p.sort_stats('tottime').print_stats(60)" || true
       echo "== imports, cumulative microseconds (top 80)"
       grep 'import time:' /tmp/prof-imports.txt | sort -t'|' -k2 -n | tail -80
     } > "$out/profile.txt" 2>&1
@@ -641,7 +641,8 @@ PY
     rev=${2:?revision}; shift 2; mkdir -p /tmp/st
     [ -d /tmp/site-sglang/sglang ] || { echo "no SGLang in /tmp/site-sglang: stash-sglang 0..3 and install-sglang first" >&2; exit 2; }
     [ $# -gt 0 ] || set -- smollm2-bf16-path:hf:2
-    rm -rf /tmp/st/sglang* /tmp/st/runs*
+    # ST_TAG=NAME: a chain of its own (its script, its folders), so that chains with other SGLANG_ARGS run beside it
+    st=${ST_TAG:+-$ST_TAG}; rm -rf /tmp/st/sglang*"$st" /tmp/st/sglang*"$st".* /tmp/st/sglang*"$st"-* /tmp/st/runs*
     {
       echo "cd \"$PWD\"; export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD PATH=/tmp/site-sglang/bin:\$PATH OMP_NUM_THREADS=2"
       declare -f watch_logs
@@ -656,7 +657,7 @@ PY
         cfg=$m; [ "$m" = smollm2-bf16-path ] && cfg=smollm2-135m-bf16
         ck=$(checkpoint "$cfg")  # built here under the vLLM set's Python (SGLang's transformers never writes it)
         model=$m; [ "$m" = smollm2-bf16-path ] && model=$ck
-        tag=sglang-$m-$trainer
+        tag=sglang-$m-$trainer$st
         if [ -n "${SGLANG_GRAPHS:-}" ]; then  # SGLANG_GRAPHS=1: the server captures its CUDA graphs (enforce_eager off)
           if [ "$m" = smollm2-bf16-path ]; then python3 -m lora_parity init "$ck" --out "/tmp/st/$tag.yaml" --force >/dev/null
           else cp "configs/$m.yaml" "/tmp/st/$tag.yaml"; fi
@@ -670,8 +671,8 @@ PY
         echo "wait \$pid; echo \"exit \$? at \$(date +%s)\" >> /tmp/st/$tag.err"
         echo "for f in /tmp/st/$tag-server-logs/*.log; do [ -e \"\$f\" ] && tail -200 \"\$f\" > \"\$f.t\" && mv \"\$f.t\" \"\$f\"; done"
       done
-    } > /tmp/st/sglang.sh
-    setsid nohup bash /tmp/st/sglang.sh > /tmp/st/sglang-chain.log 2>&1 < /dev/null &
+    } > "/tmp/st/sglang$st.sh"
+    setsid nohup bash "/tmp/st/sglang$st.sh" > "/tmp/st/sglang$st-chain.log" 2>&1 < /dev/null &
     for _ in $(seq 12); do sleep 5; ls /tmp/st/sglang-*/clean.json /tmp/st/sglang-*/seed-*/clean.json >/dev/null 2>&1 && break; done
     echo "started at $(date +%s) (window ${WINDOW:-1500} s each); after ${SECONDS}s: $(tail -2 /tmp/st/sglang-*.err 2>/dev/null | cut -c1-300 | tr '\n' ' ')" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
