@@ -28,8 +28,9 @@
 #   seeds REV N NAME:TRAINER[:ARG,ARG..] ...
 #                  selftest --seeds N on SmolLM2-135M bf16 by path, per-target coverage off (the dropped
 #                  target's still covered), one invocation per spec; ARG @adapter is a user's PEFT adapter
-#                  (r16, alpha 32, B ~ N(0, 0.02), all seven projections). Summaries and receipts come back
-#                  as one tarball, $OUT/seeds-NAME....tgz
+#                  (r16, alpha 32, B ~ N(0, 0.02), all seven projections); ARGs split on commas, a plus for a
+#                  comma inside one (--sleep-levels,1+2). Summaries and receipts come back as one tarball,
+#                  $OUT/seeds-NAME....tgz
 #   pseeds REV NAME:TRAINER:FIRST:COUNT[:ARG,..] ...
 #                  the same selftests, one process per spec, all at once on the one GPU (seed indices
 #                  FIRST.. of --first-seed; ARG --faults,a+b runs only faults a and b); they run on across
@@ -304,9 +305,10 @@ case "$step" in
       name=${spec%%:*}; rest=${spec#*:}; t=${rest%%:*}; args=${rest#*:}; [ "$args" = "$rest" ] && args=""
       args=${args//@adapter/--adapter,/tmp/user-adapter}
       SECONDS=0
+      argv=${args//,/ }; argv=${argv//+/,}  # ARGs split on commas; a plus stands for a comma inside one (1+2)
       # shellcheck disable=SC2086
       timeout 560 python3 -m lora_parity selftest --model "$ck" --trainer "$t" --no-per-target --seeds "$n" \
-        ${args//,/ } --revision "$rev" --out-dir "/tmp/st/$name" --json > "/tmp/st/$name.json" 2> "/tmp/st/$name.err" \
+        $argv --revision "$rev" --out-dir "/tmp/st/$name" --json > "/tmp/st/$name.json" 2> "/tmp/st/$name.err" \
         && rc=0 || rc=$?
       echo "== $name rc=$rc ${SECONDS}s: $(tail -1 "/tmp/st/$name.err" | cut -c1-400)"
       names="$names $name"

@@ -132,3 +132,28 @@ def test_reload_from_folder_reconciles_only_where_the_wrapper_loads_nothing(chec
     # no layer wrapped (LoRA off, the merged modes): the engine's own route
     plain = Worker(engine_model(set()))
     assert vllm_reload.reload_from_folder(plain, str(checkpoint)) == "reload_weights"
+
+
+def test_the_worker_extension_is_found_by_its_name_and_reloads_the_worker_it_is_mixed_into(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server started to sleep names `vllm_server_state.EXTENSION`; vLLM resolves it and adds it to its worker's
+    bases (`WorkerWrapperBase.init_worker`, which refuses one whose attribute the worker already has), and
+    `/collective_rpc` calls its method by name on that worker."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from lora_parity.backends.vllm_server_state import EXTENSION, RELOAD_METHOD
+
+    extension = resolve_obj_by_qualname(EXTENSION)
+    assert extension is vllm_reload.WorkerExtension
+    assert [a for a in dir(extension) if not a.startswith("__")] == [RELOAD_METHOD]
+
+    class Engine(Worker):  # vLLM's worker class, before the extension is mixed in
+        pass
+
+    Engine.__bases__ = (*Engine.__bases__, extension)
+    worker = Engine(engine_model({"qkv_proj", "gate_up_proj", "down_proj", "o_proj"}))
+    monkeypatch.delattr(BaseLayerWithLoRA, "load_weights")  # vLLM 0.26's wrapper, which loads nothing itself
+    route = getattr(worker, RELOAD_METHOD)(str(checkpoint))  # as vLLM's collective_rpc runs a method by name
+    assert "reconciled" in route
+    assert worker.calls[-1]["weights_iterator"] == {n for n, _ in worker.model.named_parameters()}

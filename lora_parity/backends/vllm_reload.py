@@ -11,8 +11,9 @@ inserted for each name whose layer (or the packed layer it is stacked into, `pac
 every other name as it is, then the engine's own `reload_weights` from that iterator (its stacking, sharding and
 post-processing unchanged).
 
-`reload_from_folder` runs in the engine's worker (`LLM.collective_rpc` with a callable); the naming is plain
-functions, tested on the CPU."""
+`reload_from_folder` runs in the engine's worker (`LLM.collective_rpc` with a callable; a server's `/collective_rpc`
+takes a worker method's name instead, which `WorkerExtension` gives it); the naming is plain functions, tested on the
+CPU."""
 
 from __future__ import annotations
 
@@ -71,3 +72,14 @@ def reload_from_folder(worker: Any, folder: str) -> str:
     weights = ((reconcile(name, wrapped, packed), tensor) for name, tensor in checkpoint_tensors(Path(folder)))
     worker.reload_weights(weights_iterator=weights)
     return "reload_weights, names reconciled to the LoRA-wrapped layers (.base_layer)"
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class by a server started with `--worker-extension-cls` (`backends.vllm_server_state`):
+    over HTTP `/collective_rpc` calls a worker method by its name with string arguments only, so the in-process
+    sampler's callable cannot cross; this method is its name. vLLM adds the class to the worker's bases, so `self` is
+    the worker."""
+
+    def lora_parity_reload_from_folder(self, folder: str) -> str:
+        """`reload_from_folder` on this worker, from the checkpoint `folder`: the route taken."""
+        return reload_from_folder(self, folder)

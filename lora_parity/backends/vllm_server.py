@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity.backends import bounded_http, engine_args, moe, served, vllm_routes
+from lora_parity.backends import bounded_http, engine_args, moe, served, sleep, vllm_routes, vllm_server_state
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendOptions,
@@ -73,6 +73,12 @@ def preflight(opts: PreflightOptions) -> None:
     served.check_options(opts)
     if opts.sampler_url is not None:
         served.check_reachable(opts.sampler_url, "vLLM server")
+
+
+def refuse_sleep_without_mode(cfg: ModelConfig) -> None:
+    """Preflight of a server started here, before its early launch: sleep levels asked on CUDA need the user's
+    enable_sleep_mode=true (`sleep.require_sleep_mode`)."""
+    sleep.require_sleep_mode(cfg, _has_cuda())
 
 
 def check_server_args(cfg: ModelConfig) -> None:
@@ -129,7 +135,7 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
         import shlex
 
         argv += shlex.split(extra)
-    return argv
+    return argv + vllm_server_state.server_flags(cfg, cuda, argv)  # the base reload after a level-2 wake
 
 
 def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> dict[str, str]:
@@ -145,6 +151,7 @@ def server_env(cfg: ModelConfig, cuda: bool, batch_invariant: bool = True) -> di
     if cuda and batch_invariant and cfg.sampler.batch_invariant:
         env.setdefault("VLLM_BATCH_INVARIANT", "1")
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.update(vllm_server_state.server_env(cfg, cuda))  # dev mode where it sleeps: /sleep, /wake_up
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if not cuda:
         # The API server always keeps its engine core in a process of its own; with this unset the
@@ -206,12 +213,13 @@ def launch_server(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant
     return server
 
 
-class VLLMServerSampler(ServedAdapters, SamplerBackend):
+class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, ServedAdapters, SamplerBackend):
     """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the
-    way rollouts read the prefix cache too (`score_cached`: a `CachedScoringSampler`)."""
+    way rollouts read the prefix cache too (`score_cached`: a `CachedScoringSampler`), and sleeps and
+    reports its weight version (`VLLMServerEngineState`)."""
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
-                           at_checkpoint_precision=True)
+                           at_checkpoint_precision=True, sleep_unavailable=None)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:
@@ -259,7 +267,8 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
                 self.close()
                 raise
         self.moe_layers: list[int] = []
-        self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir))
+        self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir),
+                              sleep_unavailable=self._sleep_unavailable())
 
     def _launch(self, model_dir: Path | None, launched: ServerProcess | None) -> str:
         """Adopt the server the run launched early (`launched`, unless already stopped), else launch
@@ -319,16 +328,6 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
         if answer.status >= 400:
             raise ServerError(self._redact(f"vLLM server: {path} answered {answer.status}: {text[:500]}"))
         return json.loads(text) if text.startswith(("{", "[")) else text
-
-    def weight_version(self) -> str | None:
-        """`GET /weight_info`'s weight version (a server started with VLLM_SERVER_DEV_MODE=1); None where the
-        server has no such route or answers something else."""
-        try:
-            answer = self._call("/weight_info", None, "weight_info")
-        except ServerError:
-            return None
-        version = answer.get("weight_version") if isinstance(answer, dict) else None
-        return redact_secrets(str(version), self.api_key)[:200].replace("`", "'") if version is not None else None
 
     def _redact(self, text: str) -> str:
         return redact_secrets(text, self.api_key)
@@ -442,6 +441,7 @@ class VLLMServerSampler(ServedAdapters, SamplerBackend):
         if self.cfg.sampler.engine_args:
             settings["engine_args"] = engine_args.record(self.cfg.sampler.engine_args)
             settings["engine_args_effect"] = engine_args.notes(self.cfg.sampler.engine_args)
+        settings.update(self._sleep_settings())
         versions: dict[str, str] = {}
         try:
             versions["vllm"] = served.server_text(self._call("/version", None, "version")["version"], self.api_key)

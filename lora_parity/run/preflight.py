@@ -82,13 +82,19 @@ def shape_preflight(cfg: config.ModelConfig, opts: RunOptions, trainer_cls: type
         trainer_cls.check_config(hf, opts.tp)
 
 
-def sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions) -> None:
+def sampler_preflight(opts: RunOptions, sampler_cls: type[SamplerBackend], pre: PreflightOptions,
+                      cfg: config.ModelConfig) -> None:
     """Server options only for a sampler served over HTTP; then the sampler's own `preflight` (an
-    attached server answers within seconds; sglang is installed or attached)."""
+    attached server answers within seconds; sglang is installed or attached); a vLLM server started here
+    sleeps only in the user's sleep mode (checked before its early launch)."""
     if (opts.sampler_url or opts.api_key_env or opts.shared_dir) and not sampler_cls.traits.served_over_http:
         raise ConfigError("--sampler-url, --api-key-env and --shared-dir apply to a sampler served over HTTP only "
                           "(--sampler vllm-server or sglang)")
     sampler_cls.preflight(pre)
+    if opts.sampler == "vllm-server" and opts.sampler_url is None and cfg.sampler.sleep_levels:
+        from lora_parity.backends.vllm_server import refuse_sleep_without_mode
+
+        refuse_sleep_without_mode(cfg)
 
 
 def service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampler_cls: type[SamplerBackend],

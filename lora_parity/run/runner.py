@@ -154,7 +154,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
                            api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
     # The sampler's own checks first: a server that cannot be reached stops the run in seconds,
     # before the trainer's libraries (torch, transformers: 5-15 s) are imported.
-    preflight.sampler_preflight(opts, sampler_cls, pre)
+    preflight.sampler_preflight(opts, sampler_cls, pre, cfg)
     options = BackendOptions(sampler_url=opts.sampler_url, batch_invariant=opts.batch_invariant)
     server = early_launch.launch(cfg, sampler_cls, options) if launch_early else None
     try:
