@@ -660,10 +660,11 @@ PY
         ck=$(checkpoint "$cfg")  # built here under the vLLM set's Python (SGLang's transformers never writes it)
         model=$m; [ "$m" = smollm2-bf16-path ] && model=$ck
         tag=sglang-$m-$trainer$st
-        if [ -n "${SGLANG_GRAPHS:-}" ]; then  # SGLANG_GRAPHS=1: the server captures its CUDA graphs (enforce_eager off)
+        if [ -n "${SGLANG_GRAPHS:-}${SGLANG_MEM:-}" ]; then  # SGLANG_GRAPHS=1: the server captures its CUDA graphs
+          # (enforce_eager off); SGLANG_MEM=F: its --mem-fraction-static (chains side by side share the card)
           if [ "$m" = smollm2-bf16-path ]; then python3 -m lora_parity init "$ck" --out "/tmp/st/$tag.yaml" --force >/dev/null
           else cp "configs/$m.yaml" "/tmp/st/$tag.yaml"; fi
-          python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c.setdefault('sampler', {})['enforce_eager'] = False; yaml.safe_dump(c, open(sys.argv[1], 'w'), sort_keys=False)" "/tmp/st/$tag.yaml"
+          python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); s = c.setdefault('sampler', {}); s.update({'enforce_eager': False} if sys.argv[2] else {}); s.update({'gpu_memory_utilization': float(sys.argv[3])} if sys.argv[3] else {}); yaml.safe_dump(c, open(sys.argv[1], 'w'), sort_keys=False)" "/tmp/st/$tag.yaml" "${SGLANG_GRAPHS:-}" "${SGLANG_MEM:-}"
           model=/tmp/st/$tag.yaml
         fi
         echo "timeout -k 15 ${WINDOW:-1500} python3 -m lora_parity selftest --model '$model' --trainer $trainer \\"
