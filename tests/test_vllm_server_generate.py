@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from lora_parity.backends import vllm_server
 from lora_parity.backends.base import GeneratingSampler
 from lora_parity.backends.vllm_server import VLLMServerSampler, server_argv
 from lora_parity.backends.vllm_server_generate import CPU_GRAPHS, EAGER, NOT_TOLD, started_graphs, told_graphs
@@ -177,10 +176,9 @@ def test_a_started_server_records_graphs_from_the_flags_it_was_started_with(eage
     assert (table["CUDA graphs"].status == "covered") == on
 
 
-def test_a_started_server_in_dev_mode_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_started_server_in_dev_mode_is_asked() -> None:
     argv = server_argv(with_eager(False, None), Path("m"), 1, cuda=True)
     told = {"vllm_config": "enforce_eager=True, device_config=cuda"}
     sampler = SimpleNamespace(server=SimpleNamespace(argv=argv, env={"VLLM_SERVER_DEV_MODE": "1"}), cuda=True,
                               _call=lambda *a: told)
     assert VLLMServerSampler._graphs_setting(sampler).startswith("off (enforce_eager: true")  # type: ignore[arg-type]
-    assert vllm_server.VLLMServerSampler.generate is not None
