@@ -181,3 +181,24 @@ def test_an_interrupted_run_leaves_no_server(sig: signal.Signals, tmp_path: Path
         proc.kill()
     time.sleep(1)
     assert not _servers_on(port) and not _group_left(pgid)
+
+
+def test_generate_returns_max_tokens_with_the_scores_logprobs_and_repeats_with_its_seed(served: ServerProcess) -> None:
+    """The decode path over HTTP (`GeneratingSampler`): exactly max_tokens tokens, their logprobs what scoring the
+    whole sequence gives, the same seeds the same tokens; an attached server without dev mode tells no graphs."""
+    from lora_parity.backends.vllm_server import VLLMServerSampler
+    from lora_parity.backends.vllm_server_generate import NOT_TOLD
+
+    sampler = VLLMServerSampler(config.load(None), None, {}, url=served.url)
+    try:
+        prompts = [[11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26, 27, 28]]
+        sequences, logprobs = sampler.generate(prompts, 5, 3, None)
+        assert [s[:len(p)] for s, p in zip(sequences, prompts, strict=True)] == prompts
+        assert [len(s) - len(p) for s, p in zip(sequences, prompts, strict=True)] == [5, 5]
+        assert [len(row) for row in logprobs] == [len(s) - 1 for s in sequences]
+        scored = sampler.score(sequences, None)
+        assert [x for row in logprobs for x in row] == pytest.approx([x for row in scored for x in row], abs=1e-3)
+        assert sampler.generate(prompts, 5, 3, None)[0] == sequences
+        assert sampler.info().settings["cuda_graphs"] == NOT_TOLD
+    finally:
+        sampler.close()

@@ -11,6 +11,11 @@ entrypoints/openai/ and v1/worker/gpu_worker.py):
 - `/v1/completions` with `prompt_logprobs: 0` answers one entry per prompt token, the first null; a request with
   `logprobs: 0` and `allowed_token_ids: [t]` answers t as `token_id:t` with its raw logprob, and reads the prefix
   cache (keyed by the adapter's name and path: an in-place load keeps it); an unknown model is 404;
+- a generation request (`logprobs: 0` without `allowed_token_ids`) samples `max_tokens` tokens from the fake model,
+  seeded by its `seed` (none: unseeded), and answers them as `token_id:N` with the logprobs they were sampled with;
+  without `return_tokens_as_token_ids` it is 400 (the server runs with --skip-tokenizer-init: no text to give);
+- in dev mode `/server_info` reports `vllm_config` as vLLM's `str(VllmConfig)` does (`compilation`: its CUDA graph
+  part, None: an eager engine's);
 - a load under a loaded name without `load_inplace` is 400; an unload of a name it does not have is 404;
 - without dev mode the sleep routes do not exist (404); a sleep without `enable_sleep_mode` fails (500);
 - a sleep (level 1 or 2) puts the weights and the KV cache to sleep and clears the prefix cache; level 1 keeps the
@@ -25,6 +30,7 @@ entrypoints/openai/ and v1/worker/gpu_worker.py):
 
 from __future__ import annotations
 
+import random
 import urllib.parse
 from typing import Any
 
@@ -37,7 +43,10 @@ from .sglang_server import StandIn
 
 MODEL_ROOT = "/models/tiny-qwen3"
 """The served checkpoint's path (`/v1/models`' root); the served name is another (`--served-model-name base`)."""
-DEV_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/collective_rpc")
+DEV_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/collective_rpc", "/server_info")
+GRAPHS = ("'mode': <CompilationMode.VLLM_COMPILE: 3>, 'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>, "
+          "'cudagraph_capture_sizes': [1, 2, 4, 8, 16]")
+"""The compilation config's CUDA graph part, as a vLLM 0.32 CUDA server with enforce_eager false prints it."""
 WRAPPED_RELOAD_ERROR = ("There is no module or parameter named 'layers.0.mlp.down_proj.weight' in LlamaForCausalLM "
                         "(vLLM 0.26 with LoRA on: vllm #39934)")
 
@@ -53,8 +62,8 @@ class VLLMStandIn(StandIn):
     JSON body) of each request, `posted(path)` the bodies POSTed to a path (with its query)."""
 
     def __init__(self, dev_mode: bool = True, sleep_mode: bool = True, extension: bool = False,
-                 reload_fails: bool = False, **kwargs: Any) -> None:
-        self.dev_mode, self.sleep_mode = dev_mode, sleep_mode
+                 reload_fails: bool = False, compilation: str | None = GRAPHS, **kwargs: Any) -> None:
+        self.dev_mode, self.sleep_mode, self.compilation = dev_mode, sleep_mode, compilation
         self.extension, self.reload_fails = extension, reload_fails
         self.asleep: set[str] = set()
         """What sleeps now (`WEIGHTS`, `KV_CACHE`)."""
@@ -120,7 +129,11 @@ class VLLMStandIn(StandIn):
                 choice["prompt_logprobs"] = [None] + [{str(seq[t]): {"logprob": row[t - 1], "rank": 1}}
                                                       for t in range(1, len(seq))]
             allowed = body.get("allowed_token_ids")
-            if body.get("logprobs") == 0 and allowed:
+            if body.get("logprobs") == 0 and not allowed:
+                if not body.get("return_tokens_as_token_ids"):
+                    return error(400, "Unable to get tokenizer because `skip_tokenizer_init=True`")
+                choice["logprobs"] = self._sampled(list(seq), coefficients, body)
+            elif body.get("logprobs") == 0 and allowed:
                 cached = self.prefix_cache.setdefault((name, path, tuple(seq)), coefficients)
                 token = allowed[0]
                 choice["logprobs"] = {"tokens": [f"token_id:{token}"], "text_offset": [0],
@@ -128,8 +141,25 @@ class VLLMStandIn(StandIn):
             choices.append(choice)
         return 200, {"object": "text_completion", "model": model, "choices": choices}
 
+    def _sampled(self, seq: list[int], coefficients: dict[str, float], body: dict[str, Any]) -> dict[str, Any]:
+        """`max_tokens` tokens sampled after `seq` (seeded by `seed`), as vLLM's `logprobs` answers them."""
+        rng = random.Random(body.get("seed"))
+        full, tokens, values = list(seq), [], []
+        for _ in range(int(body.get("max_tokens", 16))):
+            tok = fake._sample(full[-1], len(full) - 1, coefficients, self.kinds, rng)
+            values.append(self._logprob(full[-1], tok, len(full) - 1, coefficients))
+            tokens.append(f"token_id:{tok}")
+            full.append(tok)
+        return {"tokens": tokens, "token_logprobs": values, "text_offset": [0] * len(tokens),
+                "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=True)]}
+
     def _dev(self, route: str, params: dict[str, list[str]], body: dict[str, Any]) -> tuple[int, Any]:
         """The dev-mode routes (`VLLM_SERVER_DEV_MODE=1`)."""
+        if route == "/server_info":
+            graphs = self.compilation or "'mode': <CompilationMode.NONE: 0>"
+            eager = self.compilation is None
+            return 200, {"vllm_config": f"model='{MODEL_ROOT}', enforce_eager={eager}, device_config=cuda, "
+                                        f"compilation_config={{{graphs}}}", "vllm_env": {}, "system_env": {}}
         if route == "/is_sleeping":
             return 200, {"is_sleeping": bool(self.asleep)}
         if route == "/reset_prefix_cache":

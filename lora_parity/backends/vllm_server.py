@@ -13,6 +13,7 @@ request, so `score_cached` scores the same positions the way a rollout reads the
 request per prefix, the next token forced with `allowed_token_ids` and its raw logprob returned
 (`logprobs: 0`), which does read the cache. On an MoE model each choice also carries the experts its tokens were
 routed to (`routed_experts`; a server started here on CUDA gets --enable-return-routed-experts), for route replay.
+It generates too (the decode path, `vllm_server_generate`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import expert_lora, lora_modules, max_lora_rank, returns_routes
+from lora_parity.backends.vllm_server_generate import VLLMServerGeneration, prompt_row
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
@@ -213,10 +215,11 @@ def launch_server(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant
     return server
 
 
-class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, ServedAdapters, SamplerBackend):
-    """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the
-    way rollouts read the prefix cache too (`score_cached`: a `CachedScoringSampler`), and sleeps and
-    reports its weight version (`VLLMServerEngineState`)."""
+class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGeneration,
+                        ServedAdapters, SamplerBackend):
+    """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the way rollouts
+    read the prefix cache too (`score_cached`: a `CachedScoringSampler`), generates and records its CUDA graphs
+    (`VLLMServerGeneration`), and sleeps and reports its weight version (`VLLMServerEngineState`)."""
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
                            at_checkpoint_precision=True, sleep_unavailable=None)
@@ -379,12 +382,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, ServedAdapters,
             choices = sorted(self._completion(group, model, "completions", prompt_logprobs=0),
                              key=lambda c: c["index"])
             for s, (seq, choice) in enumerate(zip(group, choices, strict=True), start=start):
-                plp = choice.get("prompt_logprobs")
-                if plp is None or len(plp) != len(seq) or plp[0] is not None:
-                    got = "null" if plp is None else f"{len(plp)} entries"
-                    raise ScoreError(f"vLLM server prompt_logprobs for sequence {s}: expected {len(seq)} entries "
-                                     f"starting with null, got {got}")
-                out.append([plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))])
+                out.append(prompt_row(seq, choice, f"sequence {s}"))
                 if routes:
                     arrays.append(vllm_routes.decoded(choice.get("routed_experts"), s))
         return out, arrays
@@ -441,7 +439,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, ServedAdapters,
         if self.cfg.sampler.engine_args:
             settings["engine_args"] = engine_args.record(self.cfg.sampler.engine_args)
             settings["engine_args_effect"] = engine_args.notes(self.cfg.sampler.engine_args)
-        settings.update(self._sleep_settings())
+        settings.update(self._sleep_settings(), cuda_graphs=self._graphs_setting())
         versions: dict[str, str] = {}
         try:
             versions["vllm"] = served.server_text(self._call("/version", None, "version")["version"], self.api_key)
