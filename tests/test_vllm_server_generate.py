@@ -201,3 +201,21 @@ def test_a_strangers_numbers_are_refused_not_converted() -> None:
     huge = {"logprobs": {"tokens": ["token_id:" + "9" * 5000], "token_logprobs": [-1.0]}}
     with pytest.raises(ScoreError, match="expected 1 tokens as token_id:N"):
         generated(huge, 1, "prompt 0")
+
+
+@pytest.mark.parametrize("body", [b'{"data": [', b'{"n": ' + b"9" * 5000 + b"}"], ids=["malformed", "huge-number"])
+def test_a_body_that_is_not_json_is_one_server_error_naming_the_route(server: VLLMStandIn, body: bytes) -> None:
+    def answer(h: Any, _: dict[str, Any]) -> bool:
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+        return True
+
+    sampler = attach(server.url)
+    try:
+        server.overrides["/weight_info"] = answer
+        with pytest.raises(ScoreError, match=r"^vLLM server: /weight_info answered non-JSON: \{"):
+            sampler._call("/weight_info", None, "weight_info")
+    finally:
+        sampler.close()

@@ -1,19 +1,18 @@
 """The `vllm-server` sampler: vLLM's OpenAI-compatible server, over HTTP, as most RL stacks run it.
 
-lora-parity starts `vllm serve` itself (see `server_process`) with the engine options of the
-in-process `vllm` sampler, or attaches to a server the user runs (`--sampler-url`; nothing is
-started or stopped). Adapters are pushed with `/v1/load_lora_adapter` (a new name per version, or
-the same name with `load_inplace`) and retired with `/v1/unload_lora_adapter`; runtime LoRA updating
-must be allowed on the server (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+lora-parity starts `vllm serve` itself (see `server_process`) with the engine options of the in-process `vllm`
+sampler, or attaches to a server the user runs (`--sampler-url`; nothing is started or stopped). Adapters are pushed
+with `/v1/load_lora_adapter` (a new name per version, or the same name with `load_inplace`) and retired with
+`/v1/unload_lora_adapter`; runtime LoRA updating must be allowed on the server
+(`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
 
-Scoring follows the alignment rule in `backends/base.py`: `/v1/completions` with token-id prompts,
-`max_tokens: 1` and `prompt_logprobs: 0`, the adapter chosen by its name as `model`; the
-server's entry 0 is null and dropped. vLLM never reads the prefix cache for a prompt_logprobs
-request, so `score_cached` scores the same positions the way a rollout reads them: one
-request per prefix, the next token forced with `allowed_token_ids` and its raw logprob returned
+Scoring follows the alignment rule in `backends/base.py`: `/v1/completions` with token-id prompts, `max_tokens: 1` and
+`prompt_logprobs: 0`, the adapter chosen by its name as `model`; the server's entry 0 is null and dropped. vLLM never
+reads the prefix cache for a prompt_logprobs request, so `score_cached` scores the same positions the way a rollout
+reads them: one request per prefix, the next token forced with `allowed_token_ids` and its raw logprob returned
 (`logprobs: 0`), which does read the cache. On an MoE model each choice also carries the experts its tokens were
-routed to (`routed_experts`; a server started here on CUDA gets --enable-return-routed-experts), for route replay.
-It generates too (the decode path, `vllm_server_generate`).
+routed to (`routed_experts`; a server started here on CUDA gets --enable-return-routed-experts), for route replay; it
+generates too (`vllm_server_generate`).
 """
 
 from __future__ import annotations
@@ -330,7 +329,10 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
         text = answer.body.decode("utf-8", errors="replace")
         if answer.status >= 400:
             raise ServerError(self._redact(f"vLLM server: {path} answered {answer.status}: {text[:500]}"))
-        return json.loads(text) if text.startswith(("{", "[")) else text
+        try:
+            return json.loads(text) if text.startswith(("{", "[")) else text
+        except ValueError:  # malformed, or a number past Python's digit limit: a stranger's body, one line
+            raise ServerError(self._redact(f"vLLM server: {path} answered non-JSON: {text[:200]}")) from None
 
     def _redact(self, text: str) -> str:
         return redact_secrets(text, self.api_key)
