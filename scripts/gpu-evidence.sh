@@ -530,15 +530,16 @@ PY
       echo "== $m rc=$rc"; cut -c1-150 "$out/exact-ops-$m.txt" | tail -150
     done ;;
   bench)
-    # bench [RUNS] [MODEL..]: 1x and 10x probe tokens alternating, per-target coverage on (its share of the
-    # wall time is printed); MODEL smollm2-bf16-path is that config's checkpoint by path
+    # bench [RUNS] [MODEL..]: 1x and 10x probe tokens alternating (PROBES=default: the 1x alone), per-target coverage
+    # on (its share of the wall time is printed); MODEL smollm2-bf16-path is that config's checkpoint by path. Unbuffered:
+    # a call cut off by its time limit still brings back the probe sets that finished (at 5dfca58 none came back)
     runs=${2:-3}; shift $(( $# < 2 ? $# : 2 ))
     while pgrep -f "compileall -q -j 0 /tmp/site" > /dev/null; do sleep 2; done  # install's bytecode first
     for m in "${@:-qwen3-0.6b-synth}"; do
       if [ "$m" = smollm2-bf16-path ]; then
         m=$(checkpoint smollm2-135m-bf16)
       fi
-      python3 scripts/bench.py --model "$m" --runs "$runs" --probes default,default-x10 --per-target \
+      python3 -u scripts/bench.py --model "$m" --runs "$runs" --probes "${PROBES:-default,default-x10}" --per-target \
         --keep "$out/bench-not-passing"
     done 2>&1 | tee "$out/bench.txt" ;;
   profile)
