@@ -270,8 +270,8 @@ class CachedScoringSampler(Protocol):
     the phases stale_cached and updated_cached)."""
 
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        """The same values as `score` (the alignment rule above), computed as a rollout reads them:
-        one request per prefix, through the prefix cache, the next token forced."""
+        """The same values as `score` (the alignment rule above), computed as a rollout reads them: through
+        the prefix cache (a request per prefix, its next token forced; in-process vLLM, per block of the cache)."""
         ...
 
 

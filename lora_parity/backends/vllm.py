@@ -7,11 +7,13 @@ on the GPU (every phase scores the same way, so comparisons never mix groupings)
 batch-invariant kernels (the repeat is then exact) one generate call takes up to `scoring.pack_tokens`
 tokens of requests, else `scoring.batch_size` requests (default 1). vLLM's CPU build crashed on batched
 prompt_logprobs with LoRA enabled for all modules; with `lora_target_modules` restricted to the adapter's
-own targets, as here, it does not.
+own targets, as here, it does not. With prefix caching on, `VLLMCachedSampler` also scores through the cache, by
+blocks of it where this vLLM lets a prompt_logprobs request read it (`backends.vllm_cached`).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends import engine_args as user_args
-from lora_parity.backends import moe, vllm_reload, vllm_routes
+from lora_parity.backends import moe, vllm_cached, vllm_reload, vllm_routes
 from lora_parity.backends import sleep as sleep_mode
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -384,37 +386,41 @@ class VLLMCachedSampler(VLLMSampler):
     """The `vllm` sampler with prefix caching on: it also scores the way rollouts read the cache
     (`score_cached`: a `CachedScoringSampler`, the phases stale_cached and updated_cached, checks P.*)."""
 
+    @functools.cached_property
+    def blocks(self) -> vllm_cached.Blocks | None:
+        """Scoring by blocks of the cache, with its count of short cache reads (None: one request per position)."""
+        return vllm_cached.method(self._SamplingParams, self.llm)
+
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), read through the prefix cache: per group
-        of sequences one generate call of the whole sequences (a prompt_logprobs request never reads the
-        cache, this one fills it), then one call of every prefix, each request forcing its next token with
-        `allowed_token_ids` and returning that token's raw logprob (`logprobs=0`): the prefixes' full blocks
-        come from the cache, only their tails are computed. Batched, not one request per prefix."""
+        of sequences one generate call of the whole sequences fills the cache (a prompt_logprobs request never
+        reads it unless told), then one more call scores them, by blocks where this vLLM lets a prompt_logprobs
+        request read the cache (ceil(L/B) requests for a sequence of L tokens in blocks of B, each reading the
+        blocks before its own: `vllm_cached.Blocks`), else one request per position, the next token forced
+        (`vllm_cached.by_position`)."""
         request = self._request(adapter)
         warm = self._SamplingParams(max_tokens=1, temperature=1.0, detokenize=False)
+
+        def generate(prompts: list[Any], params: list[Any]) -> list[Any]:
+            return self.llm.generate([self._TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                     lora_request=request, use_tqdm=False)
+
         out: Scores = []
         for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
             group = sequences[part]
-            self.llm.generate([self._TokensPrompt(prompt_token_ids=seq) for seq in group], warm,
-                              lora_request=request, use_tqdm=False)
-            prompts, params = [], []
-            for seq in group:
-                for t in range(len(seq) - 1):
-                    prompts.append(self._TokensPrompt(prompt_token_ids=seq[:t + 1]))
-                    params.append(self._SamplingParams(max_tokens=1, temperature=1.0, logprobs=0, detokenize=False,
-                                                       allowed_token_ids=[seq[t + 1]]))
-            results = iter(self.llm.generate(prompts, params, lora_request=request, use_tqdm=False))
-            for s, seq in enumerate(group, start=part.start):
-                row = []
-                for t in range(len(seq) - 1):
-                    completion = next(results).outputs[0]
-                    tokens, logprobs = list(completion.token_ids), completion.logprobs
-                    if tokens != [seq[t + 1]] or not logprobs or seq[t + 1] not in logprobs[0]:
-                        raise ScoreError(f"vLLM cached scoring of sequence {s} at position {t}: forced token "
-                                         f"{seq[t + 1]} not returned ({tokens})")
-                    row.append(logprobs[0][seq[t + 1]].logprob)
-                out.append(row)
+            generate(group, [warm] * len(group))
+            if self.blocks is None:
+                out += vllm_cached.by_position(generate, self._SamplingParams, group, part.start)
+            else:
+                out += self.blocks.score(generate, self._SamplingParams, group, part.start)
         return out
+
+    def info(self) -> BackendInfo:
+        """`VLLMSampler.info`, and how `score_cached` reads the cache (`cached_scoring`); where by blocks, how many
+        requests so far read fewer cached tokens than their block (valid scores, less read through the cache)."""
+        info = super().info()
+        said = vllm_cached.describe(self.blocks, self._SamplingParams)
+        return info.model_copy(update={"settings": info.settings | {"cached_scoring": said}})
 
 
 def _prompt_row(seq: list[int], result: Any, s: int) -> list[float]:

