@@ -57,8 +57,8 @@ class FakeLLM:
     computed, a prompt_logprobs request reads the cache only when told, and the prompt logprobs of the cached
     positions (entries 1..C) are garbage naming another token, as vLLM's uninitialised memory."""
 
-    def __init__(self, block: int, reported: int | None = None) -> None:
-        self.block, self.cached, self.calls = block, set[tuple[int, ...]](), list[int]()
+    def __init__(self, block: int, reported: int | None = None, compact: bool = False) -> None:
+        self.block, self.cached, self.calls, self.compact = block, set[tuple[int, ...]](), list[int](), compact
         cache_config = SimpleNamespace(block_size=block if reported is None else reported)
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache_config))
 
@@ -78,6 +78,8 @@ class FakeLLM:
         if p.prompt_logprobs is not None:
             plp = [None] + [{ids[i]: SimpleNamespace(logprob=logprob(ids[:i], ids[i]))} if i > hit
                             else {ids[i] + 1000: SimpleNamespace(logprob=0.0)} for i in range(1, len(ids))]
+            if self.compact:  # vLLM's model runner V2: entry 0, then the computed positions' entries alone
+                plp = [None, *plp[hit + 1:]]
         token = p.allowed_token_ids[0] if p.allowed_token_ids else 0
         logprobs = None if p.logprobs is None else [{token: SimpleNamespace(logprob=logprob(ids, token))}]
         return SimpleNamespace(prompt_logprobs=plp, num_cached_tokens=hit,
@@ -105,6 +107,23 @@ def test_by_blocks_the_rows_are_scores_and_a_sequence_is_ceil_l_over_b_requests(
     said = sampler.info().settings["cached_scoring"]
     assert isinstance(said, str) and said.startswith(f"by blocks of {block}:") and "fewer" not in said
     assert sampler.blocks is not None and sampler.blocks.short == 0
+
+
+@pytest.mark.unit
+def test_the_model_runner_v2s_layout_without_the_cached_entries_gives_the_same_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM 0.26's model runner V2 (the GPU's default) returns entry 0 and the computed positions' entries alone.
+    for reported in (None, 2):  # exact blocks, and blocks reported smaller than the engine's (short hits)
+        sampler = fake_sampler(monkeypatch, FakeLLM(4, reported=reported, compact=True), NewParams)
+        assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
+    # a layout of neither length is refused in one line
+    llm = FakeLLM(4, compact=True)
+    sampler = fake_sampler(monkeypatch, llm, NewParams)
+    real = llm._one
+    monkeypatch.setattr(llm, "_one", lambda ids, p: SimpleNamespace(**{
+        **vars(real(ids, p)), "prompt_logprobs": (real(ids, p).prompt_logprobs or [None])[:-1] or None}))
+    with pytest.raises(ScoreError, match=r"expected \d+ prompt logprobs \(\d+ past the cached tokens\), got"):
+        sampler.score_cached(SEQUENCES, None)
 
 
 @pytest.mark.unit

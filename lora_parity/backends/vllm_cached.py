@@ -8,9 +8,11 @@ sequence of L tokens in blocks of B is ceil(L/B) requests. Request k's prompt is
 k, `s[:min(L, (k+1)B)]`, with `prompt_logprobs=0` and `skip_reading_prefix_cache=False` (vLLM skips the cache for a
 prompt_logprobs request unless told): it reads blocks 0..k-1 from the cache (kB tokens: vLLM always computes a
 prompt's last token, so a prompt of m tokens hits at most floor((m-1)/B)*B) and computes block k. vLLM does not
-compute the prompt logprobs of cached tokens: its prompt entries 1..C for C cached tokens are uninitialised memory,
-so only entries kB+1 .. m-1 are read (scores kB .. m-2). Score (k+1)B-1, log p(s[(k+1)B] | s[:(k+1)B]), is the
-request's own next token, forced with `allowed_token_ids` and returned raw with `logprobs=0`. Every request's
+compute the prompt logprobs of cached tokens: with its model runner V1 the prompt entries 1..C for C cached tokens are
+uninitialised memory, with V2 (vLLM 0.26's default on the GPU) they are left out (entry 0, then position C+1 on),
+so only positions kB+1 .. m-1 are read (scores kB .. m-2), from either layout. Score (k+1)B-1,
+log p(s[(k+1)B] | s[:(k+1)B]), is the request's own next token, forced with `allowed_token_ids` and returned raw with
+`logprobs=0`. Every request's
 `num_cached_tokens` is checked: more than kB means an entry read may be garbage (a ScoreError); fewer (blocks evicted,
 or a larger block than the engine reports) leaves every entry read valid, only less of it read through the cache,
 and is counted (`Blocks.short`).
@@ -107,14 +109,18 @@ class Blocks:
                              "leave the prompt logprobs read valid (vLLM computes none for cached positions)")
         self.short += int(cached < start)
         plp = result.prompt_logprobs
-        if plp is None or len(plp) != end:
-            raise ScoreError(f"{where}: expected {end} prompt logprobs, got "
+        # Two layouts: every prompt entry (vLLM's model runner V1, the cached ones uninitialised), or entry 0 then the
+        # computed positions' alone (the model runner V2, vLLM 0.26's on the GPU): position i at entry i - cached
+        shift = 0 if plp is not None and len(plp) == end else cached
+        if plp is None or len(plp) != end - shift:
+            raise ScoreError(f"{where}: expected {end} prompt logprobs ({end - cached} past the cached tokens), got "
                              f"{'None' if plp is None else len(plp)}")
         row = []
-        for i in range(start + 1, end):  # entry i scores token i given tokens :i (entry 0 is None)
-            if plp[i] is None or seq[i] not in plp[i]:
+        for i in range(start + 1, end):  # position i scores token i given tokens :i (entry 0 is None)
+            entry = plp[i - shift]
+            if entry is None or seq[i] not in entry:
                 raise ScoreError(f"{where}: no prompt logprob for token {seq[i]} at position {i}")
-            row.append(plp[i][seq[i]].logprob)
+            row.append(entry[seq[i]].logprob)
         if end < len(seq):
             row.append(_forced(result, seq[end], where))
         return row
