@@ -1,18 +1,16 @@
 """The `vllm-server` sampler: vLLM's OpenAI-compatible server, over HTTP, as most RL stacks run it.
 
-lora-parity starts `vllm serve` itself (see `server_process`) with the engine options of the in-process `vllm`
-sampler, or attaches to a server the user runs (`--sampler-url`; nothing is started or stopped). Adapters are pushed
-with `/v1/load_lora_adapter` (a new name per version, or the same name with `load_inplace`) and retired with
-`/v1/unload_lora_adapter`; runtime LoRA updating must be allowed on the server
-(`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+lora-parity starts `vllm serve` itself (see `server_process`) with the engine options of the in-process `vllm` sampler,
+or attaches to a server the user runs (`--sampler-url`; nothing is started or stopped). Adapters are pushed with
+`/v1/load_lora_adapter` (a new name per version, or the same name with `load_inplace`) and retired with
+`/v1/unload_lora_adapter` (the server must allow runtime LoRA updating: `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
 
 Scoring follows the alignment rule in `backends/base.py`: `/v1/completions` with token-id prompts, `max_tokens: 1` and
 `prompt_logprobs: 0`, the adapter chosen by its name as `model`; the server's entry 0 is null and dropped. vLLM never
 reads the prefix cache for a prompt_logprobs request, so `score_cached` scores the same positions the way a rollout
 reads them: one request per prefix, the next token forced with `allowed_token_ids` and its raw logprob returned
-(`logprobs: 0`), which does read the cache. On an MoE model each choice also carries the experts its tokens were
-routed to (`routed_experts`; a server started here on CUDA gets --enable-return-routed-experts), for route replay; it
-generates too (`vllm_server_generate`).
+(`logprobs: 0`), which does read the cache. On an MoE model each choice also carries its tokens' experts
+(`routed_experts`; a server started here on CUDA gets --enable-return-routed-experts), for route replay.
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import expert_lora, lora_modules, max_lora_rank, returns_routes
 from lora_parity.backends.vllm_server_generate import VLLMServerGeneration, prompt_row
+from lora_parity.backends.vllm_server_mixed import VLLMServerMixedBatch
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.evidence.receipt_io import one_line
 from lora_parity.models.config import DTYPES, TARGET_NAME, ModelConfig
@@ -214,14 +213,15 @@ def launch_server(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant
     return server
 
 
-class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGeneration,
+class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGeneration, VLLMServerMixedBatch,
                         ServedAdapters, SamplerBackend):
     """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the way rollouts
     read the prefix cache too (`score_cached`: a `CachedScoringSampler`), generates and records its CUDA graphs
-    (`VLLMServerGeneration`), and sleeps and reports its weight version (`VLLMServerEngineState`)."""
+    (`VLLMServerGeneration`), mixes routes in a batch (`VLLMServerMixedBatch`), sleeps and reports its weight version
+    (`VLLMServerEngineState`)."""
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
-                           at_checkpoint_precision=True, sleep_unavailable=None)
+                           at_checkpoint_precision=True, sleep_unavailable=None, mixed_batch_unavailable=None)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:
@@ -270,7 +270,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
                 raise
         self.moe_layers: list[int] = []
         self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir),
-                              sleep_unavailable=self._sleep_unavailable())
+                              sleep_unavailable=self._sleep_unavailable(), mixed_batch_unavailable=self._unmixed())
 
     def _launch(self, model_dir: Path | None, launched: ServerProcess | None) -> str:
         """Adopt the server the run launched early (`launched`, unless already stopped), else launch
@@ -441,7 +441,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
         if self.cfg.sampler.engine_args:
             settings["engine_args"] = engine_args.record(self.cfg.sampler.engine_args)
             settings["engine_args_effect"] = engine_args.notes(self.cfg.sampler.engine_args)
-        settings.update(self._sleep_settings(), cuda_graphs=self._graphs_setting())
+        settings.update(self._sleep_settings(), cuda_graphs=self._graphs_setting(), mixed_batch=self._mixed())
         versions: dict[str, str] = {}
         try:
             versions["vllm"] = served.server_text(self._call("/version", None, "version")["version"], self.api_key)
