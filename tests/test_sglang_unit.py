@@ -343,8 +343,8 @@ def test_an_attached_run_passes_records_the_url_without_credentials_and_leaves_n
     receipt = execute(RunOptions(trainer="fake", sampler="sglang", sampler_url=url, sync=sync, per_target=False,
                                  out=tmp_path / "r.json")).receipt
     assert receipt.verdict == Verdict.PASS, receipt.error
-    assert [p.name for p in receipt.phases][7:13] == ["stale", "stale_cached", "sync", "updated", "fresh",
-                                                   "updated_cached"]
+    assert [p.name for p in receipt.phases][7:13] == ["stale", "stale_cached", "sync", "updated",
+                                                   "updated_cached", "fresh"]
     assert {"P.parity.mean", "C.parity.mean"} <= {c.id for c in receipt.checks}
     assert receipt.sampler.backend == "sglang" and receipt.sampler.settings["server"] == f"attached at {stand_in.url}"
     assert {a.weight_version for a in receipt.adapters} == {"default"}  # read at each sync; a LoRA load leaves it
@@ -391,7 +391,7 @@ def test_faults_that_cannot_happen_on_sglang_are_refused(stand_in: StandIn, tmp_
                                out=tmp_path / "r.json"))
         assert fault not in faults_for(sync, traits)
     assert {"stale-folder", "same-name-no-inplace"} <= set(faults_for("new-id", traits))
-    served = BackendTraits(served_over_http=True)
+    served = BackendTraits(served_over_http=True, reads_prefix_cache=True)
     assert {"warm-prefix-cache", "unload-before-score"} <= set(faults_for("new-id", served))
     assert "sgl-project/sglang#13771" in FAULTS["stale-folder"].description
     with pytest.raises(ConfigError, match="needs a sampler that reloads base weights; 'sglang' cannot"):

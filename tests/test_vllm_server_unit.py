@@ -46,7 +46,7 @@ class FakeServedSampler(FakeSampler):
     load_inplace is refused (400), an unloaded adapter cannot be scored (404), and `score_cached` reads
     a prefix cache keyed by (name, path), as vLLM's block hashes are, that an in-place reload keeps."""
 
-    traits = BackendTraits(needs_checkpoint=False, served_over_http=True,
+    traits = BackendTraits(needs_checkpoint=False, served_over_http=True, reads_prefix_cache=True,
                            same_name_reload_refused=SAME_NAME_RELOAD_REFUSED)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -119,7 +119,7 @@ def test_selftest_on_a_served_sampler_runs_and_catches_the_serving_layer_faults(
     assert result.ok, [r for r in result.rows if not r.caught]
     clean = verify(Path(rows["none"].receipt)).receipt
     assert [p.name for p in clean.phases][5:13] == ["trainer_updated", "trainer_updated_alt", "stale", "stale_cached",
-                                                    "sync", "updated", "fresh", "updated_cached"]
+                                                    "sync", "updated", "updated_cached", "fresh"]
     assert {"P.parity.mean", "P.parity.p99", "P.parity.max"} <= {c.id for c in clean.checks}
     assert clean.comparisons["P.stale_cached_vs_stale"].max_abs == 0.0
 

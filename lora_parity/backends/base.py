@@ -1,19 +1,16 @@
 """The two roles (a trainer owns the LoRA adapter being trained; a sampler serves its published versions), what each
 backend declares about itself, and how every backend is built.
 
-Token alignment (the rule every other module points to as "the alignment rule in backends/base.py"):
-for a sequence of n token ids, every `score` returns n - 1 values, and entry t is
-log p(tokens[t+1] | tokens[:t+1]), computed in fp32 from the model's logits. There is no value for
-the first token; an engine that returns one for it (vLLM's `prompt_logprobs` entry 0 is None)
-drops it and checks the length. Sequences are grouped into forwards or requests by the config
+Token alignment (the rule every other module points to as "the alignment rule in backends/base.py"): for a sequence of n
+token ids, every `score` returns n - 1 values, and entry t is log p(tokens[t+1] | tokens[:t+1]), computed in fp32 from
+the model's logits. There is no value for the first token; an engine that returns one for it (vLLM's `prompt_logprobs`
+entry 0 is None) drops it and checks the length. Sequences are grouped into forwards or requests by the config
 (`scoring`, `groups`), the same way in every phase, because batching changes numbers on real backends.
 
-A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts
-are the small runtime-checkable protocols below (`MergingTrainer`, `BaseReloadingSampler`, `BaseResettingSampler`,
-`CachedScoringSampler`, `RoutingIntrospection`, `RouteReturningSampler`, `RouteReplayingTrainer`,
-`GeneratingSampler`, `StartAdapterTrainer`, `SteppingTrainer`, `TensorReadingTrainer`; `mixed_batch`'s
-`MixedBatchSampler`, `sleep`'s `SleepingSampler`), which callers test with `isinstance`/`issubclass`, never by
-probing attributes. Every backend is built through `create(cfg, model_dir, timings, options)`.
+A backend class states its capabilities once, in `traits` (a `BackendTraits`); its optional parts are the small
+runtime-checkable protocols below (and `mixed_batch.MixedBatchSampler`, `sleep.SleepingSampler`), which callers test
+with `isinstance`/`issubclass`, never by probing attributes. Every backend is built through `create(cfg, model_dir,
+timings, options)`.
 """
 
 from __future__ import annotations
@@ -64,8 +61,8 @@ UNSERVABLE = "cannot serve an adapter with"
 
 @dataclass(frozen=True)
 class BackendTraits:
-    """What a backend can do and needs, stated once per class (an instance may refine it when what
-    it found at start-up decides, e.g. a service that cannot sample the base model)."""
+    """What a backend can do and needs, stated once per class (an instance may refine it when what it found at
+    start-up decides, e.g. a service that cannot sample the base model)."""
 
     needs_checkpoint: bool = True
     """Loads the model from a local checkpoint folder (False: a service or a fake holds it)."""
@@ -74,8 +71,8 @@ class BackendTraits:
     takes_service_options: bool = False
     """Talks to a service: built with the run's `url` and `base_model`."""
     shares_trainer_state: bool = False
-    """Its adapters are handles on the trainer's own service: an old one may serve the trainer's
-    current weights or write its own back into them (the sequence then re-checks both)."""
+    """Its adapters are handles on the trainer's own service: an old one may serve the trainer's current weights or
+    write its own back into them (the sequence then re-checks both)."""
     releases_nothing_at_exit: bool = False
     """Holds only this process's memory: a process about to exit may skip `close`."""
     base_unavailable: str | None = None
@@ -85,17 +82,17 @@ class BackendTraits:
     routing_unavailable: str | None = None
     """Why router top-k cannot be read from this backend, or None."""
     start_adapter_unavailable: str | None = "it cannot start from a user's adapter"
-    """Why this trainer cannot start from a user's PEFT adapter (`--adapter`), or None (a trainer
-    that can is also a `StartAdapterTrainer`)."""
+    """Why this trainer cannot start from a user's PEFT adapter (`--adapter`), or None (a trainer that can is also a
+    `StartAdapterTrainer`)."""
     served_over_http: bool = False
-    """A sampler served over HTTP (vllm-server, sglang): built with `sampler_url`, `api_key_env` and
-    `shared_dir`, and the only one the serving-layer faults apply to."""
+    """A sampler served over HTTP (vllm-server, sglang): built with `sampler_url`, `api_key_env` and `shared_dir`, and
+    the only one the serving-layer faults apply to."""
     rounding_unresolved: str | None = None
     """Why a fault that only rounds the adapter's values (fp16-export) stays below what this trainer's runs resolve,
     so the selftest leaves it out; or None."""
     same_name_reload_refused: str | None = None
-    """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the
-    old adapter), so the faults that do only that do not apply; or None."""
+    """Why reloading a loaded name without `load_inplace` is an error here (not a silent keep of the old adapter), so
+    the faults that do only that do not apply; or None."""
     at_checkpoint_precision: bool = False
     """Scores in the checkpoint's own dtype on this machine (not fp32-exact, not a service of unknown precision):
     two such sides are about equally far from fp32, so `fp32_balance` applies only when trainer and sampler are."""
@@ -103,12 +100,14 @@ class BackendTraits:
     """Why this sampler cannot score routes mixed in one batch (that phase and its fault do not apply), or None."""
     sleep_unavailable: str | None = "it has no sleep mode lora-parity drives (no `SleepingSampler`)"
     """Why this sampler cannot sleep and wake (the sleep phases and their faults do not apply), or None."""
+    reads_prefix_cache: bool = False
+    """Its phases also score through its prefix cache (a `CachedScoringSampler` as built): the faults on it apply."""
     reload_gets_fresh_cache: str | None = None
     """Why a reload under a loaded name and path never reads the old adapter's prefix-cache blocks here (each load
     gets a cache namespace of its own), so the fault that counts on them (warm-prefix-cache) does not apply; or None."""
     unload_reloads: str | None = None
-    """Why a request naming an adapter this sampler unloaded does not fail here (the server loads it again
-    from its path), so the fault that counts on that failure (unload-before-score) does not apply; or None."""
+    """Why a request naming an adapter this sampler unloaded does not fail here (the server loads it again from its
+    path), so the fault that counts on that failure (unload-before-score) does not apply; or None."""
     adapter_needs: tuple[tuple[str, str], ...] = ()
     """(kind, needed kind): this sampler cannot serve an adapter whose module path has a LoRA on the first
     kind but none on the second (SGLang stacks q/k/v and gate/up itself); such an adapter is refused
@@ -139,8 +138,8 @@ class BackendOptions:
     """Sampler: batch-invariant kernels where the build has them (vLLM on CUDA), SGLang's deterministic
     inference (`--no-batch-invariant` turns either off)."""
     server: ServerProcess | None = None
-    """A server the run launched early for this sampler (`EarlyLaunchingSampler.launch_early`), which
-    it adopts instead of launching its own (one already stopped is not adopted)."""
+    """A server the run launched early for this sampler (`EarlyLaunchingSampler.launch_early`), which it adopts
+    instead of launching its own (one already stopped is not adopted)."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +150,8 @@ class PreflightOptions:
     sampler: str
     inject: str | None = None
     inject_rewrites_files: bool = False
-    """The injected fault rewrites exported PEFT files (`FaultSpec.rewrites_files`): a trainer that exports
-    none refuses it."""
+    """The injected fault rewrites exported PEFT files (`FaultSpec.rewrites_files`): a trainer that exports none
+    refuses it."""
     url: str | None = None
     base_model: str | None = None
     tp: int = 1
@@ -201,8 +200,7 @@ class Sampler(Protocol):
     traits: BackendTraits
 
     def score(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        """Prompt logprobs of each sequence under `adapter` (None: the base model), per the
-        alignment rule above."""
+        """Prompt logprobs of each sequence under `adapter` (None: the base model), per the alignment rule above."""
         ...
 
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
@@ -280,8 +278,7 @@ class RoutingIntrospection(Protocol):
     """A backend that reports MoE routing."""
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
-        """Each token's top-k expert ids per MoE layer ([sequence][token][layer]); None for a
-        dense model."""
+        """Each token's top-k expert ids per MoE layer ([sequence][token][layer]); None for a dense model."""
         ...
 
 
@@ -319,11 +316,10 @@ class GeneratingSampler(Protocol):
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
-        """Sample exactly `max_tokens` tokens after each prompt (temperature 1, no stop token, request
-        i seeded with `seed + i`) under `adapter` (None: the base model). Returns each prompt +
-        completion, and its logprobs by the alignment rule above: entry t is the logprob the same
-        request gave token t+1, its prompt logprob for a prompt token, the logprob it was sampled
-        with for a generated one."""
+        """Sample exactly `max_tokens` tokens after each prompt (temperature 1, no stop token, request i seeded with
+        `seed + i`) under `adapter` (None: the base model). Returns each prompt + completion, and its logprobs by the
+        alignment rule above: entry t is the logprob the same request gave token t+1, its prompt logprob for a prompt
+        token, the logprob it was sampled with for a generated one."""
         ...
 
 
@@ -388,9 +384,8 @@ class StartAdapterTrainer(Protocol):
     """A trainer that can start from a user's PEFT adapter (`--adapter`) instead of zero-init."""
 
     def load_start_adapter(self, folder: Path) -> None:
-        """Load the adapter's A and B (rank, alpha and targets already match it: the run's config
-        is taken from its adapter_config.json). From then on `zero_b` restores this B, and `perturb`
-        accepts a B equal to it."""
+        """Load the adapter's A and B (rank, alpha and targets already match it: the run's config is taken from its
+        adapter_config.json). From then on `zero_b` restores this B, and `perturb` accepts a B equal to it."""
         ...
 
 
@@ -448,3 +443,8 @@ class SamplerBackend(Backend, Sampler):
                options: BackendOptions) -> Self:
         """Build the sampler for a run (`timings` receives its start times)."""
         return cls(cfg, model_dir, timings, lora=options.lora)
+
+    @classmethod
+    def built_traits(cls, cfg: ModelConfig) -> BackendTraits:
+        """The traits of the sampler `create` builds for `cfg` (preflight's: a class may build a subclass)."""
+        return cls.traits

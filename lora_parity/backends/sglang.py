@@ -155,7 +155,8 @@ class SGLangSampler(SGLangEngineState, ServedAdapters, SamplerBackend):
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
                            reload_gets_fresh_cache=RELOAD_GETS_FRESH_CACHE, at_checkpoint_precision=True,
-                           unload_reloads=UNLOAD_RELOADS, adapter_needs=ADAPTER_NEEDS, sleep_unavailable=None)
+                           unload_reloads=UNLOAD_RELOADS, adapter_needs=ADAPTER_NEEDS, sleep_unavailable=None,
+                           reads_prefix_cache=True)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:

@@ -200,10 +200,19 @@ class VLLMSampler(SamplerBackend):
                options: BackendOptions) -> VLLMSampler:
         """Start the engine, with batch-invariant kernels unless `options` turn them off."""
         assert model_dir is not None
-        # With prefix caching on (the user's engine arguments) the engine also scores as rollouts read its cache.
-        caching = cfg.sampler.engine_args.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True
-        kind = VLLMCachedSampler if caching and options.lora else cls
+        kind = cls._kind(cfg, options.lora)
         return kind(cfg, model_dir, timings, lora=options.lora, batch_invariant=options.batch_invariant)
+
+    @classmethod
+    def _kind(cls, cfg: ModelConfig, lora: bool) -> type[VLLMSampler]:
+        """With prefix caching on (the user's engine arguments) the engine also scores as rollouts read its cache."""
+        caching = cfg.sampler.engine_args.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True
+        return VLLMCachedSampler if caching and lora else cls
+
+    @classmethod
+    def built_traits(cls, cfg: ModelConfig) -> BackendTraits:
+        """`SamplerBackend.built_traits`: with prefix caching on, `VLLMCachedSampler`'s."""
+        return cls._kind(cfg, True).traits
 
     def weight_version(self) -> str | None:
         """The engine's weight version (vLLM 0.32's `LLMEngine.get_weight_version`; None before it existed)."""
@@ -385,6 +394,8 @@ class VLLMSampler(SamplerBackend):
 class VLLMCachedSampler(VLLMSampler):
     """The `vllm` sampler with prefix caching on: it also scores the way rollouts read the cache
     (`score_cached`: a `CachedScoringSampler`, the phases stale_cached and updated_cached, checks P.*)."""
+
+    traits = replace(VLLMSampler.traits, reads_prefix_cache=True)
 
     @functools.cached_property
     def blocks(self) -> vllm_cached.Blocks | None:

@@ -215,13 +215,13 @@ def launch_server(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant
 
 class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGeneration, VLLMServerMixedBatch,
                         ServedAdapters, SamplerBackend):
-    """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the way rollouts
-    read the prefix cache too (`score_cached`: a `CachedScoringSampler`), generates and records its CUDA graphs
-    (`VLLMServerGeneration`), mixes routes in a batch (`VLLMServerMixedBatch`), sleeps and reports its weight version
-    (`VLLMServerEngineState`)."""
+    """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the way rollouts read
+    the prefix cache too (`score_cached`), generates and records its CUDA graphs (`VLLMServerGeneration`), mixes routes
+    in a batch (`VLLMServerMixedBatch`), sleeps and reports its weight version (`VLLMServerEngineState`)."""
 
     traits = BackendTraits(served_over_http=True, same_name_reload_refused=SAME_NAME_RELOAD_REFUSED,
-                           at_checkpoint_precision=True, sleep_unavailable=None, mixed_batch_unavailable=None)
+                           at_checkpoint_precision=True, sleep_unavailable=None, mixed_batch_unavailable=None,
+                           reads_prefix_cache=True)
 
     @classmethod
     def preflight(cls, opts: PreflightOptions) -> None:

@@ -126,10 +126,9 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
     FaultSpec("same-name-no-inplace", "sync reloads under the same name without load_inplace and does not read "
               "the server's reply", ("C.parity.mean",), "fail", modes=ADAPTER_MODES, sync=SameNameNoInplace,
               serving_layer=True),
-    FaultSpec("warm-prefix-cache", "sync overwrites the published adapter folder and reloads it in place under "
-              "the same name and path, with prefix-cache blocks of the old adapter warm", ("P.parity.mean",),
-              "fail", must_pass=("C.parity.mean",), modes=ADAPTER_MODES, sync=WarmPrefixCache, serving_layer=True,
-              reads_reloaded_cache=True),
+    FaultSpec("warm-prefix-cache", "sync overwrites the published adapter folder and reloads it in place under the "
+              "same name and path, with prefix-cache blocks of the old adapter warm", ("P.parity.mean",), "fail",
+              must_pass=("C.parity.mean",), modes=ADAPTER_MODES, sync=WarmPrefixCache, reads_reloaded_cache=True),
     FaultSpec("stale-folder", "sync loads the folder published before the update under the update's name (in place "
               "under the same name with --sync inplace); SGLang serves a path already loaded under another name with "
               "only a logged warning (sgl-project/sglang#13771)", ("C.parity.mean",), "fail", modes=ADAPTER_MODES,
@@ -197,6 +196,9 @@ def not_applicable(name: str, sampler: BackendTraits) -> str | None:
                 "or sglang)")
     if spec.reloads_same_name and sampler.same_name_reload_refused:
         return f"this sampler {sampler.same_name_reload_refused}"
+    if spec.reads_reloaded_cache and not sampler.reads_prefix_cache:
+        return ("it scores no request through a prefix cache (the phases stale_cached and updated_cached read one: "
+                "vllm-server, sglang, or vllm with --engine-arg enable_prefix_caching=true)")
     if spec.reads_reloaded_cache and sampler.reload_gets_fresh_cache:
         return f"this sampler {sampler.reload_gets_fresh_cache}"
     if spec.counts_on_unload and sampler.unload_reloads:

@@ -79,10 +79,10 @@ def run_sequence(run: Run) -> None:
     run.step("sync", run.sync)
     run.step("updated", lambda: run.sampler_score("updated", run.handle, repeat=True))
     _trainer_updated(run, after_engine=True)
+    if run.sampler_reads_prefix_cache:  # ... and read after sync, before `fresh` (whose retire clears the cache)
+        run.step("updated_cached", lambda: run.cached_score("updated_cached", run.handle))
     if run.checks_fresh:  # the trainer's tensors loaded fresh must score exactly as the synced adapter
         run.step("fresh", run.fresh)
-    if run.sampler_reads_prefix_cache:  # ... and read it after sync: no block of the old adapter may serve
-        run.step("updated_cached", lambda: run.cached_score("updated_cached", run.handle))
     if run.sampled:
         run.step("generate_updated", run.generate_updated)
     engine_state.after_sync(run)

@@ -231,8 +231,8 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     sampled = generation.require(probes, sampler_cls, opts.sampler)
     Faults(opts.inject, cfg.adapter.kinds, probes.num_scored_positions, cfg.budgets.mean, opts.sync,
            sampled=sampled)
-    require_applies(opts.inject, sampler_cls.traits, opts.sampler, issubclass(trainer_cls, TensorReadingTrainer),
-                    opts.trainer)
+    require_applies(opts.inject, sampler_cls.built_traits(cfg), opts.sampler,
+                    issubclass(trainer_cls, TensorReadingTrainer), opts.trainer)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
     needs_checkpoint = trainer_cls.traits.needs_checkpoint or sampler_cls.traits.needs_checkpoint
     reference_preflight(opts.reference, needs_checkpoint)

@@ -1,5 +1,6 @@
 """The serving-layer faults' sync wrappers (`lora_parity.run.faults` declares them): what a client of an
-HTTP-served sampler gets wrong at the sync step. They apply to a sampler served over HTTP only."""
+HTTP-served sampler gets wrong at the sync step. They apply to a sampler served over HTTP only, but warm-prefix-cache,
+which applies wherever the run reads the sampler's prefix cache (an in-process vLLM with prefix caching too)."""
 
 from __future__ import annotations
 
