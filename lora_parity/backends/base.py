@@ -316,10 +316,10 @@ class GeneratingSampler(Protocol):
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
-        """Sample exactly `max_tokens` tokens after each prompt (temperature 1, no stop token, request i seeded with
-        `seed + i`) under `adapter` (None: the base model). Returns each prompt + completion, and its logprobs by the
-        alignment rule above: entry t is the logprob the same request gave token t+1, its prompt logprob for a prompt
-        token, the logprob it was sampled with for a generated one."""
+        """Sample exactly `max_tokens` tokens after each prompt (the config's `sampler.sampling` where the sampler takes
+        it, else temperature 1; no stop token, request i seeded with `seed + i`) under `adapter` (None: the base model).
+        Returns each prompt + completion, and its raw logprobs by the alignment rule above: entry t is what the same
+        request gave token t+1, its prompt logprob for a prompt token, the one it was drawn with for a generated one."""
         ...
 
 

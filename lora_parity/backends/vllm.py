@@ -312,14 +312,14 @@ class VLLMSampler(SamplerBackend):
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
-        """One request per prompt: temperature 1, request i seeded with `seed + i`, exactly `max_tokens`
-        tokens (EOS ignored), `logprobs=0` (the sampled token's) and `prompt_logprobs=0` in the same
-        request; see `GeneratingSampler`."""
-        request = self._request(adapter)
+        """One request per prompt: the user's sampling parameters (`models.sampling`), request i seeded with `seed + i`,
+        exactly `max_tokens` tokens (EOS ignored), `logprobs=0` (the sampled token's, raw) and `prompt_logprobs=0` in
+        the same request; see `GeneratingSampler`."""
+        request, sampling = self._request(adapter), self.cfg.sampler.sampling.engine_params()
         sequences: Sequences = []
         logprobs: Scores = []
         for i, prompt in enumerate(prompts):
-            params = self._SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens, min_tokens=max_tokens,
+            params = self._SamplingParams(**sampling, seed=seed + i, max_tokens=max_tokens, min_tokens=max_tokens,
                                           ignore_eos=True, logprobs=0, prompt_logprobs=0, detokenize=False)
             result = self.llm.generate([self._TokensPrompt(prompt_token_ids=prompt)], params, lora_request=request,
                                        use_tqdm=False)[0]
@@ -375,7 +375,7 @@ class VLLMSampler(SamplerBackend):
         if self.pack:
             grouping = f"requests packed up to {self.pack} tokens per generate call"
         settings.update(device=device, build=build, scoring=f"{grouping}, prompt_logprobs=0",
-                        batch_invariant=self.batch_invariant)
+                        batch_invariant=self.batch_invariant, sampling=self.cfg.sampler.sampling.describe())
         if self.torch_compile is not None:
             settings["torch_compile"] = self.torch_compile
         settings.update(self.deployment)

@@ -431,7 +431,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
             "scoring": "/v1/completions, one request per "
                        + ("sequence" if self.cfg.scoring.batch_size == 1 else f"{self.cfg.scoring.batch_size} "
                           "sequences") + ", prompt_logprobs=0; cached: one request per prefix, allowed_token_ids",
-            "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter",
+            "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter", "sampling": self.cfg.sampler.sampling.describe(),
         }
         if self.server is not None and not self.cuda:
             settings["trainer_torch_threads"] = "1 (the trainer shares the cores with the server)"

@@ -23,6 +23,9 @@ from lora_parity.backends.base import AdapterHandle, Scores, Sequences
 from lora_parity.backends.vllm_server_state import DEV_MODE
 from lora_parity.util.errors import ScoreError
 
+if TYPE_CHECKING:
+    from lora_parity.models.config import ModelConfig
+
 TOKEN_ID = re.compile(r"token_id:(\d{1,12})")
 """A generated token as vLLM writes it with `return_tokens_as_token_ids` (a longer number is no token id: refused)."""
 CPU_GRAPHS = "off (vLLM-CPU captures no CUDA graphs: its platform empties cudagraph_capture_sizes)"
@@ -94,11 +97,12 @@ def started_graphs(argv: list[str], cuda: bool) -> str:
 
 class VLLMServerGeneration:
     """`GeneratingSampler` and the `cuda_graphs` setting for the vllm-server sampler (a mixin: it needs the sampler's
-    `_completion`, `_call`, `base_model`, `server` and `cuda`)."""
+    `_completion`, `_call`, `base_model`, `server`, `cuda` and `cfg`)."""
 
     if TYPE_CHECKING:
         server: Any
         cuda: bool
+        cfg: ModelConfig
 
         @property
         def base_model(self) -> str: ...
@@ -109,15 +113,17 @@ class VLLMServerGeneration:
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
-        """One `/v1/completions` per prompt: temperature 1, request i seeded with `seed + i`, exactly `max_tokens`
-        tokens (EOS ignored), `logprobs: 0` and `prompt_logprobs: 0` in the same request; see `GeneratingSampler`."""
+        """One `/v1/completions` per prompt: the user's sampling parameters (`models.sampling`), request i seeded with
+        `seed + i`, exactly `max_tokens` tokens (EOS ignored), `logprobs: 0` (raw) and `prompt_logprobs: 0` in the same
+        request; see `GeneratingSampler`."""
         model = adapter.name if adapter is not None else self.base_model
+        sampling = self.cfg.sampler.sampling.engine_params()
         sequences: Sequences = []
         logprobs: Scores = []
         for i, prompt in enumerate(prompts):
             choices = self._completion(list(prompt), model, "generate", max_tokens=max_tokens, min_tokens=max_tokens,
                                        ignore_eos=True, seed=seed + i, logprobs=0, prompt_logprobs=0,
-                                       return_tokens_as_token_ids=True)
+                                       return_tokens_as_token_ids=True, **sampling)
             if len(choices) != 1:
                 raise ScoreError(f"vLLM server generation for prompt {i}: expected one choice, got {len(choices)}")
             tokens, sampled = generated(choices[0], max_tokens, f"prompt {i}")

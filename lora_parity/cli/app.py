@@ -38,6 +38,7 @@ from lora_parity.cli.commands.options import (
     RouteReplayOpt,
     SamplerOpt,
     SamplerUrlOpt,
+    SamplingOpt,
     SeedOpt,
     SharedDirOpt,
     SleepLevelsOpt,
@@ -109,6 +110,7 @@ def run(
     batch_invariant: BatchInvariantOpt = True,
     engine_arg: EngineArgOpt = None,
     sleep_levels: SleepLevelsOpt = None,
+    sampling: SamplingOpt = None,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
@@ -160,7 +162,8 @@ def run(
                       reference=reference, exact_reference=exact_reference, dtype=dtype, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter,
-                      engine_args=tuple(engine_arg or ()), sleep_levels=sleep_levels)
+                      engine_args=tuple(engine_arg or ()), sleep_levels=sleep_levels,
+                      sampling=tuple(sampling or ()))
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)
@@ -262,6 +265,7 @@ def selftest(
     exact_reference: ExactReferenceOpt = True,
     engine_arg: EngineArgOpt = None,
     sleep_levels: SleepLevelsOpt = None,
+    sampling: SamplingOpt = None,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
@@ -287,7 +291,7 @@ def selftest(
                       revision=revision, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, adapter=adapter, engine_args=tuple(engine_arg or ()),
-                      sleep_levels=sleep_levels)
+                      sleep_levels=sleep_levels, sampling=tuple(sampling or ()))
     from lora_parity.run.runner import RunInterrupted
     from lora_parity.util import interrupt
 

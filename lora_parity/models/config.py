@@ -19,6 +19,7 @@ from lora_parity.models.launch import LaunchSpec as LaunchSpec
 from lora_parity.models.launch import SamplerLaunch as SamplerLaunch
 from lora_parity.models.launch import TrainerLaunch as TrainerLaunch
 from lora_parity.models.lora_targets import projection_targets, tensor_names
+from lora_parity.models.sampling import SamplingSpec
 from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError
 
@@ -233,6 +234,8 @@ class SamplerSpec(_Cfg):
     sleep_levels: list[Literal[1, 2]] = Field(default_factory=list)
     """Sleep levels the run exercises after the sync (`run.sleep_wake`, W.*; `--sleep-levels` wins); vLLM needs
     enable_sleep_mode=true. Empty: none."""
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """The user's temperature, top-p and top-k on the decode path (`models.sampling`; `--sampling` wins)."""
 
 
 class ScoringSpec(_Cfg):
@@ -283,11 +286,13 @@ class ModelConfig(_Cfg):
         return self
 
     def digest(self) -> str:
-        """sha256 of the config's canonical JSON (`route_replay` where unset and `adapter.target_parameters` where
-        empty left out: older digests hold)."""
+        """sha256 of the config's canonical JSON (`route_replay` where unset, `adapter.target_parameters` where
+        empty and `sampler.sampling` where the identity left out: older digests hold)."""
         unset: dict[str, Any] = {"route_replay": True} if self.route_replay is None else {}
         if not self.adapter.target_parameters:
             unset["adapter"] = {"target_parameters"}
+        if self.sampler.sampling.identity:
+            unset["sampler"] = {"sampling"}
         return sha256_json(self.model_dump(mode="json", exclude=unset or None))
 
 

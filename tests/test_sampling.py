@@ -1,0 +1,132 @@
+"""The user's sampling parameters on the decode path (issue 44; `models.sampling`): `--sampling KEY=VALUE` over the
+config's `sampler.sampling`, sent with every generation request of the vllm and vllm-server samplers, the logprobs
+compared kept raw, refused where they cannot be honoured, recorded and said in the lifecycle table."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from lora_parity.models import config, sampling
+from lora_parity.models.sampling import SamplingSpec
+from lora_parity.run.runner import RunOptions, prepare
+from lora_parity.util.errors import ConfigError
+from lora_parity.verdict import lifecycle
+
+from .conftest import cli
+from .test_lifecycle import ok
+from .test_sglang_unit import checkpoint  # noqa: F401  (the fixture)
+from .vllm_server_standin import VLLMStandIn
+
+ROW = "the user's sampling parameters"
+
+
+def row(settings: dict[str, object], *phases: str) -> list[tuple[str, str]]:
+    return [(r.status, r.detail) for r in lifecycle.derive("vllm", settings, ok(*phases)) if r.condition == ROW]
+
+
+@pytest.fixture
+def server() -> Iterator[VLLMStandIn]:
+    stand_in = VLLMStandIn()
+    yield stand_in
+    stand_in.close()
+
+
+@pytest.mark.unit
+def test_the_options_are_checked_in_one_line_each() -> None:
+    spec = sampling.merged(SamplingSpec(), sampling.parse(["temperature=0.7", " top_k = 50"]))
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.identity) == (0.7, 1.0, 50, False)
+    assert spec.engine_params() == {"temperature": 0.7, "top_k": 50}
+    assert SamplingSpec().engine_params() == {"temperature": 1.0}  # the identity sends what lora-parity always sent
+    for bad, said in (("top_p=0", "top_p"), ("temperature=0", "temperature"), ("top_k=-1", "top_k"),
+                      ("min_p=0.1", "min_p"), ("top_p=x", "top_p")):
+        with pytest.raises(ConfigError, match=said) as e:
+            sampling.merged(SamplingSpec(), sampling.parse([bad]))
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        sampling.parse(["temperature"])
+
+
+@pytest.mark.unit
+def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
+    warm = SamplingSpec(temperature=0.6)
+    assert sampling.refusal(warm, "vllm", {}) is None and sampling.refusal(warm, "vllm-server", {}) is None
+    assert "temperature 1 only" in str(sampling.refusal(warm, "sglang", {}))
+    assert "cannot be compared" in str(sampling.refusal(warm, "vllm", {"logprobs_mode": "processed_logprobs"}))
+    assert sampling.refusal(SamplingSpec(), "hf", {"logprobs_mode": "processed_logprobs"}) is None
+    # From the CLI, before any backend is imported: exit 2, one line.
+    for given, said in (("top_k=5", "temperature 1 only"), ("top_p=2", "top_p")):
+        result = cli("run", "--trainer", "fake", "--sampler", "fake", "--sampling", given)
+        assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("checkpoint")
+def test_the_config_digest_holds_for_the_identity_and_moves_for_the_users_parameters(server: VLLMStandIn) -> None:
+    plain = config.load(None)
+    said = plain.model_copy(update={"sampler": plain.sampler.model_copy(update={"sampling": SamplingSpec()})})
+    warm = plain.model_copy(update={"sampler": plain.sampler.model_copy(
+        update={"sampling": SamplingSpec(temperature=0.7)})})
+    assert said.digest() == plain.digest() != warm.digest()
+    plan = prepare(RunOptions(trainer="fake", sampler="vllm-server", sampling=("temperature=0.7",),
+                              sampler_url=server.url))
+    assert plan.cfg.sampler.sampling == SamplingSpec(temperature=0.7)
+
+
+@pytest.mark.unit
+def test_the_lifecycle_row_says_what_the_decode_path_was_drawn_with() -> None:
+    assert SamplingSpec().describe() == lifecycle.IDENTITY_SAMPLING
+    assert row({}) == []  # a receipt made before the row: its table as recorded
+    [(status, detail)] = row({"sampling": SamplingSpec().describe()}, "sample")
+    assert status == "not covered" and "lora-parity's own" in detail
+    warm = SamplingSpec(temperature=0.7, top_p=0.9).describe()
+    [(status, detail)] = row({"sampling": warm}, "zero", "updated")
+    assert status == "not covered" and "no phase generated" in detail
+    [(status, detail)] = row({"sampling": warm}, "sample", "generate_updated")
+    assert status == "covered" and detail.startswith("rollouts drawn with temperature 0.7, top_p 0.9, top_k off")
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("checkpoint")
+def test_the_vllm_server_sampler_sends_them_with_every_generation_request(server: VLLMStandIn) -> None:
+    from lora_parity.backends.vllm_server import VLLMServerSampler
+
+    cfg = config.load(None)
+    cfg = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(
+        update={"sampling": SamplingSpec(temperature=0.5, top_p=0.8, top_k=7)})})
+    sampler = VLLMServerSampler(cfg, None, {}, url=server.url)
+    sampler.generate([[1, 2, 3], [4, 5]], 3, 11, None)
+    bodies = [body for _, path, _, body in server.requests if path == "/v1/completions"]
+    assert len(bodies) == 2
+    assert all((b["temperature"], b["top_p"], b["top_k"]) == (0.5, 0.8, 7) for b in bodies)
+    assert sampler.info().settings["sampling"] == "temperature 0.5, top_p 0.8, top_k 7"
+
+
+@pytest.mark.cpu_e2e
+def test_on_vllm_cpu_top_k_1_draws_the_same_tokens_whatever_the_seed_and_the_logprobs_stay_raw() -> None:
+    # top_k 1 is greedy: two seeds draw the same completion, where the default (temperature 1, every token) draws
+    # others; the logprob of a token drawn with probability 1 after top-k is 0 processed, below 0 raw.
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.backends import vllm
+    from lora_parity.backends.base import BackendOptions
+    from lora_parity.models import synthetic
+
+    cfg = config.load(None)  # tiny-qwen3, fp32
+    model_dir = synthetic.materialize(cfg)
+    sampler = vllm.VLLMSampler.create(cfg, model_dir, {}, BackendOptions())
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 512) for _ in range(8)] for _ in range(3)]
+    try:
+        default = [sampler.generate(prompts, 6, seed, None)[0] for seed in (0, 1000)]
+        assert default[0] != default[1]
+        sampler.cfg = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(
+            update={"sampling": SamplingSpec(top_k=1)})})
+        greedy = [sampler.generate(prompts, 6, seed, None) for seed in (0, 1000)]
+        assert greedy[0][0] == greedy[1][0]
+        drawn = [lp for row_ in greedy[0][1] for lp in row_[7:]]  # the generated tokens' logprobs
+        assert len(drawn) == 3 * 6 and max(drawn) < -1e-3
+        assert sampler.info().settings["sampling"] == "temperature 1, top_p 1, top_k 1"
+    finally:
+        sampler.close()
