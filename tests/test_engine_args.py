@@ -91,8 +91,8 @@ def test_a_config_section_is_checked_too_and_the_flag_wins(tmp_path: Path) -> No
     assert merged.sampler.engine_args == {"max_num_seqs": 5, "block_size": 16}  # the flag wins over the config
 
 
-def test_engine_arguments_are_refused_for_samplers_that_are_not_vllm(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="engine arguments are vLLM's"):
+def test_engine_arguments_are_refused_for_samplers_without_an_engine_to_take_them(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"engine arguments are the engine's \(--sampler vllm, vllm-server or"):
         execute(RunOptions(trainer="fake", sampler="fake", engine_args=("max_num_seqs=4",), out=tmp_path / "r.json"))
 
 

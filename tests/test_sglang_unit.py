@@ -148,6 +148,46 @@ def test_an_attached_url_is_checked_at_preflight(stand_in: StandIn, tmp_path: Pa
 # --- the server's command line -----------------------------------------------------------------------
 
 
+def test_the_users_server_arguments_go_on_the_command_line_as_given_and_lora_paritys_own_step_aside() -> None:
+    from lora_parity.backends import engine_args
+    from lora_parity.run import runner
+    from lora_parity.run.options import RunOptions
+
+    cfg = config.load(None)
+    given = ("disable_cuda_graph=false", "enable-deterministic-inference=false", "disable_radix_cache=true",
+             "max_loras_per_batch=4", "mem_fraction_static=0.3", "attention_backend=fa3")
+    user = runner._with_engine_args(cfg, RunOptions(sampler="sglang", engine_args=given))
+    assert user.sampler.engine_args == {"disable_cuda_graph": False, "enable_deterministic_inference": False,
+                                        "disable_radix_cache": True, "max_loras_per_batch": 4,
+                                        "mem_fraction_static": 0.3, "attention_backend": "fa3"}
+    argv = sglang_server.server_argv(user, Path("c"), 1)
+    assert "--disable-cuda-graph" not in argv and "--enable-deterministic-inference" not in argv  # the user's false
+    assert "--disable-radix-cache" in argv  # the user's switch
+    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert flag["--max-loras-per-batch"] == "4" and flag["--attention-backend"] == "fa3"
+    assert argv.count("--mem-fraction-static") == 1 and flag["--mem-fraction-static"] == "0.3"  # theirs, not ours
+    assert engine_args.record(user.sampler.engine_args)[0] == "disable_cuda_graph=false"  # what the receipt records
+    # Refused in one line: a key lora-parity sets, one naming a file the server would load, an unknown one, a value
+    # of another kind; and vLLM's keys are not SGLang's.
+    for bad, said in (("random_seed=3", "lora-parity seeds the server"), ("tokenizer_path=/x", "names code or files"),
+                      ("max_num_seqs=4", "unknown SGLang server argument"), ("page_size=big", "expected int"),
+                      ("trust_remote_code=true", "use --trust-remote-code")):
+        with pytest.raises(ConfigError, match=said) as e:
+            runner._with_engine_args(cfg, RunOptions(sampler="sglang", engine_args=(bad,)))
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="unknown engine argument 'disable_radix_cache'"):
+        runner._with_engine_args(cfg, RunOptions(sampler="vllm", engine_args=("disable_radix_cache=true",)))
+
+
+def test_server_arguments_are_refused_for_an_attached_server(tmp_path: Path) -> None:
+    from lora_parity.run.runner import RunOptions, execute
+
+    with pytest.raises(ConfigError, match="an attached server runs with its own"):
+        execute(RunOptions(trainer="fake", sampler="sglang", sampler_url="http://127.0.0.1:9",
+                           engine_args=("disable_radix_cache=true",), out=tmp_path / "r.json"))
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_the_server_gets_the_runs_lora_settings_and_deterministic_inference(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = config.load(None)
     argv = sglang_server.server_argv(cfg, Path("ckpt"), 8123)

@@ -55,8 +55,10 @@ EXACTNESS = {
 """Settings that conflict with what an exact repeat needs: (the user's value, what the run says)."""
 
 
-def _value(key: str, raw: Any) -> Any:
-    kind = ALLOWED[key]
+def value_of(key: str, raw: Any, allowed: Mapping[str, type | tuple[str, ...]] = ALLOWED) -> Any:
+    """`raw` (a JSON text from the command line, or a YAML value) as the kind `allowed` gives `key`; `ConfigError`
+    (one line) for a value of another kind."""
+    kind = allowed[key]
     if isinstance(raw, str) and kind is not str:
         try:
             raw = json.loads(raw)
@@ -85,18 +87,33 @@ def check(args: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"engine argument {key!r} is refused: it names code or files the engine would load")
         if key not in ALLOWED:
             raise ConfigError(f"unknown engine argument {key!r}; allowed: {', '.join(sorted(ALLOWED))}")
-        out[key] = _value(key, raw)
+        out[key] = value_of(key, raw)
     return out
 
 
 def parse(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """`--engine-arg KEY=VALUE` values as a dict (checked: `check`)."""
+    """`--engine-arg KEY=VALUE` values as a dict, unchecked (`check_for` checks them for the run's sampler)."""
     args: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--engine-arg {pair!r}: expected KEY=VALUE")
         args[key.strip()] = value.strip()
+    return args
+
+
+def check_for(sampler: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's engine arguments checked for `sampler`: vLLM's (`check`) for vllm and vllm-server, SGLang's server
+    arguments for sglang (`sglang_args.check`); any for another sampler is a `ConfigError`."""
+    from lora_parity.backends import sglang_args
+
+    if not args:
+        return {}
+    if sampler == "sglang":
+        return sglang_args.check(args)
+    if sampler not in ("vllm", "vllm-server"):
+        raise ConfigError(f"engine arguments are the engine's (--sampler vllm, vllm-server or sglang), not "
+                          f"{sampler!r}'s")
     return check(args)
 
 

@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
-from lora_parity.backends import bounded_http, served, sglang_server, vllm_routes
+from lora_parity.backends import bounded_http, engine_args, served, sglang_server, vllm_routes
 from lora_parity.backends.base import (
     UNSERVABLE,
     AdapterHandle,
@@ -438,6 +438,8 @@ class SGLangSampler(SGLangEngineState, ServedAdapters, SamplerBackend):
             "sync": "/load_lora_adapter or /load_lora_adapter_from_tensors (--sync tensors), /unload_lora_adapter "
                     "(inplace: unload, then load under the same name)",
             **{f"server.{k}": v for k, v in recorded["args"].items()}, **sglang_server.deployment(recorded["args"])}
+        if self.cfg.sampler.engine_args:  # the user's server arguments, on the command line of the server started here
+            settings["engine_args"] = engine_args.record(self.cfg.sampler.engine_args)
         if self.server is not None:
             settings["deterministic_inference"] = "--enable-deterministic-inference" in self.server.argv
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lora_parity.backends import served, sglang_state, sleep
+from lora_parity.backends import served, sglang_args, sglang_state, sleep
 from lora_parity.backends.base import PreflightOptions
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import returns_routes
@@ -73,20 +73,24 @@ def check_server_args(cfg: ModelConfig) -> None:
 def server_argv(cfg: ModelConfig, model_dir: Path, port: int, deterministic: bool = True) -> list[str]:
     """`python -m sglang.launch_server` with the run's rank, targets and dtype, token ids in and out
     (no tokenizer: a synthetic checkpoint has none), safetensors only, the static memory fraction the
-    config gives the sampler (the trainer shares the GPU), and deterministic inference unless turned off."""
+    config gives the sampler (the trainer shares the GPU), and deterministic inference unless turned off;
+    then the user's server arguments as given (`sglang_args`: where they set one, lora-parity's own is left out)."""
     check_server_args(cfg)
+    user = cfg.sampler.engine_args
+    memory = user.get("mem_fraction_static", cfg.sampler.gpu_memory_utilization)
     # An absolute path: a folder named like an option (`-x`) can never read as one.
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(Path(model_dir).absolute()),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.model.dtype,
             "--enable-lora", "--max-lora-rank", str(cfg.adapter.rank), "--lora-target-modules", *cfg.adapter.targets,
             "--skip-tokenizer-init", "--context-length", str(cfg.sampler.max_model_len), "--random-seed", "0",
-            "--mem-fraction-static", str(cfg.sampler.gpu_memory_utilization), "--load-format", "safetensors"]
+            "--mem-fraction-static", str(memory), "--load-format", "safetensors"]
     if cfg.sampler.tensor_parallel_size > 1:
         argv += ["--tp-size", str(cfg.sampler.tensor_parallel_size)]
-    if deterministic and cfg.sampler.batch_invariant:
+    if deterministic and cfg.sampler.batch_invariant and "enable_deterministic_inference" not in user:
         argv.append("--enable-deterministic-inference")
-    if cfg.sampler.enforce_eager:  # as vLLM's enforce_eager: no CUDA graph capture at start (decode runs eager)
+    if cfg.sampler.enforce_eager and "disable_cuda_graph" not in user:  # no CUDA graph capture (decode runs eager)
         argv.append("--disable-cuda-graph")
+    argv += sglang_args.flags({k: v for k, v in user.items() if k != "mem_fraction_static"})
     argv += sglang_state.server_flags(cfg.sampler.sleep_levels)  # the memory saver, where the run sleeps
     if returns_routes(cfg, str(model_dir)):  # each request's routes, which the trainer replays (R3)
         argv.append(served.ROUTES_FLAG)

@@ -126,6 +126,9 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
            sampled=opts.probes.partition(":")[0] == "sampled")  # the probes themselves are checked later
     check_crash_phase(opts.inject, phase_names(cfg))  # a typo'd phase would never crash, and the run would pass
     require_levels(opts.inject, cfg.sampler.sleep_levels)  # a sleep fault where no sleep phase runs would never act
+    if opts.sampler == "sglang" and opts.sampler_url and cfg.sampler.engine_args:
+        raise ConfigError("--engine-arg with --sampler sglang goes on the command line of a server lora-parity starts; "
+                          "an attached server runs with its own (its /server_info is recorded)")
     why = sampling.refusal(cfg.sampler.sampling, opts.sampler, cfg.sampler.engine_args)
     if why is not None:
         raise ConfigError(why)

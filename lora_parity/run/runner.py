@@ -166,15 +166,13 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
 
 
 def _with_engine_args(cfg: config.ModelConfig, opts: RunOptions) -> config.ModelConfig:
-    """The config's `sampler.engine_args`, `sleep_levels` and `sampling` with `--engine-arg` (checked:
-    `backends.engine_args`), `--sleep-levels` and `--sampling` (`models.sampling`) over them."""
+    """The config's `sampler.engine_args`, `sleep_levels` and `sampling` with `--engine-arg` (checked for the sampler:
+    `backends.engine_args.check_for`), `--sleep-levels` and `--sampling` (`models.sampling`) over them."""
     from lora_parity.backends import engine_args
     from lora_parity.models import sampling
     from lora_parity.run.sleep_wake import parse_levels
 
-    given = engine_args.check({**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
-    if given and opts.sampler not in ("vllm", "vllm-server"):
-        raise ConfigError(f"engine arguments are vLLM's (--sampler vllm or vllm-server), not {opts.sampler!r}'s")
+    given = engine_args.check_for(opts.sampler, {**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
     levels = parse_levels(opts.sleep_levels)
     sampler = {"engine_args": given, "sleep_levels": list(cfg.sampler.sleep_levels if levels is None else levels),
                "sampling": sampling.merged(cfg.sampler.sampling, sampling.parse(opts.sampling))}

@@ -60,9 +60,10 @@ BatchInvariantOpt = Annotated[bool, typer.Option(
          "SGLang: --enable-deterministic-inference.")]
 EngineArgOpt = Annotated[list[str] | None, typer.Option(
     "--engine-arg", metavar="KEY=VALUE",
-    help="A vLLM engine argument as you deploy it (repeatable; over the config's sampler.engine_args), e.g. "
+    help="An engine argument as you deploy it (repeatable; over the config's sampler.engine_args), e.g. "
          "enforce_eager=false, enable_prefix_caching=true, logprobs_mode=processed_logprobs: passed to LLM(...) "
-         "and vllm serve as given; unknown or unsafe keys are refused (docs/deployment.md).")]
+         "and vllm serve as given; with --sampler sglang, SGLang's server arguments (disable_radix_cache=true); "
+         "unknown or unsafe keys are refused (docs/deployment.md).")]
 SleepLevelsOpt = Annotated[str | None, typer.Option(
     "--sleep-levels", metavar="LEVELS",
     help="Sleep levels to exercise after the sync, comma-separated (1,2) or none: sleep -> sync -> wake -> score, and "
