@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -54,8 +55,19 @@ def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
     warm = SamplingSpec(temperature=0.6)
     assert sampling.refusal(warm, "vllm", {}) is None and sampling.refusal(warm, "vllm-server", {}) is None
     assert "temperature 1 only" in str(sampling.refusal(warm, "sglang", {}))
-    assert "cannot be compared" in str(sampling.refusal(warm, "vllm", {"logprobs_mode": "processed_logprobs"}))
-    assert sampling.refusal(SamplingSpec(), "hf", {"logprobs_mode": "processed_logprobs"}) is None
+    processed = {"logprobs_mode": "processed_logprobs"}
+    assert sampling.refusal(warm, "vllm", processed, "hf") is None  # at a temperature alone: the trainer tempers
+    assert "cannot score the drawn tokens" in str(sampling.refusal(warm, "vllm", processed, "megatron"))
+    for spec in (SamplingSpec(top_p=0.9), SamplingSpec(temperature=0.6, top_k=20)):
+        assert "renormalized top-k/top-p set" in str(sampling.refusal(spec, "vllm", processed))
+    assert "renormalized" in str(sampling.refusal(warm, "vllm", {"logprobs_mode": "processed_logits"}))
+    assert sampling.refusal(SamplingSpec(), "hf", processed) is None
+    # Raw logprobs: min_tokens and ignore_eos keep the lengths; tempered: ignore_eos alone (min_tokens' stop-token
+    # mask would be in the processed logprobs).
+    assert warm.request(5, {}) == {"temperature": 0.6, "max_tokens": 5, "ignore_eos": True, "min_tokens": 5}
+    assert warm.request(5, processed) == {"temperature": 0.6, "max_tokens": 5, "ignore_eos": True}
+    assert sampling.tempered(warm, processed) == 0.6 and sampling.tempered(warm, {}) is None
+    assert sampling.tempered(SamplingSpec(top_k=3), processed) is None
     # From the CLI, before any backend is imported: exit 2, one line.
     for given, said in (("top_k=5", "temperature 1 only"), ("top_p=2", "top_p")):
         result = cli("run", "--trainer", "fake", "--sampler", "fake", "--sampling", given)
@@ -86,6 +98,12 @@ def test_the_lifecycle_row_says_what_the_decode_path_was_drawn_with() -> None:
     assert status == "not covered" and "no phase generated" in detail
     [(status, detail)] = row({"sampling": warm}, "sample", "generate_updated")
     assert status == "covered" and detail.startswith("rollouts drawn with temperature 0.7, top_p 0.9, top_k off")
+    tempered = {"sampling": SamplingSpec(temperature=0.5).describe(), "logprobs_mode": "processed_logprobs"}
+    rows = {r.condition: r for r in lifecycle.derive("vllm", tempered, ok("sample", "generate_updated"))}
+    assert rows["processed logprobs"].status == "covered"
+    assert "drawn at temperature 0.5" in rows["processed logprobs"].detail and "G.updated not" in rows[
+        "processed logprobs"].detail
+    assert rows[ROW].detail.endswith("processed logprobs compared (the row above)")
 
 
 @pytest.mark.unit
@@ -100,7 +118,7 @@ def test_the_vllm_server_sampler_sends_them_with_every_generation_request(server
     sampler.generate([[1, 2, 3], [4, 5]], 3, 11, None)
     bodies = [body for _, path, _, body in server.requests if path == "/v1/completions"]
     assert len(bodies) == 2
-    assert all((b["temperature"], b["top_p"], b["top_k"]) == (0.5, 0.8, 7) for b in bodies)
+    assert all((b["temperature"], b["top_p"], b["top_k"], b["min_tokens"]) == (0.5, 0.8, 7, 3) for b in bodies)
     assert sampler.info().settings["sampling"] == "temperature 0.5, top_p 0.8, top_k 7"
 
 
@@ -130,3 +148,34 @@ def test_on_vllm_cpu_top_k_1_draws_the_same_tokens_whatever_the_seed_and_the_log
         assert sampler.info().settings["sampling"] == "temperature 1, top_p 1, top_k 1"
     finally:
         sampler.close()
+
+
+@pytest.mark.cpu_e2e
+def test_on_vllm_cpu_processed_logprobs_at_a_temperature_pass_clean_and_a_decode_path_fault_is_still_caught(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # logprobs_mode=processed_logprobs at temperature 0.5: the engine's drawn tokens' logprobs are log_softmax(z / 0.5)
+    # (1.28 nats from the raw ones on this model), its prompt logprobs raw. The trainer scores the drawn tokens
+    # tempered alike, so G.trainer passes clean and still fails where the engine generates without the adapter;
+    # G.sampled and G.updated are not computed (no raw decode logprobs to compare with the prompt's).
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.evidence.receipt import Receipt, Verdict
+    from lora_parity.run import probes
+    from lora_parity.run.selftest import selftest
+
+    # tiny-qwen3 has no tokenizer: the text probes' characters as its token ids
+    monkeypatch.setattr(probes, "checkpoint_tokenizer",
+                        lambda cfg, kind="text": (lambda text: [ord(ch) % 64 for ch in text], "toy"))
+    opts = RunOptions(probes="sampled", engine_args=("logprobs_mode=processed_logprobs",),
+                      sampling=("temperature=0.5",), per_target=False)
+    result = selftest(opts, tmp_path, only=("gen-no-adapter",))
+    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("gen-no-adapter", True)], result.rows
+    clean, faulty = (Receipt.model_validate_json(Path(r.receipt).read_text()) for r in result.rows)
+    ids = {c.id for c in clean.checks}
+    assert "G.trainer.parity.mean" in ids and not any(i.startswith(("G.updated.", "G.sampled.")) for i in ids)
+    assert clean.verdict == Verdict.PASS and "sampled_generation_tempered" in clean.scores
+    row = next(r for r in clean.lifecycle or [] if r.condition == "processed logprobs")
+    assert row.status == "covered" and "drawn at temperature 0.5" in row.detail
+    assert "G.trainer.parity.mean" in {c.id for c in faulty.checks if c.status.value == "fail"}
+    # prompt-no-adapter cannot act there: not among the selftest's faults, and refused for a run.
+    with pytest.raises(ConfigError, match="does not apply with tempered decode logprobs"):
+        prepare(RunOptions(**{**opts.__dict__, "inject": "prompt-no-adapter"}))

@@ -67,11 +67,12 @@ def pack_tokens(cfg: ModelConfig, model: Any) -> int:
 
 @torch.inference_mode()
 def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1,
-                    pack: int = 0) -> Scores:
+                    pack: int = 0, tempered: tuple[float, list[int]] | None = None) -> Scores:
     """One forward per group (`groups`: `batch_size` sequences, or `pack` tokens), right-padded (causal
     attention never looks at the padding); log-softmax in fp32; aligned by the rule in backends/base.py.
     The token logprobs stay on the device until every forward is done, then come to the host in one
-    transfer (a GPU waits once, not per row)."""
+    transfer (a GPU waits once, not per row). `tempered` (T, prompt lengths): the logits of the positions that
+    predict a drawn token divided by T first (`tempering.TemperingTrainer`)."""
     gathered: list[torch.Tensor] = []
     for part in groups(sequences, batch_size, pack):
         group = sequences[part]
@@ -84,8 +85,10 @@ def score_sequences(model: Any, sequences: Sequences, device: torch.device, batc
         kwargs = {"attention_mask": mask} if len(group) > 1 else {}
         logits = model(input_ids=ids, **kwargs).logits
         for i, seq in enumerate(group):
-            n = len(seq)
-            gathered.append(torch.log_softmax(logits[i, :n - 1].float(), dim=-1).gather(1, ids[i, 1:n, None])[:, 0])
+            n, rows = len(seq), logits[i, :len(seq) - 1].float()
+            if tempered is not None:
+                rows[tempered[1][part.start + i] - 1:] /= tempered[0]
+            gathered.append(torch.log_softmax(rows, dim=-1).gather(1, ids[i, 1:n, None])[:, 0])
         del logits
     flat = torch.cat(gathered).cpu().tolist() if gathered else []
     out: Scores = []
@@ -205,6 +208,11 @@ class HFTrainer(TrainerBackend):
 
     def score(self, sequences: Sequences) -> Scores:
         return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack)
+
+    def score_tempered(self, sequences: Sequences, temperature: float, prompt_lengths: list[int]) -> Scores:
+        """`tempering.TemperingTrainer`."""
+        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack,
+                               (temperature, prompt_lengths))
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k experts per MoE layer under the current adapter (None: dense model)."""

