@@ -75,6 +75,12 @@ def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
 
 
 @pytest.mark.unit
+def test_a_decode_path_fault_that_cannot_act_is_refused_for_a_run() -> None:
+    with pytest.raises(ConfigError, match="needs processed decode logprobs at a temperature other than 1"):
+        prepare(RunOptions(trainer="fake", sampler="fake", probes="sampled", inject="raw-decode-logprobs"))
+
+
+@pytest.mark.unit
 @pytest.mark.usefixtures("checkpoint")
 def test_the_config_digest_holds_for_the_identity_and_moves_for_the_users_parameters(server: VLLMStandIn) -> None:
     plain = config.load(None)
@@ -167,15 +173,17 @@ def test_on_vllm_cpu_processed_logprobs_at_a_temperature_pass_clean_and_a_decode
                         lambda cfg, kind="text": (lambda text: [ord(ch) % 64 for ch in text], "toy"))
     opts = RunOptions(probes="sampled", engine_args=("logprobs_mode=processed_logprobs",),
                       sampling=("temperature=0.5",), per_target=False)
-    result = selftest(opts, tmp_path, only=("gen-no-adapter",))
-    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("gen-no-adapter", True)], result.rows
-    clean, faulty = (Receipt.model_validate_json(Path(r.receipt).read_text()) for r in result.rows)
+    result = selftest(opts, tmp_path, only=("gen-no-adapter", "raw-decode-logprobs"))
+    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("gen-no-adapter", True),
+                                                         ("raw-decode-logprobs", True)], result.rows
+    clean, faulty, raw = (Receipt.model_validate_json(Path(r.receipt).read_text()) for r in result.rows)
     ids = {c.id for c in clean.checks}
     assert "G.trainer.parity.mean" in ids and not any(i.startswith(("G.updated.", "G.sampled.")) for i in ids)
     assert clean.verdict == Verdict.PASS and "sampled_generation_tempered" in clean.scores
     row = next(r for r in clean.lifecycle or [] if r.condition == "processed logprobs")
     assert row.status == "covered" and "drawn at temperature 0.5" in row.detail
-    assert "G.trainer.parity.mean" in {c.id for c in faulty.checks if c.status.value == "fail"}
+    for receipt in (faulty, raw):  # the engine without the adapter; its drawn tokens' logprobs raw (TRL #4873)
+        assert "G.trainer.parity.mean" in {c.id for c in receipt.checks if c.status.value == "fail"}
     # prompt-no-adapter cannot act there: not among the selftest's faults, and refused for a run.
     with pytest.raises(ConfigError, match="does not apply with tempered decode logprobs"):
         prepare(RunOptions(**{**opts.__dict__, "inject": "prompt-no-adapter"}))

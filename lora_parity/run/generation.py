@@ -17,6 +17,7 @@ from lora_parity.backends.base import AdapterHandle, GeneratingSampler, Scores, 
 from lora_parity.backends.tempering import TemperingTrainer
 from lora_parity.evidence.receipt import Probes, sha256_json
 from lora_parity.models import sampling
+from lora_parity.run.fault_spec import FaultSpec
 from lora_parity.util.errors import ConfigError, PhaseError
 
 UPDATED_SEED_OFFSET = 1_000_003
@@ -90,6 +91,16 @@ def check_unchanged(folder: Path, digests: dict[Path, str]) -> None:
         raise PhaseError(f"the published adapter {Path(folder).name} changed on disk after it was published")
 
 
+TEMPERED_FAULTS = (
+    # TRL #4873: one side processed, the other raw. Planted as the engine's drawn tokens' logprobs coming back raw
+    # (its prompt logprobs of them) where processed ones at the run's temperature were asked.
+    FaultSpec("raw-decode-logprobs", "processed logprobs at a temperature were asked; the engine's drawn tokens' "
+              "logprobs come back raw (TRL #4873: colocated processed, server raw)", ("G.trainer.parity.mean",), "fail",
+              must_pass=("C.parity.mean",), needs_sampled=True),
+)
+"""Faults that act only where the decode logprobs are tempered (`tempered`)."""
+TEMPERED_FAULT_NAMES = tuple(spec.name for spec in TEMPERED_FAULTS)
+
 UNTEMPERED_FAULTS = {"prompt-no-adapter": "it drops the adapter from the engine's prompt logprobs of the drawn tokens, "
                                          "which a run with tempered decode logprobs does not take"}
 """Faults that cannot act where the decode logprobs are tempered, and why."""
@@ -118,6 +129,9 @@ def after_sync(run: Any) -> None:
     seed = run.seed + UPDATED_SEED_OFFSET
     run.generated, logprobs = run._timed("updated_generation", lambda: generate(
         run.sampler, run.prompts, lengths, seed, handle))
+    if run.faults.is_("raw-decode-logprobs"):  # the drawn tokens' logprobs as the engine's raw prompt logprobs
+        raw = run.sampler.score(run.generated, handle)
+        logprobs = [row[:len(p) - 1] + r[len(p) - 1:] for row, r, p in zip(logprobs, raw, run.prompts, strict=True)]
     run._record("updated_generation", logprobs)
     temperature = tempered(run)
     if temperature is None:

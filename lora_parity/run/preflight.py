@@ -107,6 +107,17 @@ def service_preflight(opts: RunOptions, trainer_cls: type[TrainerBackend], sampl
     trainer_cls.preflight(pre)
 
 
+def _tempered_fault(inject: str | None, tempered: float | None) -> None:
+    """`ConfigError` where the injected fault of the decode path cannot act with (or without) tempered logprobs."""
+    name = (inject or "").partition("=")[0]
+    if name in generation.UNTEMPERED_FAULTS and tempered is not None:
+        raise ConfigError(f"fault {name!r} does not apply with tempered decode logprobs: "
+                          f"{generation.UNTEMPERED_FAULTS[name]}")
+    if name in generation.TEMPERED_FAULT_NAMES and tempered is None:
+        raise ConfigError(f"fault {name!r} needs processed decode logprobs at a temperature other than 1 "
+                          "(--engine-arg logprobs_mode=processed_logprobs --sampling temperature=T)")
+
+
 def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     """Every option value that can be checked without importing a backend (torch, vLLM, transformers
     come with the backends): backend names (built in or an installed plugin's) and pairs, --inject, --reference,
@@ -130,11 +141,9 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
         raise ConfigError("--engine-arg with --sampler sglang goes on the command line of a server lora-parity starts; "
                           "an attached server runs with its own (its /server_info is recorded)")
     why = sampling.refusal(cfg.sampler.sampling, opts.sampler, cfg.sampler.engine_args, opts.trainer)
-    untempered = generation.UNTEMPERED_FAULTS.get((opts.inject or "").partition("=")[0])
-    if untempered and why is None and sampling.tempered(cfg.sampler.sampling, cfg.sampler.engine_args) is not None:
-        raise ConfigError(f"fault {opts.inject!r} does not apply with tempered decode logprobs: {untempered}")
     if why is not None:
         raise ConfigError(why)
+    _tempered_fault(opts.inject, sampling.tempered(cfg.sampler.sampling, cfg.sampler.engine_args))
     if opts.reference is not None and opts.reference not in REFERENCES:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
     _check_values(opts)
