@@ -75,19 +75,22 @@ def value_of(key: str, raw: Any, allowed: Mapping[str, type | tuple[str, ...]] =
     return float(raw) if kind is float else raw
 
 
-def check(args: Mapping[str, Any]) -> dict[str, Any]:
+def check(args: Mapping[str, Any], allowed: Mapping[str, type | tuple[str, ...]] = ALLOWED,
+          owned: Mapping[str, str] = OWNED, unsafe: tuple[str, ...] = UNSAFE,
+          what: str = "engine argument", loader: str = "the engine") -> dict[str, Any]:
     """The user's engine arguments with normalized keys (`-` read as `_`) and typed values; `ConfigError`
-    (one line) for an unknown, owned or unsafe key, or a value of the wrong kind."""
+    (one line) for an unknown, owned or unsafe key, or a value of the wrong kind. vLLM's tables by default
+    (`sglang_args` passes SGLang's)."""
     out: dict[str, Any] = {}
     for given, raw in args.items():
         key = str(given).strip().replace("-", "_")
-        if key in OWNED:
-            raise ConfigError(f"engine argument {key!r} is refused: {OWNED[key]}")
-        if key in UNSAFE:
-            raise ConfigError(f"engine argument {key!r} is refused: it names code or files the engine would load")
-        if key not in ALLOWED:
-            raise ConfigError(f"unknown engine argument {key!r}; allowed: {', '.join(sorted(ALLOWED))}")
-        out[key] = value_of(key, raw)
+        if key in owned:
+            raise ConfigError(f"{what} {key!r} is refused: {owned[key]}")
+        if key in unsafe:
+            raise ConfigError(f"{what} {key!r} is refused: it names code or files {loader} would load")
+        if key not in allowed:
+            raise ConfigError(f"unknown {what} {key!r}; allowed: {', '.join(sorted(allowed))}")
+        out[key] = value_of(key, raw, allowed)
     return out
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lora_parity.backends.engine_args import value_of
-from lora_parity.util.errors import ConfigError
+from lora_parity.backends import engine_args
 
 ALLOWED: dict[str, type | tuple[str, ...]] = {
     "disable_cuda_graph": bool, "enable_deterministic_inference": bool, "disable_radix_cache": bool,
@@ -46,19 +45,8 @@ UNSAFE = ("tokenizer_path", "lora_paths", "json_model_override_args", "preferred
 
 def check(args: Mapping[str, Any]) -> dict[str, Any]:
     """The user's SGLang server arguments with normalized keys (`-` read as `_`) and typed values; `ConfigError`
-    (one line) for an unknown, owned or unsafe key, or a value of the wrong kind."""
-    out: dict[str, Any] = {}
-    for given, raw in args.items():
-        key = str(given).strip().replace("-", "_")
-        if key in OWNED:
-            raise ConfigError(f"SGLang server argument {key!r} is refused: {OWNED[key]}")
-        if key in UNSAFE:
-            raise ConfigError(f"SGLang server argument {key!r} is refused: it names code or files the server would "
-                              "load")
-        if key not in ALLOWED:
-            raise ConfigError(f"unknown SGLang server argument {key!r}; allowed: {', '.join(sorted(ALLOWED))}")
-        out[key] = value_of(key, raw, ALLOWED)
-    return out
+    (one line) for an unknown, owned or unsafe key, or a value of the wrong kind (`engine_args.check`)."""
+    return engine_args.check(args, ALLOWED, OWNED, UNSAFE, "SGLang server argument", "the server")
 
 
 def flags(args: Mapping[str, Any]) -> list[str]:
