@@ -95,7 +95,7 @@ def check(args: Mapping[str, Any], allowed: Mapping[str, type | tuple[str, ...]]
 
 
 def parse(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """`--engine-arg KEY=VALUE` values as a dict, unchecked (`check_for` checks them for the run's sampler)."""
+    """`--engine-arg KEY=VALUE` values as a dict, unchecked (`user_args.check_for` checks them for the sampler)."""
     args: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -103,21 +103,6 @@ def parse(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
             raise ConfigError(f"--engine-arg {pair!r}: expected KEY=VALUE")
         args[key.strip()] = value.strip()
     return args
-
-
-def check_for(sampler: str, args: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's engine arguments checked for `sampler`: vLLM's (`check`) for vllm and vllm-server, SGLang's server
-    arguments for sglang (`sglang_args.check`); any for another sampler is a `ConfigError`."""
-    from lora_parity.backends import sglang_args
-
-    if not args:
-        return {}
-    if sampler == "sglang":
-        return sglang_args.check(args)
-    if sampler not in ("vllm", "vllm-server"):
-        raise ConfigError(f"engine arguments are the engine's (--sampler vllm, vllm-server or sglang), not "
-                          f"{sampler!r}'s")
-    return check(args)
 
 
 def record(args: Mapping[str, Any]) -> list[str]:

@@ -167,12 +167,12 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
 
 def _with_engine_args(cfg: config.ModelConfig, opts: RunOptions) -> config.ModelConfig:
     """The config's `sampler.engine_args`, `sleep_levels` and `sampling` with `--engine-arg` (checked for the sampler:
-    `backends.engine_args.check_for`), `--sleep-levels` and `--sampling` (`models.sampling`) over them."""
-    from lora_parity.backends import engine_args
+    `backends.user_args`), `--sleep-levels` and `--sampling` (`models.sampling`) over them."""
+    from lora_parity.backends import engine_args, user_args
     from lora_parity.models import sampling
     from lora_parity.run.sleep_wake import parse_levels
 
-    given = engine_args.check_for(opts.sampler, {**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
+    given = user_args.check_for(opts.sampler, {**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
     levels = parse_levels(opts.sleep_levels)
     sampler = {"engine_args": given, "sleep_levels": list(cfg.sampler.sleep_levels if levels is None else levels),
                "sampling": sampling.merged(cfg.sampler.sampling, sampling.parse(opts.sampling))}
