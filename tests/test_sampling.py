@@ -110,6 +110,14 @@ def test_the_lifecycle_row_says_what_the_decode_path_was_drawn_with() -> None:
     assert "drawn at temperature 0.5" in rows["processed logprobs"].detail and "G.updated not" in rows[
         "processed logprobs"].detail
     assert rows[ROW].detail.endswith("processed logprobs compared (the row above)")
+    # Prompt logprobs alone read no processed logprob: not covered where the sampler records its sampling (older
+    # receipts, which do not, keep the table they recorded).
+    prompts_only = {r.condition: r for r in lifecycle.derive("vllm", tempered, ok("zero", "updated"))}
+    assert prompts_only["processed logprobs"].status == "not covered"
+    assert "no phase generated" in prompts_only["processed logprobs"].detail
+    older = {"logprobs_mode": "processed_logprobs"}
+    assert {r.condition: r for r in lifecycle.derive("vllm", older, ok("zero"))}["processed logprobs"].status \
+        == "covered"
 
 
 @pytest.mark.unit

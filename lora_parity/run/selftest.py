@@ -336,8 +336,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
                             issubclass(plan.trainer_cls, TensorReadingTrainer), plan.replays,
                             plan.cfg.sampler.sleep_levels)
     # the decode path's faults that act only with tempered decode logprobs, or only without them
-    off = generation.UNTEMPERED_FAULTS if sampling.tempered(plan.cfg.sampler.sampling, plan.cfg.sampler.engine_args) \
-        is not None else generation.TEMPERED_FAULT_NAMES
+    tempered = sampling.tempered(plan.cfg.sampler.sampling, plan.cfg.sampler.engine_args) is not None
+    off = generation.UNTEMPERED_FAULTS if tempered else generation.TEMPERED_FAULT_NAMES
     applicable = [name for name in applicable if name not in off]
     fault_names = faults if faults is not None else applicable
     if only:

@@ -101,10 +101,15 @@ def _mixed(done: set[str], phases: set[str], settings: Mapping[str, Any]) -> Lif
                                         "batch")
 
 
-def _processed(settings: Mapping[str, Any], backend: str) -> LifecycleRow:
+def _processed(settings: Mapping[str, Any], backend: str, done: set[str]) -> LifecycleRow:
     mode, said = _setting(settings, "logprobs_mode"), _setting(settings, "sampling")
     if mode is None:
         return _row("processed logprobs", False, f"not recorded by the {backend} sampler (raw logprobs)")
+    # vLLM's prompt logprobs are raw whatever the mode: only the decode path reads processed ones. Receipts that
+    # record `sampling` (the rule's own age) are held to that; older ones keep the table they recorded.
+    if mode in PROCESSED and said is not None and not done & set(GENERATION_PHASES):
+        return _row("processed logprobs", False, f"logprobs_mode: {mode}, but no phase generated (the engine's prompt "
+                                                 "logprobs are raw; the decode path runs with --probes sampled)")
     if mode == "processed_logprobs" and said is not None and not said.startswith("temperature 1,"):
         return _row("processed logprobs", True, f"logprobs_mode: {mode}, drawn at {said}: the trainer scores the drawn "
                                                 "tokens at that temperature (G.trainer); G.sampled and G.updated not "
@@ -157,7 +162,7 @@ def derive(backend: str, settings: Mapping[str, Any], phases: Sequence[Any]) -> 
     done = {p.name for p in phases if p.status == PhaseStatus.OK}
     return [_graphs(settings, backend, done), _sleep(1, done, names, settings, backend),
             _sleep(2, done, names, settings, backend),
-            _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend),
+            _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend, done),
             _mixed(done, names, settings),
             _batch_variant(settings, backend), _engine_args(settings), *_sampling(settings, done)]
 
