@@ -240,3 +240,41 @@ def test_on_vllm_cpu_in_process_a_selftest_with_prefix_caching_takes_and_catches
     status = {c.id: c.status for c in faulty.checks}
     assert status["P.parity.mean"] == CheckStatus.FAIL and status["C.parity.mean"] == CheckStatus.PASS
     assert faulty.verdict == Verdict.FAIL
+
+
+@pytest.mark.cpu_e2e
+def test_on_vllm_cpu_processed_logprobs_leave_the_cached_phases_out_where_their_forced_token_reads_0(
+        tmp_path: Path) -> None:
+    # The cached kind under processed logprobs: each block's forced next token reads 0 (the allowed_token_ids mask is
+    # in the processed logprobs), as the H100's vllm-server runs at 565c61a read 0 everywhere (P.* failed 5 of 5 clean
+    # runs). So that mode builds the plain kind, and the run passes with the prefix-cache row saying why.
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.backends import engine_args
+    from lora_parity.backends.hf import HFTrainer
+    from lora_parity.models import synthetic
+    from lora_parity.run.runner import RunOptions, execute
+
+    args = ("enable_prefix_caching=true", "logprobs_mode=processed_logprobs")
+    cfg = config.load(None)
+    cfg = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(
+        update={"engine_args": engine_args.check(engine_args.parse(args))})})
+    assert vllm.VLLMSampler.built_traits(cfg).reads_prefix_cache is False
+    model_dir = synthetic.materialize(cfg)
+    trainer = HFTrainer(cfg, model_dir, 0, {})
+    trainer.perturb(0.05, 3)
+    sampler = vllm.VLLMCachedSampler(cfg, model_dir, {})
+    try:
+        handle = sampler.publish(trainer.export_adapter(tmp_path / "v0"), "lora-parity-1-v0", 1)
+        sequences = [[random.Random(5).randrange(1, 512) for _ in range(70)]]
+        assert sampler.blocks is not None and sampler.blocks.size == 32
+        scores, cached = sampler.score(sequences, handle)[0], sampler.score_cached(sequences, handle)[0]
+        forced = [t for t in range(len(cached)) if (t + 1) % 32 == 0]  # each block's last token, forced
+        assert forced and all(cached[t] == 0.0 and scores[t] < -0.5 for t in forced)
+    finally:
+        sampler.close()
+        trainer.close()
+    receipt = execute(RunOptions(engine_args=args, per_target=False, out=tmp_path / "r.json")).receipt
+    assert receipt.verdict.value == "pass", [c.id for c in receipt.checks if c.status.value == "fail"]
+    assert not [c for c in receipt.checks if c.id.startswith("P.")]
+    row = next(r for r in receipt.lifecycle or [] if r.condition == "warm prefix cache after the sync")
+    assert row.status == "not covered" and row.detail.startswith("off: logprobs_mode=processed_logprobs")

@@ -4,6 +4,7 @@ receipt, and `verify` recomputes the table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -134,3 +135,40 @@ def test_verify_refuses_a_lifecycle_row_that_does_not_follow(tmp_path: Path) -> 
 def test_backend_info_settings_hold_the_values_the_rows_read() -> None:
     info = BackendInfo(backend="vllm", versions={}, settings={"engine_args": ["enforce_eager=false"]})
     assert status(lifecycle.derive(info.backend, info.settings, []), "the user's engine arguments") == "covered"
+
+
+class ProcessedServedSampler(FakeServedSampler):
+    """The served fake built as vllm-server is under `logprobs_mode=processed_logprobs`: its cached scores would be
+    the forced token's processed logprob (0 after the mask), so it is built without cached scoring and says why."""
+
+    traits = dataclasses.replace(FakeServedSampler.traits, reads_prefix_cache=False)
+
+    def score_cached(self, sequences: list[list[int]], adapter: object) -> list[list[float]]:
+        return [[0.0] * (len(seq) - 1) for seq in sequences]  # what vLLM answers under that mode
+
+    def info(self) -> BackendInfo:
+        from lora_parity.backends.engine_args import cached_scoring_off
+
+        info = super().info()
+        off = cached_scoring_off({"logprobs_mode": "processed_logprobs"})
+        return info.model_copy(update={"settings": {**info.settings, "cached_scoring": off}})
+
+
+def test_a_sampler_built_without_cached_scoring_runs_no_p_phase_and_the_row_says_why(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # At 565c61a on the H100 every clean vllm-server run with processed logprobs failed P.* (5 of 5): the forced
+    # token's processed logprob is 0. The traits, not the method's presence, decide the P phases now.
+    monkeypatch.setattr(backends, "SAMPLERS", {**backends.SAMPLERS, "processed-fake": ProcessedServedSampler})
+    receipt = execute(RunOptions(trainer="fake", sampler="processed-fake", out=tmp_path / "r.json")).receipt
+    assert receipt.verdict.value == "pass"
+    assert not {"stale_cached", "updated_cached"} & {p.name for p in receipt.phases}
+    assert not [c for c in receipt.checks if c.id.startswith("P.")]
+    assert receipt.lifecycle is not None
+    assert status(receipt.lifecycle, "warm prefix cache after the sync") == "not covered"
+    assert detail(receipt.lifecycle, "warm prefix cache after the sync").startswith(
+        "off: logprobs_mode=processed_logprobs: a cached score's next token is read on the decode path")
+    assert verify(tmp_path / "r.json").receipt.lifecycle == receipt.lifecycle
+    # With the traits ignored (as before), the same sampler's zeros make P fail on a clean run.
+    monkeypatch.setattr(ProcessedServedSampler, "traits", FakeServedSampler.traits)
+    before = execute(RunOptions(trainer="fake", sampler="processed-fake", out=tmp_path / "b.json")).receipt
+    assert "P.parity.mean" in {c.id for c in before.checks if c.status.value == "fail"}

@@ -62,6 +62,12 @@ def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
         assert "renormalized top-k/top-p set" in str(sampling.refusal(spec, "vllm", processed))
     assert "renormalized" in str(sampling.refusal(warm, "vllm", {"logprobs_mode": "processed_logits"}))
     assert sampling.refusal(SamplingSpec(), "hf", processed) is None
+    # Drawn probes compare the decode path's values as logprobs: a logits mode is refused there, identity or not.
+    for mode in ("raw_logits", "processed_logits"):
+        assert "would return logits" in str(sampling.refusal(SamplingSpec(), "vllm", {"logprobs_mode": mode},
+                                                             sampled=True))
+        assert sampling.refusal(SamplingSpec(), "vllm", {"logprobs_mode": mode}) is None  # prompt logprobs: raw
+    assert sampling.refusal(SamplingSpec(), "vllm", processed, sampled=True) is None
     # Raw logprobs: min_tokens and ignore_eos keep the lengths; tempered: ignore_eos alone (min_tokens' stop-token
     # mask would be in the processed logprobs).
     assert warm.request(5, {}) == {"temperature": 0.6, "max_tokens": 5, "ignore_eos": True, "min_tokens": 5}
@@ -72,6 +78,8 @@ def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
     for given, said in (("top_k=5", "temperature 1 only"), ("top_p=2", "top_p")):
         result = cli("run", "--trainer", "fake", "--sampler", "fake", "--sampling", given)
         assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr
+    result = cli("run", "--sampler", "vllm", "--probes", "sampled", "--engine-arg", "logprobs_mode=raw_logits")
+    assert result.returncode == 2 and "would return logits" in result.stderr, result.stderr
 
 
 @pytest.mark.unit

@@ -89,6 +89,23 @@ def test_the_server_sampler_declares_what_it_is() -> None:
     assert backends.resolve("sampler", "vllm-server") is VLLMServerSampler
 
 
+def test_under_a_processed_or_logits_mode_the_server_is_built_without_cached_scoring_and_its_fault_left_out() -> None:
+    from lora_parity.backends.engine_args import cached_scoring_off
+    from lora_parity.run.faults import not_applicable
+
+    cfg = config.load(None)
+    assert cached_scoring_off({}) is None and cached_scoring_off({"logprobs_mode": "raw_logprobs"}) is None
+    assert VLLMServerSampler.built_traits(cfg).reads_prefix_cache
+    assert not_applicable("warm-prefix-cache", VLLMServerSampler.built_traits(cfg)) is None
+    for mode, said in (("processed_logprobs", "after the forcing mask"), ("raw_logits", "logits, not the raw")):
+        args = {"logprobs_mode": mode}
+        built = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"engine_args": args})})
+        assert said in str(cached_scoring_off(args))
+        assert not VLLMServerSampler.built_traits(built).reads_prefix_cache
+        assert "no request through a prefix cache" in str(not_applicable("warm-prefix-cache",
+                                                                         VLLMServerSampler.built_traits(built)))
+
+
 def test_server_options_and_faults_are_refused_for_other_samplers(tmp_path: Path) -> None:
     for kw in ({"sampler_url": "http://127.0.0.1:1"}, {"api_key_env": "HOME"}, {"shared_dir": tmp_path}):
         with pytest.raises(ConfigError, match=r"served over HTTP only \(--sampler vllm-server or sglang\)"):

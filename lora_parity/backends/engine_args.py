@@ -115,6 +115,18 @@ def notes(args: Mapping[str, Any]) -> list[str]:
     return [f"{key}={json.dumps(value)}: {what}" for key, (value, what) in EXACTNESS.items() if args.get(key) == value]
 
 
+def cached_scoring_off(args: Mapping[str, Any]) -> str | None:
+    """Why a cached score cannot be read under the user's `logprobs_mode` (None: raw logprobs, it can). A cached
+    score's next token is read on the decode path, forced by `allowed_token_ids`: processed logprobs are taken after
+    that mask (the forced token's logprob is 0) and logits are not logprobs, so the P phases are left out."""
+    mode = str(args.get("logprobs_mode", "raw_logprobs"))
+    if mode == "raw_logprobs":
+        return None
+    what = "taken after the forcing mask (0 for the forced token)" if mode.startswith("processed") else "logits"
+    return (f"off: logprobs_mode={mode}: a cached score's next token is read on the decode path, forced by "
+            f"allowed_token_ids, where that mode's values are {what}, not the raw logprob (no P phases)")
+
+
 def serve_flags(args: Mapping[str, Any]) -> list[str]:
     """The user's arguments as `vllm serve` flags (booleans as --flag / --no-flag)."""
     flags: list[str] = []

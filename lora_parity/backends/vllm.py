@@ -36,10 +36,18 @@ from lora_parity.backends.base import (
     groups,
 )
 from lora_parity.backends.mixed_batch import cpu_lora_defect
-from lora_parity.backends.vllm_options import engine_options, expert_lora, llm_kwargs, packing, private_dist_store
+from lora_parity.backends.vllm_options import (
+    checkpoint_config,
+    engine_options,
+    expert_lora,
+    llm_kwargs,
+    packing,
+    prefix_caching,
+    private_dist_store,
+    prompt_row,
+)
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
-from lora_parity.util import safe_read
 from lora_parity.util.errors import ConfigError, ScoreError
 
 
@@ -193,7 +201,7 @@ class VLLMSampler(SamplerBackend):
                               releases_nothing_at_exit=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
                               mixed_batch_unavailable=None if self.cuda or not lora else cpu_lora_defect(),
                               routing_unavailable=self._routing_unavailable(), sleep_unavailable=sleep_unavailable)
-        self.moe_layers = vllm_routes.moe_layers(_config(self.model_dir)) if self.returns_routes else []
+        self.moe_layers = vllm_routes.moe_layers(checkpoint_config(self.model_dir)) if self.returns_routes else []
 
     @classmethod
     def create(cls, cfg: ModelConfig, model_dir: Path | None, timings: dict[str, float],
@@ -205,9 +213,10 @@ class VLLMSampler(SamplerBackend):
 
     @classmethod
     def _kind(cls, cfg: ModelConfig, lora: bool) -> type[VLLMSampler]:
-        """With prefix caching on (the user's engine arguments) the engine also scores as rollouts read its cache."""
-        caching = cfg.sampler.engine_args.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True
-        return VLLMCachedSampler if caching and lora else cls
+        """With prefix caching on (the user's engine arguments) the engine also scores as rollouts read its cache,
+        where its logprobs mode lets a forced token's logprob be read (`engine_args.cached_scoring_off`)."""
+        cached = prefix_caching(cfg) and lora and user_args.cached_scoring_off(cfg.sampler.engine_args) is None
+        return VLLMCachedSampler if cached else cls
 
     @classmethod
     def built_traits(cls, cfg: ModelConfig) -> BackendTraits:
@@ -241,7 +250,7 @@ class VLLMSampler(SamplerBackend):
             group = sequences[part]
             prompts = [self._TokensPrompt(prompt_token_ids=seq) for seq in group]
             results = self.llm.generate(prompts, self.params, lora_request=request, use_tqdm=False)
-            out += [_prompt_row(seq, result, s) for s, (seq, result) in
+            out += [prompt_row(seq, result, s) for s, (seq, result) in
                     enumerate(zip(group, results, strict=True), start=part.start)]
         return out
 
@@ -271,7 +280,7 @@ class VLLMSampler(SamplerBackend):
             group = sequences[part]
             results = self.llm.generate([self._TokensPrompt(prompt_token_ids=seq) for seq in group], self.params,
                                         lora_request=request, use_tqdm=False)
-            out += [_prompt_row(seq, result, s) for s, (seq, result) in
+            out += [prompt_row(seq, result, s) for s, (seq, result) in
                     enumerate(zip(group, results, strict=True), start=part.start)]
             arrays += [result.outputs[0].routed_experts for result in results]
         return out, vllm_routes.routes_of(arrays, sequences, self.moe_layers)
@@ -292,7 +301,7 @@ class VLLMSampler(SamplerBackend):
         prompts = [self._TokensPrompt(prompt_token_ids=seq) for seq in sequences for _ in routes]
         results = self.llm.generate(prompts, self.params, lora_request=[r for _ in sequences for r in requests],
                                     use_tqdm=False)
-        rows = [_prompt_row(sequences[i // len(routes)], result, i // len(routes))
+        rows = [prompt_row(sequences[i // len(routes)], result, i // len(routes))
                 for i, result in enumerate(results)]
         return [[rows[s * len(routes) + r] for s in range(len(sequences))] for r in range(len(routes))]
 
@@ -379,6 +388,9 @@ class VLLMSampler(SamplerBackend):
         if self.torch_compile is not None:
             settings["torch_compile"] = self.torch_compile
         settings.update(self.deployment)
+        off = user_args.cached_scoring_off(self.cfg.sampler.engine_args)
+        if off is not None and prefix_caching(self.cfg):
+            settings["cached_scoring"] = off
         defect = self.traits.mixed_batch_unavailable
         settings["mixed_batch"] = "on" if defect is None else f"off (engine defect): {defect}"
         if self.cfg.sampler.engine_args:
@@ -432,19 +444,3 @@ class VLLMCachedSampler(VLLMSampler):
         info = super().info()
         said = vllm_cached.describe(self.blocks, self._SamplingParams)
         return info.model_copy(update={"settings": info.settings | {"cached_scoring": said}})
-
-
-def _prompt_row(seq: list[int], result: Any, s: int) -> list[float]:
-    """Sequence `s`'s scores from its request's `prompt_logprobs` (entry 0, None, dropped: the alignment rule)."""
-    plp = result.prompt_logprobs
-    if plp is None or len(plp) != len(seq) or plp[0] is not None:
-        got = "None" if plp is None else f"{len(plp)} entries"
-        raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries starting with None, "
-                         f"got {got}")
-    return [plp[t][seq[t]].logprob for t in range(1, len(seq))]
-
-
-def _config(model_dir: Path) -> dict[str, Any]:
-    """The checkpoint's config.json (bounded read; the engine already loaded it)."""
-    config = safe_read.read_json(Path(model_dir) / "config.json")
-    return config if isinstance(config, dict) else {}

@@ -17,7 +17,7 @@ from lora_parity.backends import vllm_routes
 from lora_parity.backends.base import routes_experts
 from lora_parity.models.config import ModelConfig
 from lora_parity.util import safe_read, scratch
-from lora_parity.util.errors import LoraParityError
+from lora_parity.util.errors import LoraParityError, ScoreError
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The max_lora_rank values vLLM accepts."""
@@ -98,12 +98,11 @@ def engine_options(cfg: ModelConfig, model: str, cuda: bool, lora: bool = True) 
         if cfg.sampler.gpu_kv_cache_gib is not None:
             options["kv_cache_memory_bytes"] = int(cfg.sampler.gpu_kv_cache_gib * 2**30)
     options.update(_extras(cfg, cuda))
-    user = cfg.sampler.engine_args
-    if not cuda and user.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True:
+    if not cuda and prefix_caching(cfg):
         # vLLM-CPU's default block of 128 tokens would leave the probes' prefixes almost no full block to read
         # back (as the served sampler's --block-size 32), and the prefix-cache phases nothing to test.
         options["block_size"] = 32
-    options.update(user)  # as the user deploys: their values over lora-parity's defaults
+    options.update(cfg.sampler.engine_args)  # as the user deploys: their values over lora-parity's defaults
     return options
 
 
@@ -179,3 +178,24 @@ def packing(cfg: ModelConfig, model_dir: Path, invariant: bool) -> int:
     except LoraParityError:  # the engine's own start reports an unreadable checkpoint
         return 0
     return 0 if not isinstance(config, dict) or routes_experts(config) else cfg.scoring.pack_tokens
+
+
+def prefix_caching(cfg: ModelConfig) -> bool:
+    """Prefix caching on: the user's engine argument, else the config's."""
+    return cfg.sampler.engine_args.get("enable_prefix_caching", cfg.sampler.enable_prefix_caching) is True
+
+
+def prompt_row(seq: list[int], result: Any, s: int) -> list[float]:
+    """Sequence `s`'s scores from its request's `prompt_logprobs` (entry 0, None, dropped: the alignment rule)."""
+    plp = result.prompt_logprobs
+    if plp is None or len(plp) != len(seq) or plp[0] is not None:
+        got = "None" if plp is None else f"{len(plp)} entries"
+        raise ScoreError(f"vLLM prompt_logprobs for sequence {s}: expected {len(seq)} entries starting with None, "
+                         f"got {got}")
+    return [plp[t][seq[t]].logprob for t in range(1, len(seq))]
+
+
+def checkpoint_config(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's config.json (bounded read; the engine already loaded it)."""
+    config = safe_read.read_json(Path(model_dir) / "config.json")
+    return config if isinstance(config, dict) else {}

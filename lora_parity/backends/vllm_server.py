@@ -23,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
@@ -42,6 +41,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import expert_lora, lora_modules, max_lora_rank, returns_routes
+from lora_parity.backends.vllm_server_cached import VLLMServerCachedScoring
 from lora_parity.backends.vllm_server_generate import VLLMServerGeneration, prompt_row
 from lora_parity.backends.vllm_server_mixed import VLLMServerMixedBatch
 from lora_parity.evidence.receipt import BackendInfo
@@ -57,7 +57,6 @@ REQUEST_TIMEOUT_S = 300.0
 REQUEST_DEADLINE_S = 900.0
 """Longest one call may take in all: a server that trickles bytes cannot hold the run longer."""
 START_TIMEOUT_S = env.seconds(os.environ, "LORA_PARITY_VLLM_SERVER_START_TIMEOUT", 600.0)
-CACHED_CONCURRENCY = 32
 """Requests in flight at once when scoring through the prefix cache (one per prefix)."""
 SAME_NAME_RELOAD_REFUSED = ("refuses a reload under a loaded name without load_inplace (vLLM answers 400: an "
                             "error receipt, not a silent keep of the old adapter)")
@@ -214,7 +213,7 @@ def launch_server(cfg: ModelConfig, model_dir: Path, cuda: bool, batch_invariant
 
 
 class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGeneration, VLLMServerMixedBatch,
-                        ServedAdapters, SamplerBackend):
+                        VLLMServerCachedScoring, ServedAdapters, SamplerBackend):
     """A vLLM OpenAI-compatible server with LoRA, started here or attached to by URL. It scores the way rollouts read
     the prefix cache too (`score_cached`), generates and records its CUDA graphs (`VLLMServerGeneration`), mixes routes
     in a batch (`VLLMServerMixedBatch`), sleeps and reports its weight version (`VLLMServerEngineState`)."""
@@ -227,6 +226,11 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
     def preflight(cls, opts: PreflightOptions) -> None:
         """The module's `preflight`."""
         preflight(opts)
+
+    @classmethod
+    def built_traits(cls, cfg: ModelConfig) -> BackendTraits:
+        """`SamplerBackend.built_traits`: no cached scoring where the logprobs mode hides it (`cached_scoring_off`)."""
+        return replace(cls.traits, reads_prefix_cache=engine_args.cached_scoring_off(cfg.sampler.engine_args) is None)
 
     @classmethod
     def launch_early(cls, cfg: ModelConfig, model_dir: Path, options: BackendOptions) -> ServerProcess | None:
@@ -269,7 +273,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
                 self.close()
                 raise
         self.moe_layers: list[int] = []
-        self.traits = replace(self.traits, routing_unavailable=self._routes_setup(model_dir),
+        self.traits = replace(self.built_traits(cfg), routing_unavailable=self._routes_setup(model_dir),
                               sleep_unavailable=self._sleep_unavailable(), mixed_batch_unavailable=self._unmixed())
 
     def _launch(self, model_dir: Path | None, launched: ServerProcess | None) -> str:
@@ -389,22 +393,6 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
                     arrays.append(vllm_routes.decoded(choice.get("routed_experts"), s))
         return out, arrays
 
-    def _forced_next(self, prefix: list[int], token: int, model: str) -> float:
-        choice = self._completion(prefix, model, "completions_cached", logprobs=0, allowed_token_ids=[token],
-                                  return_tokens_as_token_ids=True)[0]
-        logprobs = choice.get("logprobs") or {}
-        if logprobs.get("tokens") != [f"token_id:{token}"]:
-            raise ScoreError(f"vLLM server: forced token {token} not returned ({logprobs.get('tokens')})")
-        return float(logprobs["token_logprobs"][0])
-
-    def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), computed as a rollout reads
-        them: one request per prefix, reading the prefix cache, the next token forced."""
-        model = adapter.name if adapter is not None else self.base_model
-        with ThreadPoolExecutor(CACHED_CONCURRENCY) as pool:
-            return [list(pool.map(lambda t, seq=seq: self._forced_next(seq[:t + 1], seq[t + 1], model),
-                                  range(len(seq) - 1))) for seq in sequences]
-
     def publish(self, directory: Path, name: str, adapter_id: int, inplace: bool = False) -> AdapterHandle:
         path = self._served_path(directory)
         served = name if name.endswith(self.suffix) else name + self.suffix
@@ -430,7 +418,9 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
             "server": "started by lora-parity" if self.server else f"attached at {redact(self.url)}",
             "scoring": "/v1/completions, one request per "
                        + ("sequence" if self.cfg.scoring.batch_size == 1 else f"{self.cfg.scoring.batch_size} "
-                          "sequences") + ", prompt_logprobs=0; cached: one request per prefix, allowed_token_ids",
+                          "sequences") + ", prompt_logprobs=0",
+            "cached_scoring": engine_args.cached_scoring_off(self.cfg.sampler.engine_args)
+            or "one request per prefix, the next token forced (allowed_token_ids, logprobs=0)",
             "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter", "sampling": self.cfg.sampler.sampling.describe(),
         }
         if self.server is not None and not self.cuda:

@@ -100,14 +100,19 @@ def tempered(spec: SamplingSpec, engine_args: Mapping[str, Any]) -> float | None
     return spec.temperature if processed and spec.temperature != 1.0 else None
 
 
-def refusal(spec: SamplingSpec, sampler: str, engine_args: Mapping[str, Any], trainer: str = "hf") -> str | None:
-    """Why this run cannot take `spec` (None: it can). The identity always can."""
+def refusal(spec: SamplingSpec, sampler: str, engine_args: Mapping[str, Any], trainer: str = "hf",
+            sampled: bool = False) -> str | None:
+    """Why this run cannot take `spec` (None: it can). The identity always can, except where the engine's decode
+    path returns logits (`sampled`: the probes are drawn, and their decode-path values compared as logprobs)."""
+    mode = str(engine_args.get("logprobs_mode", "raw_logprobs"))
+    if sampled and mode.endswith("_logits"):
+        return (f"--probes sampled with logprobs_mode={mode}: the engine's decode path would return logits, which no "
+                "check compares (lora-parity compares logprobs: raw_logprobs or processed_logprobs)")
     if spec.identity:
         return None
     if sampler not in SAMPLING_SAMPLERS:
         return (f"--sampling: the {sampler} sampler generates with temperature 1 only; the user's sampling parameters "
                 f"are built for {', '.join(SAMPLING_SAMPLERS)}")
-    mode = str(engine_args.get("logprobs_mode", "raw_logprobs"))
     if mode.startswith("processed") and (mode != "processed_logprobs" or spec.top_p != 1.0 or spec.top_k):
         return (f"--sampling {spec.describe()} with logprobs_mode={mode}: the engine's logprobs would be those of a "
                 "renormalized top-k/top-p set (or logits), which the trainer's scores cannot be rebuilt to; "

@@ -226,8 +226,8 @@ class Run:
 
     @property
     def sampler_reads_prefix_cache(self) -> bool:
-        """True for a sampler that also scores the way rollouts read its prefix cache (a `CachedScoringSampler`)."""
-        return isinstance(self.sampler, CachedScoringSampler)
+        """A sampler that also scores as rollouts read its prefix cache (`CachedScoringSampler`, traits to match)."""
+        return isinstance(self.sampler, CachedScoringSampler) and self.sampler.traits.reads_prefix_cache
 
     @property
     def covered_targets(self) -> list[str]:

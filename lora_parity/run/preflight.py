@@ -140,7 +140,8 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     if opts.sampler == "sglang" and opts.sampler_url and cfg.sampler.engine_args:
         raise ConfigError("--engine-arg with --sampler sglang goes on the command line of a server lora-parity starts; "
                           "an attached server runs with its own (its /server_info is recorded)")
-    why = sampling.refusal(cfg.sampler.sampling, opts.sampler, cfg.sampler.engine_args, opts.trainer)
+    why = sampling.refusal(cfg.sampler.sampling, opts.sampler, cfg.sampler.engine_args, opts.trainer,
+                           sampled=opts.probes.partition(":")[0] == "sampled")
     if why is not None:
         raise ConfigError(why)
     _tempered_fault(opts.inject, sampling.tempered(cfg.sampler.sampling, cfg.sampler.engine_args))

@@ -74,6 +74,9 @@ def _prefix(done: set[str], phases: set[str], settings: Mapping[str, Any], backe
                                 "prefixes after it (updated_cached): checks P.*")
     if any(p in phases for p in PREFIX_PHASES):
         return _row(name, False, "the prefix-cache phases did not complete")
+    off = _setting(settings, "cached_scoring")
+    if off is not None and off.startswith("off"):
+        return _row(name, False, off)
     if settings.get("enable_prefix_caching") is False:
         return _row(name, False, "prefix caching off (enable_prefix_caching: false)")
     return _row(name, False, f"the {backend} sampler does not score through its prefix cache (no P phases)")
