@@ -183,6 +183,7 @@ def test_on_vllm_cpu_processed_logprobs_at_a_temperature_pass_clean_and_a_decode
     from lora_parity.evidence.receipt import Receipt, Verdict
     from lora_parity.run import probes
     from lora_parity.run.selftest import selftest
+    from lora_parity.verdict.verify import verify
 
     # tiny-qwen3 has no tokenizer: the text probes' characters as its token ids
     monkeypatch.setattr(probes, "checkpoint_tokenizer",
@@ -196,6 +197,9 @@ def test_on_vllm_cpu_processed_logprobs_at_a_temperature_pass_clean_and_a_decode
     ids = {c.id for c in clean.checks}
     assert "G.trainer.parity.mean" in ids and not any(i.startswith(("G.updated.", "G.sampled.")) for i in ids)
     assert clean.verdict == Verdict.PASS and "sampled_generation_tempered" in clean.scores
+    for r in result.rows:  # at 565c61a these receipts did not verify (the tempered key was not a known phase)
+        checked = verify(Path(r.receipt))
+        assert checked.verdict == checked.receipt.verdict
     row = next(r for r in clean.lifecycle or [] if r.condition == "processed logprobs")
     assert row.status == "covered" and "drawn at temperature 0.5" in row.detail
     for receipt in (faulty, raw):  # the engine without the adapter; its drawn tokens' logprobs raw (TRL #4873)
@@ -203,3 +207,26 @@ def test_on_vllm_cpu_processed_logprobs_at_a_temperature_pass_clean_and_a_decode
     # prompt-no-adapter cannot act there: not among the selftest's faults, and refused for a run.
     with pytest.raises(ConfigError, match="does not apply with tempered decode logprobs"):
         prepare(RunOptions(**{**opts.__dict__, "inject": "prompt-no-adapter"}))
+
+
+@pytest.mark.unit
+def test_verify_takes_the_tempered_decode_scores_and_still_refuses_a_made_up_phase(tmp_path: Path) -> None:
+    import json
+
+    from lora_parity.evidence.receipt import compute_digest
+    from lora_parity.run.runner import execute
+    from lora_parity.util.errors import ReceiptError
+    from lora_parity.verdict.verify import verify
+
+    path = tmp_path / "r.json"
+    execute(RunOptions(trainer="fake", sampler="fake", out=path))
+    data = json.loads(path.read_text())
+    for key, refused in (("sampled_generation_tempered", False), ("made_up_phase", True)):
+        data["scores"][key] = data["scores"]["zero"]
+        data["digest"] = compute_digest(data)
+        path.write_text(json.dumps(data))
+        if refused:
+            with pytest.raises(ReceiptError, match=r"scores\.made_up_phase is not a phase lora-parity records"):
+                verify(path)
+        else:
+            assert verify(path).verdict.value == "pass"

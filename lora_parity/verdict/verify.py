@@ -159,11 +159,16 @@ def _verify_thresholds(path: Path, receipt: Receipt, ev: checks.Evaluation) -> N
         raise ReceiptError(f"{path}: {_first_difference('threshold', recorded, computed)}")
 
 
+UNCOMPARED = ("sampled_generation_tempered",)
+"""Score keys recorded for the record, compared by no check: the sampled probes' decode logprobs at the user's
+temperature (`run.generation.sampled_name`; G.sampled compares raw ones only)."""
+
+
 def _verify_scores(path: Path, receipt: Receipt, expected: list[int]) -> None:
     """Every score array is a phase lora-parity records, aligned with the probes, finite logprobs; only the fresh
     phase may be empty (the trainer handed it no tensors: `checks.handed_nothing`), and only where the run
     recorded that phase as done."""
-    known = {phase for pair in checks.COMPARISONS.values() for phase in pair} | set(routes.SCORE_KEYS)
+    known = {phase for pair in checks.COMPARISONS.values() for phase in pair} | set(routes.SCORE_KEYS) | set(UNCOMPARED)
     for key, scores in receipt.scores.items():
         per_target = key.startswith(checks.TARGET_PREFIX) and key.endswith((".trainer", ".sampler", ".reference",
                                                                              routes.TARGET_SEARCH_SUFFIX))
