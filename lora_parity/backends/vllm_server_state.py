@@ -126,6 +126,10 @@ class VLLMServerEngineState:
         else:
             body = {"method": "reload_weights", "args": [], "kwargs": {"weights_path": root}}
         self._call("/collective_rpc", body, f"collective_rpc.{body['method']}")
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """`POST /reset_prefix_cache`: after a base reload, and as the user's loop does after a sync (`run.loop`)."""
         self._call("/reset_prefix_cache", {}, "reset_prefix_cache")
 
     def _extension(self) -> bool:

@@ -29,6 +29,7 @@ from lora_parity.cli.commands.options import (
     ExactReferenceOpt,
     GithubSummaryOpt,
     JsonOpt,
+    LoopOpt,
     ModelOpt,
     PerLayerOpt,
     PerTargetOpt,
@@ -111,6 +112,7 @@ def run(
     engine_arg: EngineArgOpt = None,
     sleep_levels: SleepLevelsOpt = None,
     sampling: SamplingOpt = None,
+    loop: LoopOpt = None,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16: cast a checkpoint passed by path; "
                                       "budgets follow the dtype.")
@@ -163,7 +165,7 @@ def run(
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, batch_invariant=batch_invariant, adapter=adapter,
                       engine_args=tuple(engine_arg or ()), sleep_levels=sleep_levels,
-                      sampling=tuple(sampling or ()))
+                      sampling=tuple(sampling or ()), loop=tuple(loop or ()))
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)
@@ -266,6 +268,7 @@ def selftest(
     engine_arg: EngineArgOpt = None,
     sleep_levels: SleepLevelsOpt = None,
     sampling: SamplingOpt = None,
+    loop: LoopOpt = None,
     tp: TpOpt = 1,
     sync: SyncOpt = "new-id",
     update: UpdateOpt = None,
@@ -291,7 +294,7 @@ def selftest(
                       revision=revision, budgets=budgets,
                       trust_remote_code=trust_remote_code, sampler_url=sampler_url, api_key_env=api_key_env,
                       shared_dir=shared_dir, adapter=adapter, engine_args=tuple(engine_arg or ()),
-                      sleep_levels=sleep_levels, sampling=tuple(sampling or ()))
+                      sleep_levels=sleep_levels, sampling=tuple(sampling or ()), loop=tuple(loop or ()))
     from lora_parity.run.runner import RunInterrupted
     from lora_parity.util import interrupt
 

@@ -18,6 +18,7 @@ from lora_parity.models.adapter_spec import AdapterSpec as AdapterSpec
 from lora_parity.models.launch import LaunchSpec as LaunchSpec
 from lora_parity.models.launch import SamplerLaunch as SamplerLaunch
 from lora_parity.models.launch import TrainerLaunch as TrainerLaunch
+from lora_parity.models.loop import LoopSpec
 from lora_parity.models.lora_targets import projection_targets, tensor_names
 from lora_parity.models.sampling import SamplingSpec
 from lora_parity.util import safe_read
@@ -236,6 +237,8 @@ class SamplerSpec(_Cfg):
     enable_sleep_mode=true. Empty: none."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """The user's temperature, top-p and top-k on the decode path (`models.sampling`; `--sampling` wins)."""
+    loop: LoopSpec = Field(default_factory=LoopSpec)
+    """What the user's loop does between a sync and the next scoring (`models.loop`; `--loop` wins)."""
 
 
 class ScoringSpec(_Cfg):
@@ -287,12 +290,16 @@ class ModelConfig(_Cfg):
 
     def digest(self) -> str:
         """sha256 of the config's canonical JSON (`route_replay` where unset, `adapter.target_parameters` where
-        empty and `sampler.sampling` where the identity left out: older digests hold)."""
+        empty, `sampler.sampling` where the identity and `sampler.loop` where the default left out: older digests
+        hold)."""
         unset: dict[str, Any] = {"route_replay": True} if self.route_replay is None else {}
         if not self.adapter.target_parameters:
             unset["adapter"] = {"target_parameters"}
-        if self.sampler.sampling.identity:
-            unset["sampler"] = {"sampling"}
+        defaults = {"sampling"} if self.sampler.sampling.identity else set()
+        if self.sampler.loop.default:
+            defaults.add("loop")
+        if defaults:
+            unset["sampler"] = defaults
         return sha256_json(self.model_dump(mode="json", exclude=unset or None))
 
 

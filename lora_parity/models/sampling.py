@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from lora_parity.util.errors import ConfigError
+from lora_parity.models import key_values
 
 SAMPLING_SAMPLERS = ("vllm", "vllm-server")
 """The samplers whose generation takes the user's sampling parameters."""
@@ -70,27 +70,13 @@ class SamplingSpec(BaseModel):
 
 
 def parse(items: Iterable[str]) -> dict[str, Any]:
-    """`KEY=VALUE` strings as a mapping (values checked by `merged`); a malformed item is a `ConfigError`."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key or not value.strip():
-            raise ConfigError(f"--sampling {item!r}: expected KEY=VALUE (temperature, top_p, top_k)")
-        out[key] = value.strip()
-    return out
+    """`--sampling KEY=VALUE` strings as a mapping (values checked by `merged`)."""
+    return key_values.parse(items, "--sampling", "temperature, top_p, top_k")
 
 
 def merged(spec: SamplingSpec, given: Mapping[str, Any]) -> SamplingSpec:
     """`spec` with `given` over it, validated; an unknown key or a value out of range is a one-line `ConfigError`."""
-    if not given:
-        return spec
-    try:
-        return SamplingSpec.model_validate({**spec.model_dump(), **given})
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "sampling"
-        raise ConfigError(f"--sampling {where}: {err['msg']}") from None
+    return key_values.merged(spec, given, "--sampling")
 
 
 def tempered(spec: SamplingSpec, engine_args: Mapping[str, Any]) -> float | None:

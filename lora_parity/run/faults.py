@@ -29,7 +29,7 @@ from lora_parity.evidence.receipt import Budgets, Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import is_lora_b, target_kind
-from lora_parity.run import generation, sleep_faults
+from lora_parity.run import generation, loop, sleep_faults
 from lora_parity.run.fault_spec import ADAPTER_MODES as ADAPTER_MODES
 from lora_parity.run.fault_spec import FaultSpec as FaultSpec
 from lora_parity.run.moe_faults import EXPERT_DROPPED, EXPERT_FAULTS, ROUTE_FAULTS, corrupt_routes, drop_expert
@@ -169,7 +169,7 @@ FAULTS: dict[str, FaultSpec] = {f.name: f for f in (
               "garbled step-1 rollouts, no error)", ("G.updated.parity.mean", "G.trainer.parity.mean"), "fail",
               modes=("new-id", "tensors"), needs_versions=True, needs_sampled=True),
     *ROUTE_FAULTS, *EXPERT_FAULTS,
-    *sleep_faults.SLEEP_FAULTS, *generation.TEMPERED_FAULTS,
+    *sleep_faults.SLEEP_FAULTS, *generation.TEMPERED_FAULTS, *loop.LOOP_FAULTS,
 )}
 SELFTEST_FAULTS = [name if name != "crash-at" else "crash-at=stale" for name, spec in FAULTS.items()
                    if not spec.needs_sampled]

@@ -55,6 +55,9 @@ class RunOptions:
     sampling: tuple[str, ...] = ()
     """`--sampling KEY=VALUE`: the user's temperature, top_p, top_k on the decode path, over the config's
     `sampler.sampling` (`models.sampling`)."""
+    loop: tuple[str, ...] = ()
+    """`--loop KEY=VALUE`: what the user's loop does between a sync and the next scoring, over the config's
+    `sampler.loop` (`models.loop`)."""
     dtype: str | None = None
     """Cast a checkpoint passed by path to this dtype (budgets follow it); None: its config.json's."""
     adapter: Path | None = None

@@ -2,9 +2,8 @@
 (`sleep_wake`), then per-target coverage (and, where sampler and trainer share a service, the stale adapter again and
 the trainer once more; where the sampler scores through its prefix cache, stale and updated read that way too). With
 `--probes sampled` the sampler first completes the probes (`sample`), and after sync generates from the same prompts
-again (`generate_updated`); see docs/probes-and-adapters.md. `run_sequence` reads top to bottom; each step is a small
-method of `Run` that records its scores, adapters and timing. Checks are not made here: `checks.evaluate` derives them
-from the recorded scores afterwards, the same way `lora-parity verify` does.
+again (`generate_updated`); docs/probes-and-adapters.md. `run_sequence` reads top to bottom; each step is a method of
+`Run` that records its scores, adapters and timing. `checks.evaluate` derives the checks afterwards, as `verify` does.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import RECIPE
 from lora_parity.run import calibrate_trainer, engine_state, generation, layer_coverage, mixed_batch, reference_points
 from lora_parity.run.faults import Faults
+from lora_parity.run.loop import after_sync as after_loop_sync
 from lora_parity.run.route_replay import Replay
 from lora_parity.run.sleep_wake import after_sync as sleep_and_wake
 from lora_parity.run.sync import SyncMode
@@ -225,8 +225,7 @@ class Run:
         return mixed_batch.applies(self)
 
     @property
-    def sampler_reads_prefix_cache(self) -> bool:
-        """A sampler that also scores as rollouts read its prefix cache (`CachedScoringSampler`, traits to match)."""
+    def sampler_reads_prefix_cache(self) -> bool:  # a `CachedScoringSampler` whose traits say so as built
         return isinstance(self.sampler, CachedScoringSampler) and self.sampler.traits.reads_prefix_cache
 
     @property
@@ -411,9 +410,10 @@ class Run:
         self.sampler_score("stale", self.handle)
 
     def sync(self) -> None:
-        """Publish the updated weights, the way the sync mode does; what it published (a folder it
-        may have rewritten in place) is the new baseline of the changed-on-disk check."""
+        """Publish the update as the sync mode does, then the user's loop (`after_loop_sync`); what it published (a
+        folder it may have rewritten in place) is the new baseline of the changed-on-disk check."""
         self.mode.sync(self)
+        after_loop_sync(self)
         if self.handle is not None and self.handle.path.is_dir():
             self.published_digests[self.handle.path] = generation.folder_digest(self.handle.path)
 

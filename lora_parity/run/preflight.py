@@ -18,7 +18,8 @@ from lora_parity.evidence import outpath
 from lora_parity.evidence.receipt import Probes, Reference
 from lora_parity.models import config, sampling
 from lora_parity.models.checkpoint import bos_token, preflight_hf_config, require_safetensors, vocab_size
-from lora_parity.run import generation, start_adapter
+from lora_parity.models.loop import LoopSpec
+from lora_parity.run import generation, loop, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, check_crash_phase, require_applies
 from lora_parity.run.options import RunOptions
@@ -118,6 +119,14 @@ def _tempered_fault(inject: str | None, tempered: float | None) -> None:
                           "(--engine-arg logprobs_mode=processed_logprobs --sampling temperature=T)")
 
 
+def _loop_fault(inject: str | None, spec: LoopSpec) -> None:
+    """`ConfigError` where the injected fault is one the user's loop leaves out (`loop.off`)."""
+    name = (inject or "").partition("=")[0]
+    left_out = loop.off(spec)
+    if name in left_out:
+        raise ConfigError(f"fault {name!r} does not apply to this loop: {left_out[name]}")
+
+
 def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     """Every option value that can be checked without importing a backend (torch, vLLM, transformers
     come with the backends): backend names (built in or an installed plugin's) and pairs, --inject, --reference,
@@ -145,6 +154,7 @@ def check_options(opts: RunOptions, cfg: config.ModelConfig) -> None:
     if why is not None:
         raise ConfigError(why)
     _tempered_fault(opts.inject, sampling.tempered(cfg.sampler.sampling, cfg.sampler.engine_args))
+    _loop_fault(opts.inject, cfg.sampler.loop)
     if opts.reference is not None and opts.reference not in REFERENCES:
         raise ConfigError(f"unknown reference {opts.reference!r}; choose from {', '.join(REFERENCES)}")
     _check_values(opts)
@@ -253,6 +263,7 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     require_applies(opts.inject, sampler_cls.built_traits(cfg), opts.sampler,
                     issubclass(trainer_cls, TensorReadingTrainer), opts.trainer)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
+    loop.require(cfg.sampler.loop, sampler_cls, opts.sampler)
     needs_checkpoint = trainer_cls.traits.needs_checkpoint or sampler_cls.traits.needs_checkpoint
     reference_preflight(opts.reference, needs_checkpoint)
     if needs_checkpoint:

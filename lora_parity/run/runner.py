@@ -46,6 +46,7 @@ from lora_parity.models.provenance import environment, git_revision, redact_url,
 from lora_parity.run import early_launch, generation, preflight, reference_scorers, route_replay, start_adapter
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import Faults, one_token_ceiling, rewrites_files
+from lora_parity.run.loop import with_loop
 from lora_parity.run.options import RunOptions
 from lora_parity.run.phases import WARM_FOLDER, Run, StopRun, run_sequence
 from lora_parity.run.preflight import REFERENCE_MARGIN as REFERENCE_MARGIN
@@ -166,16 +167,17 @@ def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
 
 
 def _with_engine_args(cfg: config.ModelConfig, opts: RunOptions) -> config.ModelConfig:
-    """The config's `sampler.engine_args`, `sleep_levels` and `sampling` with `--engine-arg` (checked for the sampler:
-    `backends.user_args`), `--sleep-levels` and `--sampling` (`models.sampling`) over them."""
+    """The config's `sampler.engine_args`, `sleep_levels`, `sampling` and `loop` with `--engine-arg` (checked for the
+    sampler: `backends.user_args`), `--sleep-levels`, `--sampling` and `--loop` over them."""
     from lora_parity.backends import engine_args, user_args
-    from lora_parity.models import sampling
+    from lora_parity.models import loop, sampling
     from lora_parity.run.sleep_wake import parse_levels
 
     given = user_args.check_for(opts.sampler, {**cfg.sampler.engine_args, **engine_args.parse(opts.engine_args)})
     levels = parse_levels(opts.sleep_levels)
     sampler = {"engine_args": given, "sleep_levels": list(cfg.sampler.sleep_levels if levels is None else levels),
-               "sampling": sampling.merged(cfg.sampler.sampling, sampling.parse(opts.sampling))}
+               "sampling": sampling.merged(cfg.sampler.sampling, sampling.parse(opts.sampling)),
+               "loop": loop.merged(cfg.sampler.loop, loop.parse(opts.loop))}
     return cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update=sampler)})
 
 
@@ -260,7 +262,7 @@ class Backends:
             start_adapter.load(self.trainer, plan.opts.adapter)
             self.trainer_info = self.trainer.info()
             say("trainer.load", "ok", timings.get("trainer.load", 0.0))
-            self.sampler_info = self.sampler.info()
+            self.sampler_info = with_loop(self.sampler.info(), plan.cfg.sampler.loop)
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
             self.device = str(settings.get("device", "cpu"))

@@ -31,7 +31,7 @@ from lora_parity.backends.base import BackendTraits, TensorReadingTrainer
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.evidence.receipt import Check, CheckStatus, PhaseStatus, Receipt, Verdict
 from lora_parity.models import sampling
-from lora_parity.run import generation, preflight
+from lora_parity.run import generation, loop, preflight
 from lora_parity.run import probes as probe_sources
 from lora_parity.run.faults import FAULTS, SAMPLED_FAULTS, SELFTEST_FAULTS, Faults, faults_for, not_applicable
 from lora_parity.run.options import RunOptions
@@ -337,7 +337,8 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
                             plan.cfg.sampler.sleep_levels)
     # the decode path's faults that act only with tempered decode logprobs, or only without them
     tempered = sampling.tempered(plan.cfg.sampler.sampling, plan.cfg.sampler.engine_args) is not None
-    off = generation.UNTEMPERED_FAULTS if tempered else generation.TEMPERED_FAULT_NAMES
+    off = {**(generation.UNTEMPERED_FAULTS if tempered else dict.fromkeys(generation.TEMPERED_FAULT_NAMES, "")),
+           **loop.off(plan.cfg.sampler.loop)}  # and the prefix-cache faults the user's loop leaves out
     applicable = [name for name in applicable if name not in off]
     fault_names = faults if faults is not None else applicable
     if only:

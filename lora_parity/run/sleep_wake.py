@@ -5,7 +5,8 @@ rollout wake-up), in two phases:
 
 - `sleep_wake.levelN`: sleep(N) -> wake_up(["weights"]) -> at level 2, the base weights the sleep discarded reloaded
   from the checkpoint (`reset_base`) -> the sync: the trainer's current adapter published as the run's sync mode
-  publishes it, a new version -> wake_up(["kv_cache"]) -> score.
+  publishes it, a new version -> wake_up(["kv_cache"]) -> score. Where the user's loop wakes everything at once
+  (`--loop wake=all`, `models.loop`): sleep(N) -> wake_up() -> the base reload -> the sync -> score.
 - `wake_again.levelN`: sleep(N) -> wake_up() -> at level 2, the loop's restore: the base reloaded, then the current
   version put back, with no new weights (`SyncMode.restore`: its folder under a new name and id where the mode keeps a
   name per version, in place under its own in `inplace`, the merged weights reloaded) -> score.
@@ -67,15 +68,22 @@ def _engine(run: Any) -> SleepingSampler:
 
 
 def sleep_sync_wake(run: Any, level: int) -> None:
-    """sleep -> wake the weights -> (level 2: reload the base) -> sync a new version -> wake the KV cache -> score."""
+    """sleep -> wake the weights -> (level 2: reload the base) -> sync a new version -> wake the KV cache -> score;
+    where the user's loop wakes everything at once (`sampler.loop.wake` "all"), the wake comes whole before the base
+    reload and the sync."""
     engine = _engine(run)
     engine.sleep(level)
     asleep = [WEIGHTS, KV_CACHE]
     try:
-        engine.wake_up([asleep.pop(0)])
+        if run.cfg.sampler.loop.wake == "all":
+            engine.wake_up()
+            asleep.clear()
+        else:
+            engine.wake_up([asleep.pop(0)])
         _reload_base(run, level)
         run.mode.publish(run, version=len(run.adapters), label=f"-sleep{level}")
-        engine.wake_up([asleep.pop(0)])
+        if asleep:
+            engine.wake_up([asleep.pop(0)])
     finally:  # a failed sync never leaves the engine asleep: the run's retire, and a next run on it, need it awake
         if asleep:
             engine.wake_up(asleep)

@@ -58,7 +58,9 @@ def _sleep(level: int, done: set[str], phases: set[str], settings: Mapping[str, 
     name = f"sleep level {level} + wake"
     first, again = SLEEP_PHASES[level]
     if first in done and again in done:
-        return _row(name, True, f"sleep -> sync -> wake -> score, and a second wake without a sync ({first}, {again})")
+        whole = "wake: everything at once" in (_setting(settings, "loop") or "")  # the user's loop (`models.loop`)
+        around = "sleep -> wake -> sync -> score" if whole else "sleep -> sync -> wake -> score"
+        return _row(name, True, f"{around}, and a second wake without a sync ({first}, {again})")
     if first in phases or again in phases:
         return _row(name, False, "the sleep/wake phases did not complete")
     why = _setting(settings, "sleep_mode") or f"the {backend} sampler records no sleep mode"
@@ -70,8 +72,10 @@ def _sleep(level: int, done: set[str], phases: set[str], settings: Mapping[str, 
 def _prefix(done: set[str], phases: set[str], settings: Mapping[str, Any], backend: str) -> LifecycleRow:
     name = "warm prefix cache after the sync"
     if all(p in done for p in PREFIX_PHASES):
+        reset = "reset after the sync: yes" in (_setting(settings, "loop") or "")  # the user's loop (`models.loop`)
         return _row(name, True, "prefixes read through the cache before the sync (stale_cached) and the same "
-                                "prefixes after it (updated_cached): checks P.*")
+                                "prefixes after it (updated_cached" + (", the cache reset after the sync as the user's "
+                                                                       "loop does" if reset else "") + "): checks P.*")
     if any(p in phases for p in PREFIX_PHASES):
         return _row(name, False, "the prefix-cache phases did not complete")
     off = _setting(settings, "cached_scoring")

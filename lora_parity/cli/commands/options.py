@@ -74,6 +74,12 @@ SamplingOpt = Annotated[list[str] | None, typer.Option(
     help="Your rollouts' sampling parameter (repeatable; over the config's sampler.sampling): temperature, top_p or "
          "top_k, used where the sampler generates (--probes sampled); the logprobs compared stay raw "
          "(docs/deployment.md).")]
+LoopOpt = Annotated[list[str] | None, typer.Option(
+    "--loop", metavar="KEY=VALUE",
+    help="What your RL loop does between a sync and the next scoring (repeatable; over the config's sampler.loop): "
+         "reset_prefix_cache=true (it clears the engine's prefix cache after each sync; checks P then test the "
+         "reset), wake=all (after a sleep it wakes everything, then syncs; default split: the weights, the sync, "
+         "the KV cache) (docs/deployment.md).")]
 PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
 RouteReplayOpt = Annotated[str | None, typer.Option(
