@@ -93,7 +93,7 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
           f"probes {probes} ({receipts[0]['probes']['num_scored_positions']} scored tokens)")
     print(f"  wall time (process)         median {med(walls):7.2f} s   runs: "
           + ", ".join(f"{w:.2f}" for w in walls))
-    keys = [k for k in receipts[0]["timings"] if k != "total"]
+    keys = [k for k in receipts[0]["timings"] if k != "total" and not k.startswith("process.")]
     shown = [k for k in keys if k in ENGINE_AND_LOAD or not k.startswith(("score.", "publish.v", "http."))]
     for key in shown:
         values = [r["timings"].get(key, 0.0) for r in receipts]
@@ -120,6 +120,14 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
     outside = [w - r["timings"].get("total", w) - e for w, r, e in zip(walls, receipts, engine, strict=True)]
     print(f"    of which outside the run  median {med(outside):7.3f} s (interpreter start, the CLI, preflight "
           "before the run's timer, exit and teardown)")
+    # the process's own clock (`util.process_clock`): its age as the run starts and as the receipt is sealed
+    before = [r["timings"].get("process.before_run") for r in receipts]
+    sealed = [r["timings"].get("process.at_receipt") for r in receipts]
+    if all(b is not None for b in before) and all(a is not None for a in sealed):
+        after = [w - a for w, a in zip(walls, sealed, strict=True)]
+        print(f"      before the run          median {med(before):7.3f} s (interpreter start and the CLI's imports)")
+        print(f"      after the receipt       median {med(after):7.3f} s (exit and teardown: the engine's shutdown, "
+              "the interpreter's)")
     print(f"  scoring: {receipts[0]['sampler']['settings'].get('scoring')}; "
           f"trainer: {receipts[0]['trainer']['settings'].get('forward', 'one sequence per forward')}")
     print(f"  verdicts: {', '.join(r['verdict'] for r in receipts)}")

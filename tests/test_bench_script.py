@@ -29,7 +29,8 @@ def _receipt() -> dict[str, Any]:
     return {"model": {"name": "smollm2-135m"}, "sampler": {"backend": "vllm", "settings": {"scoring": "s"}},
             "trainer": {"settings": {}}, "environment": {"device": "cpu"}, "verdict": "pass",
             "probes": {"num_scored_positions": 192},
-            "timings": {"sampler.start": 4.0, "score.zero": 1.0, "publish.v0": 0.1, "sync": 0.1, "total": 9.0}}
+            "timings": {"sampler.start": 4.0, "score.zero": 1.0, "publish.v0": 0.1, "sync": 0.1, "total": 9.0,
+                        "process.before_run": 1.5, "process.at_receipt": 15.0}}
 
 
 def _fake_runs(bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None]]:
@@ -60,6 +61,9 @@ def test_each_probe_source_median_is_reported_against_the_target(monkeypatch: py
     assert "smollm2-135m probes sampled: median 21.0 s of 3 fresh processes (target <= 45 s: met)" in out
     # sampled's median wall 21 s, less the run's own 9 s and the engine's start 4 s (at 9bce4a6 the start was counted)
     assert "of which outside the run  median   8.000 s" in out
+    # ... split by the process's own clock: 1.5 s before the run, 21 - 15 s after the receipt was sealed
+    assert "before the run          median   1.500 s" in out and "after the receipt       median   6.000 s" in out
+    assert "process.before_run" not in out  # not a phase
 
 
 def test_within_the_target_exits_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

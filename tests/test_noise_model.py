@@ -387,7 +387,7 @@ def test_fp32_balance_applies_only_where_both_sides_score_at_the_checkpoints_pre
     from lora_parity.backends import fake, hf, tinker, vllm
     from lora_parity.backends.megatron.trainer import MegatronTrainer
     from lora_parity.models import config
-    from lora_parity.run.runner import balance_where_it_holds
+    from lora_parity.run.preflight import balance_where_it_holds
 
     cfg = config.load("smollm2-135m-bf16")
     assert cfg.budgets.noise is not None and cfg.budgets.noise.fp32_balance == 2.0

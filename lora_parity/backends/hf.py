@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -47,8 +48,7 @@ def device_name(device: torch.device) -> str:
 
 
 def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: str | None = None) -> Any:
-    """The base model from a local HF checkpoint (in the config's dtype unless `dtype`), safetensors
-    only, eval mode."""
+    """The base model from a local HF checkpoint (the config's dtype unless `dtype`), safetensors only, eval mode."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir),
         dtype=getattr(torch, dtype or cfg.model.dtype),
@@ -59,8 +59,7 @@ def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: st
 
 
 def pack_tokens(cfg: ModelConfig, model: Any) -> int:
-    """The trainer's tokens per forward (`scoring.pack_tokens`); 0 (`scoring.batch_size` sequences per
-    forward) for an MoE model."""
+    """The trainer's tokens per forward (`scoring.pack_tokens`); 0 (`scoring.batch_size` sequences) for an MoE."""
     config = getattr(model, "config", None)
     return 0 if routes_experts(config.to_dict() if config is not None else {}) else cfg.scoring.pack_tokens
 
@@ -203,8 +202,13 @@ class HFTrainer(TrainerBackend):
         self.start_a = self._copy_a()
         self.gradients.clear()  # a new start point
 
+    @functools.cached_property
+    def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters by name, listed once (fixed after the load; a walk per perturb costs: issue 47)."""
+        return list(self.model.named_parameters())
+
     def _copy_a(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters() if "lora_A" in n}
+        return {n: p.detach().clone() for n, p in self._named if "lora_A" in n}
 
     def score(self, sequences: Sequences) -> Scores:
         return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack)
@@ -249,12 +253,12 @@ class HFTrainer(TrainerBackend):
 
     def _lora_b(self, only: str | None = None) -> list[tuple[str, torch.nn.Parameter]]:
         """Every LoRA B, or target kind `only`'s (in the layers of `restricted_to` where one is in force)."""
-        return [(n, p) for n, p in self.model.named_parameters() if is_lora_b(n) and (
+        return [(n, p) for n, p in self._named if is_lora_b(n) and (
             only is None or (target_kind(n) == only and layer_subset.keeps(self.layers_only, n)))]
 
     @torch.no_grad()
     def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
-        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and "lora_" not in n]
+        trainable = [n for n, p in self._named if p.requires_grad and "lora_" not in n]
         if trainable:
             raise PhaseError(f"refusing to perturb: non-adapter parameter {trainable[0]} is trainable")
         params = self._lora_b(only)
@@ -290,14 +294,13 @@ class HFTrainer(TrainerBackend):
                 p.zero_()
             else:
                 p.copy_(self.start_b[name])
-        for name, p in self.model.named_parameters():
+        for name, p in self._named:
             if name in self.start_a:
                 p.copy_(self.start_a[name])
 
     def lora_tensors(self) -> dict[str, RawTensor]:
         """Every lora_A and lora_B parameter as the model holds it, under PEFT's saved name."""
-        return {n.replace(".default.weight", ".weight"): to_raw(p) for n, p in self.model.named_parameters()
-                if "lora_" in n}
+        return {n.replace(".default.weight", ".weight"): to_raw(p) for n, p in self._named if "lora_" in n}
 
     def export_adapter(self, directory: Path) -> Path:
         self.model.save_pretrained(str(directory), safe_serialization=True)

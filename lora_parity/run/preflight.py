@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from lora_parity import backends
 from lora_parity.backends.base import (
+    BackendTraits,
     PreflightOptions,
     SamplerBackend,
     SteppingTrainer,
@@ -273,3 +274,16 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
 
         refuse_fp32_on_cuda(cfg)
         refuse_sleep_without_mode(cfg)
+
+
+def balance_where_it_holds(cfg: config.ModelConfig, trainer: BackendTraits,
+                           sampler: BackendTraits) -> config.ModelConfig:
+    """The config with the noise rule's `fp32_balance` kept only where both sides score at the checkpoint's precision
+    (`BackendTraits.at_checkpoint_precision`): a side that is fp32-exact (the fake backends) or of unknown precision
+    (a Tinker service) is not equally far from fp32 for a good reason. The receipt's budgets record what applied."""
+    rule = cfg.budgets.noise
+    both = trainer.at_checkpoint_precision and sampler.at_checkpoint_precision
+    if rule is None or rule.fp32_balance is None or both:
+        return cfg
+    budgets = cfg.budgets.model_copy(update={"noise": rule.model_copy(update={"fp32_balance": None})})
+    return cfg.model_copy(update={"budgets": budgets})

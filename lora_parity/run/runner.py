@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from lora_parity import __version__, backends
 from lora_parity.backends.base import (
     BackendOptions,
-    BackendTraits,
     PreflightOptions,
     Sampler,
     SamplerBackend,
@@ -54,7 +53,7 @@ from lora_parity.run.preflight import reference_decision as reference_decision
 from lora_parity.run.routing import router_agreement
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
-from lora_parity.util import interrupt, scratch
+from lora_parity.util import interrupt, process_clock, scratch
 from lora_parity.util.errors import ConfigError, LoraParityError
 from lora_parity.verdict import breakdown, checks, lifecycle
 
@@ -188,24 +187,11 @@ def _prepare_trainer(opts: RunOptions, cfg: config.ModelConfig, sync: SyncMode, 
     trainer_cls = backends.resolve("trainer", opts.trainer)
     import_seconds += time.perf_counter() - start
     preflight.backend_checks(opts, cfg, trainer_cls, sampler_cls, pre, sync, probes)
-    cfg = balance_where_it_holds(cfg, trainer_cls.traits, sampler_cls.traits)
+    cfg = preflight.balance_where_it_holds(cfg, trainer_cls.traits, sampler_cls.traits)
     opts = replace(opts, route_replay=route_replay.mode_of(opts.route_replay, cfg))
     replays = route_replay.preflight(opts, cfg, trainer_cls, sampler_cls)
     return Plan(opts, cfg, trainer_cls, sampler_cls, sync, probes, git_revision(opts.revision),
                 {"backends.import": import_seconds}, replays=replays)
-
-
-def balance_where_it_holds(cfg: config.ModelConfig, trainer: BackendTraits,
-                           sampler: BackendTraits) -> config.ModelConfig:
-    """The config with the noise rule's `fp32_balance` kept only where both sides score at the checkpoint's precision
-    (`BackendTraits.at_checkpoint_precision`): a side that is fp32-exact (the fake backends) or of unknown precision
-    (a Tinker service) is not equally far from fp32 for a good reason. The receipt's budgets record what applied."""
-    rule = cfg.budgets.noise
-    both = trainer.at_checkpoint_precision and sampler.at_checkpoint_precision
-    if rule is None or rule.fp32_balance is None or both:
-        return cfg
-    budgets = cfg.budgets.model_copy(update={"noise": rule.model_copy(update={"fp32_balance": None})})
-    return cfg.model_copy(update={"budgets": budgets})
 
 
 def _pending_backend(name: str) -> BackendInfo:
@@ -378,7 +364,8 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
     """The sealed receipt of one run (scores, checks derived from them, provenance, timings)."""
     cfg, opts = plan.cfg, plan.opts
     probes = generation.scored_probes(plan.probes, run.sequences if run else None)
-    timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds}
+    timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds,
+               **process_clock.stamp("process.at_receipt")}
     scores = run.scores if run else {}
     ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)
     sampler, phases = scrub_secrets(loaded.sampler_info), scrub_secrets(run.phases) if run else []
@@ -433,7 +420,9 @@ def execute(opts: RunOptions, progress: Callable[[str, str, float], None] | None
     """Preflight, load, run the sequence once, write the receipt; return it and its path.
     `process_exiting`: the caller exits right after (the CLI), see `Backends.close`."""
     say = progress or (lambda phase, status, seconds: None)
+    started = process_clock.stamp("process.before_run")  # interpreter start and the CLI, before the run
     plan = prepare(opts, launch_early=True)
+    plan.timings.update(started)
     try:
         when = dt.datetime.now(dt.UTC).replace(microsecond=0)
         out = opts.out or default_out(plan.cfg.name, probe_sources.label(opts.probes), opts.trainer, opts.sampler,
