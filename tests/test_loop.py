@@ -12,7 +12,7 @@ from lora_parity.models import config, loop
 from lora_parity.models.loop import LoopSpec
 from lora_parity.run.runner import RunOptions, execute, prepare
 from lora_parity.run.selftest import selftest
-from lora_parity.util.errors import ConfigError
+from lora_parity.util.errors import ConfigError, ScoreError
 from lora_parity.verdict.verify import verify
 
 from .conftest import cli
@@ -136,3 +136,19 @@ def test_the_vllm_server_sampler_resets_its_cache_over_http() -> None:
         assert len(server.posted("/reset_prefix_cache")) == 1
     finally:
         server.close()
+    server = VLLMStandIn(dev_mode=False)  # an attached server without dev mode: one line saying so
+    try:
+        with pytest.raises(ScoreError, match=r"not served \(the server runs without VLLM_SERVER_DEV_MODE=1"):
+            VLLMServerSampler(config.load(None), None, {}, url=server.url).reset_prefix_cache()
+    finally:
+        server.close()
+
+
+def test_a_server_started_here_for_a_resetting_loop_runs_in_dev_mode() -> None:
+    from lora_parity.backends.vllm_server import server_env
+
+    cfg = config.load(None)
+    resetting = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(
+        update={"loop": LoopSpec(reset_prefix_cache=True)})})
+    assert server_env(cfg, False).get("VLLM_SERVER_DEV_MODE") is None
+    assert server_env(resetting, False)["VLLM_SERVER_DEV_MODE"] == "1"

@@ -54,9 +54,10 @@ def server_flags(cfg: ModelConfig, cuda: bool, argv: Sequence[str]) -> list[str]
 
 
 def server_env(cfg: ModelConfig, cuda: bool) -> dict[str, str]:
-    """The environment a server started here to sleep gets: dev mode, which serves the sleep endpoints (only then:
-    they also expose `/collective_rpc`)."""
-    return {DEV_MODE: "1"} if sleeps(cfg, cuda) else {}
+    """The environment a server started here to sleep, or to have its prefix cache reset as the user's loop does
+    (`--loop reset_prefix_cache=true`), gets: dev mode, which serves those endpoints (only then: they also expose
+    `/collective_rpc`)."""
+    return {DEV_MODE: "1"} if sleeps(cfg, cuda) or cfg.sampler.loop.reset_prefix_cache else {}
 
 
 class VLLMServerEngineState:
@@ -130,7 +131,13 @@ class VLLMServerEngineState:
 
     def reset_prefix_cache(self) -> None:
         """`POST /reset_prefix_cache`: after a base reload, and as the user's loop does after a sync (`run.loop`)."""
-        self._call("/reset_prefix_cache", {}, "reset_prefix_cache")
+        try:
+            self._call("/reset_prefix_cache", {}, "reset_prefix_cache")
+        except ScoreError as e:
+            if " answered 404" in str(e):
+                raise ScoreError("vLLM server: /reset_prefix_cache is not served (the server runs without "
+                                 f"{DEV_MODE}=1): the loop's reset after the sync cannot be made") from None
+            raise
 
     def _extension(self) -> bool:
         """Whether the server was started here with lora-parity's worker extension (`server_flags`)."""
