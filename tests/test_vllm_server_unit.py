@@ -451,3 +451,18 @@ def test_the_server_is_launched_early_only_where_the_checkpoint_is_on_disk_and_n
     assert synthetic.cached(cfg) is None  # to be built first: the sampler launches its server after that
     plan = prepare(RunOptions(trainer="fake", sampler="vllm-server"), launch_early=True)
     assert plan.server is None and not launches
+
+
+def test_every_sampler_that_scores_through_a_cache_says_so_in_its_traits() -> None:
+    # The P phases run where the sampler is a `CachedScoringSampler` whose traits read the prefix cache (a logprobs
+    # mode may turn that off as built): a class with score_cached but the trait unset would silently lose its P
+    # checks (the TRL stack's engine did at 44419e5).
+    from lora_parity.api.caller import CallerCachedEngine
+    from lora_parity.backends.sglang import SGLangSampler
+    from lora_parity.backends.vllm import VLLMCachedSampler
+
+    classes = {backends.resolve("sampler", name) for name in ("vllm", "vllm-server", "hf", "fake")}
+    classes |= {SGLangSampler, VLLMCachedSampler, CallerCachedEngine}
+    cached = [cls for cls in classes if isinstance(cls, type) and issubclass(cls, CachedScoringSampler)]
+    assert VLLMCachedSampler in cached and CallerCachedEngine in cached and VLLMServerSampler in cached
+    assert [cls.__name__ for cls in cached if not cls.traits.reads_prefix_cache] == []

@@ -193,6 +193,8 @@ class CallerCachedEngine(CallerEngine):
     """A `CallerEngine` that also scores through its prefix cache (`CachedScoringSampler`): chosen where the
     caller's engine can (`CachedScoringEngine`), so that the stale and synced engine are read that way too (P.*)."""
 
+    traits = dataclasses.replace(CallerEngine.traits, reads_prefix_cache=True)
+
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         """The caller's engine read through its prefix cache, under the adapter it serves now."""
         engine = self.engine

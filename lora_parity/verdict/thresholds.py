@@ -273,7 +273,8 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer",
                 *engine_state.check_ids(comparisons), *sleep_wake.check_ids(comparisons)):
         out[key] = moved
-    out.update({i: mixed_batch.threshold(comparisons, moved, budgets.noise_factor)
+    by_mean = budgets.noise is not None and budgets.noise.mixed_mean
+    out.update({i: mixed_batch.threshold(comparisons, moved, budgets.noise_factor, by_mean)
                 for i in mixed_batch.check_ids(comparisons)})
     change = get("C.trainer_change")
     out["B.stimulus"] = stimulus(budgets, a, noise, None)
