@@ -125,11 +125,15 @@ def prepare(opts: RunOptions, launch_early: bool = False) -> Plan:
     later refusal stops it: the caller stops it after the run). torch's compile cache goes to a scratch folder from
     here on (`scratch.torch_compile_cache`), removed when the backends close, or at once on a refusal."""
     scratch.torch_compile_cache()  # before torch is imported: it may make its default folder then
+    start = time.perf_counter()
     try:
-        return _prepare(opts, launch_early)
+        plan = _prepare(opts, launch_early)
     except BaseException:
         scratch.remove_all()
         raise
+    # preflight's own time (the config, the probes, every check), the backends' imports apart
+    plan.timings["preflight"] = time.perf_counter() - start - plan.timings.get("backends.import", 0.0)
+    return plan
 
 
 def _prepare(opts: RunOptions, launch_early: bool) -> Plan:
@@ -364,10 +368,11 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
     """The sealed receipt of one run (scores, checks derived from them, provenance, timings)."""
     cfg, opts = plan.cfg, plan.opts
     probes = generation.scored_probes(plan.probes, run.sequences if run else None)
-    timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds,
-               **process_clock.stamp("process.at_receipt")}
     scores = run.scores if run else {}
+    start = time.perf_counter()
     ev = checks.evaluate(scores, cfg.budgets, errored=error is not None)
+    timings = {**loaded.timings, **(run.timings if run else {}), "total": seconds,
+               "receipt.checks": time.perf_counter() - start, **process_clock.stamp("process.at_receipt")}
     sampler, phases = scrub_secrets(loaded.sampler_info), scrub_secrets(run.phases) if run else []
     return seal({
         "schema_version": SCHEMA_VERSION,
