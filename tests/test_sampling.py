@@ -58,9 +58,11 @@ def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
     processed = {"logprobs_mode": "processed_logprobs"}
     assert sampling.refusal(warm, "vllm", processed, "hf") is None  # at a temperature alone: the trainer tempers
     assert "cannot score the drawn tokens" in str(sampling.refusal(warm, "vllm", processed, "megatron"))
-    for spec in (SamplingSpec(top_p=0.9), SamplingSpec(temperature=0.6, top_k=20)):
-        assert "renormalized top-k/top-p set" in str(sampling.refusal(spec, "vllm", processed))
-    assert "renormalized" in str(sampling.refusal(warm, "vllm", {"logprobs_mode": "processed_logits"}))
+    for spec in (SamplingSpec(top_p=0.9), SamplingSpec(temperature=0.6, top_k=20)):  # the trainer rebuilds the set
+        assert sampling.refusal(spec, "vllm", processed) is None
+        assert sampling.tempered(spec, processed) == spec.temperature
+        assert "cannot score the drawn tokens" in str(sampling.refusal(spec, "vllm", processed, "megatron"))
+    assert "would return logits" in str(sampling.refusal(warm, "vllm", {"logprobs_mode": "processed_logits"}))
     assert sampling.refusal(SamplingSpec(), "hf", processed) is None
     # Drawn probes compare the decode path's values as logprobs: a logits mode is refused there, identity or not.
     for mode in ("raw_logits", "processed_logits"):
@@ -73,7 +75,8 @@ def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
     assert warm.request(5, {}) == {"temperature": 0.6, "max_tokens": 5, "ignore_eos": True, "min_tokens": 5}
     assert warm.request(5, processed) == {"temperature": 0.6, "max_tokens": 5, "ignore_eos": True}
     assert sampling.tempered(warm, processed) == 0.6 and sampling.tempered(warm, {}) is None
-    assert sampling.tempered(SamplingSpec(top_k=3), processed) is None
+    assert sampling.tempered(SamplingSpec(top_k=3), processed) == 1.0  # processed at temperature 1: top-k's set
+    assert sampling.tempered(SamplingSpec(), processed) is None
     # From the CLI, before any backend is imported: exit 2, one line.
     for given, said in (("top_k=5", "temperature 1 only"), ("top_p=2", "top_p")):
         result = cli("run", "--trainer", "fake", "--sampler", "fake", "--sampling", given)
@@ -84,7 +87,7 @@ def test_refused_where_they_cannot_be_honoured_and_the_identity_never() -> None:
 
 @pytest.mark.unit
 def test_a_decode_path_fault_that_cannot_act_is_refused_for_a_run() -> None:
-    with pytest.raises(ConfigError, match="needs processed decode logprobs at a temperature other than 1"):
+    with pytest.raises(ConfigError, match="needs processed decode logprobs under your sampling"):
         prepare(RunOptions(trainer="fake", sampler="fake", probes="sampled", inject="raw-decode-logprobs"))
 
 
@@ -230,3 +233,64 @@ def test_verify_takes_the_tempered_decode_scores_and_still_refuses_a_made_up_pha
                 verify(path)
         else:
             assert verify(path).verdict.value == "pass"
+
+
+@pytest.mark.unit
+def test_the_trainer_rebuilds_vllms_processed_logprobs_from_its_logits() -> None:
+    # vLLM's own mask (vllm/v1/sample/ops/topk_topp_sampler.py, the PyTorch path) then log_softmax, as its sampler
+    # returns processed logprobs, against `backends.processed` on the same fp32 logits.
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from lora_parity.backends.processed import processed_logprobs
+
+    rows = torch.randn(6, 257, generator=torch.Generator().manual_seed(3)) * 3
+    for temperature, top_k, top_p in ((0.7, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.9), (0.5, 40, 0.8), (1.3, 300, 0.95)):
+        ours = processed_logprobs(rows, temperature, top_k, top_p)
+        k = torch.full((6,), min(top_k, 257)) if top_k else None
+        p = torch.full((6,), top_p) if top_p < 1.0 else None
+        theirs = apply_top_k_top_p_pytorch(rows.clone() / temperature, k, p).log_softmax(dim=-1, dtype=torch.float32)
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), (temperature, top_k, top_p)
+        kept = ~torch.isinf(theirs)
+        assert torch.allclose(ours[kept], theirs[kept], atol=1e-6), (temperature, top_k, top_p)
+        if top_k or top_p < 1.0:
+            assert kept.sum(dim=-1).max() < 257  # the masks took something away
+            # a drawn token this side's masks drop is scored over the set and it: finite, below every kept token's
+            dropped = (~kept).int().argmax(dim=-1)
+            scored = processed_logprobs(rows, temperature, top_k, top_p, keep=dropped)
+            at = scored.gather(1, dropped[:, None])[:, 0]
+            assert torch.isfinite(at).all() and (at <= scored.masked_fill(~kept, 0).max(dim=-1).values).all()
+
+
+@pytest.mark.cpu_e2e
+def test_on_vllm_cpu_processed_logprobs_under_top_k_and_top_p_pass_clean_and_need_the_trainers_masks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # logprobs_mode=processed_logprobs with temperature 0.7, top-k 20 and top-p 0.9: the engine renormalizes the drawn
+    # tokens' logprobs over the kept set; the hf trainer rebuilds the same (`backends.processed`), so G.trainer passes
+    # clean and still catches the decode path's faults. With the trainer's masks left out, the same clean run fails.
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.backends import hf
+    from lora_parity.evidence.receipt import Receipt, Verdict
+    from lora_parity.run import probes
+    from lora_parity.run.runner import execute
+    from lora_parity.run.selftest import selftest
+
+    monkeypatch.setattr(probes, "checkpoint_tokenizer",
+                        lambda cfg, kind="text": (lambda text: [ord(ch) % 64 for ch in text], "toy"))
+    opts = RunOptions(probes="sampled", engine_args=("logprobs_mode=processed_logprobs",),
+                      sampling=("temperature=0.7", "top_k=20", "top_p=0.9"), per_target=False)
+    result = selftest(opts, tmp_path / "st", only=("gen-no-adapter", "raw-decode-logprobs"))
+    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("gen-no-adapter", True),
+                                                         ("raw-decode-logprobs", True)], result.rows
+    clean = Receipt.model_validate_json(Path(result.rows[0].receipt).read_text())
+    g = next(c for c in clean.checks if c.id == "G.trainer.parity.mean")
+    assert clean.verdict == Verdict.PASS and g.observed < 1e-4
+    row = next(r for r in clean.lifecycle or [] if r.condition == "processed logprobs")
+    assert row.status == "covered" and "as processed (top-k, top-p)" in row.detail
+    unmasked = hf.processed_logprobs
+    monkeypatch.setattr(hf, "processed_logprobs", lambda rows, temperature, top_k, top_p, keep=None: unmasked(
+        rows, temperature))
+    without = execute(RunOptions(**{**opts.__dict__, "out": tmp_path / "w.json"})).receipt
+    assert without.error is None and without.verdict == Verdict.FAIL
+    assert "G.trainer.parity.mean" in {c.id for c in without.checks if c.status.value == "fail"}

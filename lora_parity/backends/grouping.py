@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lora_parity.models.config import ModelConfig
+
 Sequences = list[list[int]]
 
 
@@ -21,3 +26,12 @@ def groups(sequences: Sequences, batch_size: int = 1, pack_tokens: int = 0) -> l
         out.append(slice(start, end))
         start = end
     return out
+
+
+def forward_description(cfg: ModelConfig, pack: int = 0) -> str:
+    """How an HF backend groups sequences (`pack`: the trainer's tokens per forward), for the receipt."""
+    n = cfg.scoring.batch_size
+    grouping = "one sequence per forward" if n == 1 else f"{n} sequences per forward, right-padded"
+    if pack:
+        grouping = f"sequences packed up to {pack} padded tokens per forward, right-padded"
+    return f"{grouping}, log-softmax in fp32"

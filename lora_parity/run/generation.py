@@ -141,8 +141,9 @@ def after_sync(run: Any) -> None:
         trainer_scores = run._timed("updated_generation_trainer", lambda: run.trainer.score(run.generated))
     else:
         starts = [len(p) for p in run.prompts]
+        spec = run.cfg.sampler.sampling
         trainer_scores = run._timed("updated_generation_trainer", lambda: tempering_trainer(run.trainer).score_tempered(
-            run.generated, temperature, starts))
+            run.generated, temperature, starts, spec.top_k, spec.top_p))
     run._record("updated_generation_trainer", trainer_scores)
 
 

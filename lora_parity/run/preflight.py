@@ -116,8 +116,8 @@ def _tempered_fault(inject: str | None, tempered: float | None) -> None:
         raise ConfigError(f"fault {name!r} does not apply with tempered decode logprobs: "
                           f"{generation.UNTEMPERED_FAULTS[name]}")
     if name in generation.TEMPERED_FAULT_NAMES and tempered is None:
-        raise ConfigError(f"fault {name!r} needs processed decode logprobs at a temperature other than 1 "
-                          "(--engine-arg logprobs_mode=processed_logprobs --sampling temperature=T)")
+        raise ConfigError(f"fault {name!r} needs processed decode logprobs under your sampling (--engine-arg "
+                          "logprobs_mode=processed_logprobs --sampling temperature=T, top_k or top_p)")
 
 
 def _loop_fault(inject: str | None, spec: LoopSpec) -> None:

@@ -117,9 +117,10 @@ def _processed(settings: Mapping[str, Any], backend: str, done: set[str]) -> Lif
     if mode in PROCESSED and said is not None and not done & set(GENERATION_PHASES):
         return _row("processed logprobs", False, f"logprobs_mode: {mode}, but no phase generated (the engine's prompt "
                                                  "logprobs are raw; the decode path runs with --probes sampled)")
-    if mode == "processed_logprobs" and said is not None and not said.startswith("temperature 1,"):
+    if mode == "processed_logprobs" and said is not None and said != IDENTITY_SAMPLING:
+        how = "at that temperature" if said.endswith(", top_p 1, top_k off") else "as processed (top-k, top-p)"
         return _row("processed logprobs", True, f"logprobs_mode: {mode}, drawn at {said}: the trainer scores the drawn "
-                                                "tokens at that temperature (G.trainer); G.sampled and G.updated not "
+                                                f"tokens {how} (G.trainer); G.sampled and G.updated not "
                                                 "computed (the engine's prompt logprobs stay raw)")
     return _row("processed logprobs", mode in PROCESSED, f"logprobs_mode: {mode}")
 
