@@ -27,7 +27,7 @@ from lora_parity.verdict import checks
 from lora_parity.verdict.verify import verify
 
 SWITCHES = ("own_tail", "max_as_at_start", "fp32_balance", "max_at_start_factor", "max_growth_from", "delta_reference",
-            "delta_direct", "mixed_mean")
+            "delta_direct", "mixed_fp32")
 """The noise rule's switches added after the first receipts; their values now: the bf16 profile's
 (fp32_balance: None unless a profile opts in)."""
 

@@ -198,15 +198,14 @@ class NoiseRule(Strict):
     (SmolLM2-135M bf16, --sampler hf, random probes, seeds 0, 4, 8 at a3e0592) both sides' changes were equal bit
     for bit and 1.19 off the fp32 reference's (bf16 precision as large as the change), and every run was judged
     inconclusive."""
-    mixed_mean: bool = False
-    """M.* judge each route by its mean |diff| from its scores alone (a route served another route's adapter moves
-    every token; a batch scheduled otherwise moves tokens at the engine's precision), within noise_factor x the
-    control batch's mean or twice the sampler's mean distance from the fp32 reference at the start point (both
-    computations of a request round the one fp32 value: the triangle inequality), whichever is larger. False in
-    receipts made before it (the max against the control batch alone): on an H100 over HTTP (vLLM 0.26, SmolLM2-135M
-    bf16, at 44419e5) the server scheduled one request of three clean runs' mixed batches otherwise than alone (124
-    of 127 tokens moved, mean 0.059, max 0.30) while their control batch matched alone bit for bit, so M's budget
-    was the floor 1e-4."""
+    mixed_fp32: bool = False
+    """M.* may also reach twice the sampler's largest distance from the fp32 reference at the start point
+    (`R.sampler_vs_fp32`, where scored): both computations of a request, alone and in the mixed batch, round the one
+    fp32 value, so they are at most the sum of their distances from it apart (the triangle inequality), while a
+    request served another route's adapter moves by the update's effect. False in receipts made before it (the
+    control batch alone): on an H100 over HTTP (vLLM 0.26, SmolLM2-135M bf16, at 44419e5) the server scheduled one
+    request of three clean runs' mixed batches otherwise than alone (124 of 127 tokens moved, max 0.30) while their
+    control batch matched alone bit for bit, so M's budget was the floor 1e-4."""
 
 
 class Budgets(Strict):

@@ -34,8 +34,6 @@ class Threshold:
     note: str | None = None
     undecidable: bool = False
     """Noise explains any outcome (a delta whose noise is as large as its change): inconclusive."""
-    statistic: str = "max_abs"
-    """The comparison's statistic the budget bounds (`ComparisonStats` field), where a check may judge another."""
 
 
 def target_of(check_id: str) -> str:

@@ -18,7 +18,7 @@ MIXED = {"base": "mixed_base", "updated": "mixed_updated", "old": "mixed_old"}
 """Route -> its requests' scores in the mixed batch."""
 CONTROL = "M.control_vs_alone"
 SAMPLER_FP32 = "R.sampler_vs_fp32"
-"""The sampler's distance from the fp32 reference at the start point (`NoiseRule.mixed_mean`)."""
+"""The sampler's distance from the fp32 reference at the start point (`NoiseRule.mixed_fp32`)."""
 COMPARISONS: dict[str, tuple[str, str]] = {
     **{f"M.{route}_vs_alone": (ALONE[route], MIXED[route]) for route in ALONE},
     CONTROL: ("updated", "mixed_control"),
@@ -37,52 +37,40 @@ def check_ids(comparisons: Mapping[str, ComparisonStats]) -> list[str]:
 
 
 def threshold(comparisons: Mapping[str, ComparisonStats], repeat: Threshold, noise_factor: float,
-              by_mean: bool = False) -> Threshold:
+              fp32_bound: bool = False) -> Threshold:
     """What a route may move in the mixed batch: the sampler's repeat bound (`repeat`), or noise_factor × what the
-    same batch all under the synced adapter moved its scores, whichever is larger. `by_mean` (`NoiseRule.mixed_mean`):
-    the route's mean |diff| is judged, and twice the sampler's mean distance from the fp32 reference at the start
-    point (`R.sampler_vs_fp32`, where scored) is allowed too."""
-    if by_mean:
-        return _by_mean(comparisons, repeat, noise_factor)
+    same batch all under the synced adapter moved its scores, whichever is larger; with `fp32_bound`
+    (`NoiseRule.mixed_fp32`) also twice the sampler's largest distance from the fp32 reference at the start point
+    (`R.sampler_vs_fp32`, where scored)."""
     control = comparisons.get(CONTROL)
     if control is None:
-        return repeat
-    moved = noise_factor * control.max_abs
-    if moved <= repeat.budget:
-        return Threshold(repeat.budget, f"{repeat.note or repeat.budget}; the same batch under one adapter "
-                                        f"moved {control.max_abs:.3g}")
-    return Threshold(moved, f"{noise_factor:g} x what the same batch under one adapter moved ({control.max_abs:.3g})")
-
-
-def _by_mean(comparisons: Mapping[str, ComparisonStats], repeat: Threshold, noise_factor: float) -> Threshold:
-    """`threshold` under `NoiseRule.mixed_mean`: the largest of the repeat bound, noise_factor × the control batch's
-    mean |diff| and 2 × the sampler's mean distance from fp32 at the start point."""
-    control, fp32 = comparisons.get(CONTROL), comparisons.get(SAMPLER_FP32)
-    options = [(repeat.budget, repeat.note or f"{repeat.budget:g}")]
-    if control is not None:
-        options.append((noise_factor * control.mean_abs,
-                        f"{noise_factor:g} x the same batch under one adapter's mean {control.mean_abs:.3g}"))
-    if fp32 is not None:
-        options.append((2 * fp32.mean_abs, f"2 x the sampler's mean distance from fp32 at the start point "
-                                           f"{fp32.mean_abs:.3g}"))
-    budget, note = max(options, key=lambda o: o[0])
-    return Threshold(budget, f"mean |diff|: {note}", statistic="mean_abs")
+        found = repeat
+    elif noise_factor * control.max_abs <= repeat.budget:
+        found = Threshold(repeat.budget, f"{repeat.note or repeat.budget}; the same batch under one adapter moved "
+                                         f"{control.max_abs:.3g}")
+    else:
+        found = Threshold(noise_factor * control.max_abs,
+                          f"{noise_factor:g} x what the same batch under one adapter moved ({control.max_abs:.3g})")
+    fp32 = comparisons.get(SAMPLER_FP32) if fp32_bound else None
+    if fp32 is None or 2 * fp32.max_abs <= found.budget:
+        return found
+    return Threshold(2 * fp32.max_abs, f"2 x the sampler's largest distance from fp32 at the start point "
+                                      f"({fp32.max_abs:.3g}; {found.note or found.budget})")
 
 
 def add_checks(c: Any, comparisons: Mapping[str, ComparisonStats], thresholds: Mapping[str, Threshold]) -> None:
-    """M.base, M.updated, M.old: each route in the mixed batch gives its scores alone (by the statistic its threshold
-    bounds: the max, or the mean under `NoiseRule.mixed_mean`)."""
+    """M.base, M.updated, M.old: each route in the mixed batch gives its scores alone."""
     for check_id in check_ids(comparisons):
         route = check_id.removeprefix("M.")
         cmp, t = comparisons[f"M.{route}_vs_alone"], thresholds[check_id]
-        c.add(check_id, f"{WHAT[route]} in a batch mixing routes score as alone", getattr(cmp, t.statistic), "<=",
-              t.budget, _reason(route, comparisons, t), note=t.note, n=cmp.n)
+        c.add(check_id, f"{WHAT[route]} in a batch mixing routes score as alone", cmp.max_abs, "<=", t.budget,
+              _reason(route, comparisons, t.budget), note=t.note, n=cmp.n)
 
 
-def _reason(route: str, comparisons: Mapping[str, ComparisonStats], t: Threshold) -> str:
+def _reason(route: str, comparisons: Mapping[str, ComparisonStats], budget: float) -> str:
     """Whose scores `route`'s requests got in the mixed batch, where another route's alone scores explain them."""
     got = [OWNER[other] for other in ALONE if (cross := comparisons.get(f"M.{route}_vs_{other}_alone")) is not None
-           and getattr(cross, t.statistic) <= t.budget]
+           and cross.max_abs <= budget]
     if got:  # the zero-init version scores as the base model: both are named where both explain the scores
         return (f"in a batch mixing routes, {WHAT[route]} got {' or '.join(got)} scores: the engine maps LoRA slots "
                 "to the wrong requests (vllm #16040, #36370)")

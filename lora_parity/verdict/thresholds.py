@@ -273,8 +273,8 @@ def derive(budgets: Budgets, comparisons: Mapping[str, ComparisonStats], deltas:
     for key in ("A.zero_adapter_noop", "A.adapter_moved", "B.withheld", "C.moved.sampler", "C.moved.trainer",
                 *engine_state.check_ids(comparisons), *sleep_wake.check_ids(comparisons)):
         out[key] = moved
-    by_mean = budgets.noise is not None and budgets.noise.mixed_mean
-    out.update({i: mixed_batch.threshold(comparisons, moved, budgets.noise_factor, by_mean)
+    fp32_bound = budgets.noise is not None and budgets.noise.mixed_fp32
+    out.update({i: mixed_batch.threshold(comparisons, moved, budgets.noise_factor, fp32_bound)
                 for i in mixed_batch.check_ids(comparisons)})
     change = get("C.trainer_change")
     out["B.stimulus"] = stimulus(budgets, a, noise, None)
