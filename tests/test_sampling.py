@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,20 +183,10 @@ def test_on_vllm_cpu_processed_logprobs_at_a_temperature_pass_clean_and_a_decode
     # (1.28 nats from the raw ones on this model), its prompt logprobs raw. The trainer scores the drawn tokens
     # tempered alike, so G.trainer passes clean and still fails where the engine generates without the adapter;
     # G.sampled and G.updated are not computed (no raw decode logprobs to compare with the prompt's).
-    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
     from lora_parity.evidence.receipt import Receipt, Verdict
-    from lora_parity.run import probes
-    from lora_parity.run.selftest import selftest
     from lora_parity.verdict.verify import verify
 
-    # tiny-qwen3 has no tokenizer: the text probes' characters as its token ids
-    monkeypatch.setattr(probes, "checkpoint_tokenizer",
-                        lambda cfg, kind="text": (lambda text: [ord(ch) % 64 for ch in text], "toy"))
-    opts = RunOptions(probes="sampled", engine_args=("logprobs_mode=processed_logprobs",),
-                      sampling=("temperature=0.5",), per_target=False)
-    result = selftest(opts, tmp_path, only=("gen-no-adapter", "raw-decode-logprobs"))
-    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("gen-no-adapter", True),
-                                                         ("raw-decode-logprobs", True)], result.rows
+    opts, result = _processed_selftest(monkeypatch, tmp_path, ("temperature=0.5",))
     clean, faulty, raw = (Receipt.model_validate_json(Path(r.receipt).read_text()) for r in result.rows)
     ids = {c.id for c in clean.checks}
     assert "G.trainer.parity.mean" in ids and not any(i.startswith(("G.updated.", "G.sampled.")) for i in ids)
@@ -269,20 +260,11 @@ def test_on_vllm_cpu_processed_logprobs_under_top_k_and_top_p_pass_clean_and_nee
     # logprobs_mode=processed_logprobs with temperature 0.7, top-k 20 and top-p 0.9: the engine renormalizes the drawn
     # tokens' logprobs over the kept set; the hf trainer rebuilds the same (`backends.processed`), so G.trainer passes
     # clean and still catches the decode path's faults. With the trainer's masks left out, the same clean run fails.
-    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
     from lora_parity.backends import hf
     from lora_parity.evidence.receipt import Receipt, Verdict
-    from lora_parity.run import probes
     from lora_parity.run.runner import execute
-    from lora_parity.run.selftest import selftest
 
-    monkeypatch.setattr(probes, "checkpoint_tokenizer",
-                        lambda cfg, kind="text": (lambda text: [ord(ch) % 64 for ch in text], "toy"))
-    opts = RunOptions(probes="sampled", engine_args=("logprobs_mode=processed_logprobs",),
-                      sampling=("temperature=0.7", "top_k=20", "top_p=0.9"), per_target=False)
-    result = selftest(opts, tmp_path / "st", only=("gen-no-adapter", "raw-decode-logprobs"))
-    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("gen-no-adapter", True),
-                                                         ("raw-decode-logprobs", True)], result.rows
+    opts, result = _processed_selftest(monkeypatch, tmp_path / "st", ("temperature=0.7", "top_k=20", "top_p=0.9"))
     clean = Receipt.model_validate_json(Path(result.rows[0].receipt).read_text())
     g = next(c for c in clean.checks if c.id == "G.trainer.parity.mean")
     assert clean.verdict == Verdict.PASS and g.observed < 1e-4
@@ -294,3 +276,22 @@ def test_on_vllm_cpu_processed_logprobs_under_top_k_and_top_p_pass_clean_and_nee
     without = execute(RunOptions(**{**opts.__dict__, "out": tmp_path / "w.json"})).receipt
     assert without.error is None and without.verdict == Verdict.FAIL
     assert "G.trainer.parity.mean" in {c.id for c in without.checks if c.status.value == "fail"}
+
+
+def _processed_selftest(monkeypatch: pytest.MonkeyPatch, folder: Path,
+                        given: tuple[str, ...]) -> tuple[RunOptions, Any]:
+    """A vLLM-CPU selftest with processed logprobs under the sampling `given`, the sampled probes, the clean run and the
+    two decode-path faults, each of which must be caught."""
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.run import probes
+    from lora_parity.run.selftest import selftest
+
+    # tiny-qwen3 has no tokenizer: the text probes' characters as its token ids
+    monkeypatch.setattr(probes, "checkpoint_tokenizer",
+                        lambda cfg, kind="text": (lambda text: [ord(ch) % 64 for ch in text], "toy"))
+    opts = RunOptions(probes="sampled", engine_args=("logprobs_mode=processed_logprobs",), sampling=given,
+                      per_target=False)
+    result = selftest(opts, folder, only=("gen-no-adapter", "raw-decode-logprobs"))
+    assert [(r.fault, r.caught) for r in result.rows] == [("none", True), ("gen-no-adapter", True),
+                                                         ("raw-decode-logprobs", True)], result.rows
+    return opts, result

@@ -180,12 +180,12 @@ class HFTrainer(TrainerBackend):
         from safetensors.torch import load_file
 
         state = load_file(str(Path(folder) / "adapter_model.safetensors"))
-        expected = {n.replace(".default.weight", ".weight") for n, _ in self.model.named_parameters() if "lora_" in n}
+        expected = {n.replace(".default.weight", ".weight") for n, _ in self._named if "lora_" in n}
         if set(state) != expected:
             odd = sorted(set(state) ^ expected)
             raise PhaseError(f"the adapter's tensors do not match its config's LoRA layers ({len(odd)} differ, "
                              f"e.g. {odd[0]})")
-        params = dict(self.model.named_parameters())
+        params = dict(self._named)
         for name, tensor in state.items():
             param = params[name.replace(".weight", ".default.weight")]
             if param.shape != tensor.shape:
