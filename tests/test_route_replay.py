@@ -249,7 +249,7 @@ def test_the_config_key_and_the_option(tmp_path: Path) -> None:
     dump = {k: v for k, v in cfg.model_dump(mode="json").items() if k != "route_replay"}
     assert dump["adapter"].pop("target_parameters") == []
     assert dump["sampler"].pop("sampling") == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # the identity: left out
-    assert dump["sampler"].pop("loop") == {"reset_prefix_cache": False, "wake": "split"}  # lora-parity's own: left out
+    assert dump["sampler"].pop("loop") == {"reset_prefix_cache": False, "wake": "split", "bucket_mb": None}  # ours
     assert cfg.digest() == rc.sha256_json(dump)
     with pytest.raises(ConfigError, match="choose from on, off, auto"):
         route_replay.mode_of("always", cfg)

@@ -431,13 +431,13 @@ class FakeSampler(sleep_mode.SleepBookkeeping, SamplerBackend):
 
     def reload_base(self, folder: Path | None = None, tensors: dict[str, float] | None = None) -> None:
         self.check_awake("load weights", weights_only=True)
-        if tensors is None:
-            assert folder is not None
-            tensors = json.loads((Path(folder) / "merged.json").read_text())
-        self.base, self.base_lost = dict(tensors), False
+        if tensors is None:  # the merged folder (`export_merged`)
+            tensors = json.loads((Path(str(folder)) / "merged.json").read_text())
+        self.base, self.base_lost = {**self.base, **tensors}, False  # in place: the weights given, the rest kept
 
     def reset_base(self) -> None:
-        self.reload_base(tensors={})
+        self.check_awake("load weights", weights_only=True)
+        self.base, self.base_lost = {}, False
 
     def retire(self, handle: AdapterHandle) -> None:
         self.loaded.pop(handle.adapter_id, None)

@@ -36,7 +36,7 @@ from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.models.perturb import add_noise, is_lora_b, noise_seed, target_kind
-from lora_parity.util.errors import PhaseError
+from lora_parity.util.errors import PhaseError, ScoreError
 
 
 def pick_device() -> torch.device:
@@ -411,13 +411,17 @@ class HFSampler(SamplerBackend):
 
     @torch.no_grad()
     def reload_base(self, folder: Path | None = None, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Replace the base weights in place: from an HF checkpoint folder, or from tensors."""
+        """Replace the base weights in place: every one from an HF checkpoint folder, or those given as tensors (a
+        bucket of them, `models.buckets`: the rest kept)."""
         if tensors is None:
             from safetensors.torch import load_file
 
             assert folder is not None
-            tensors = load_file(str(Path(folder) / "model.safetensors"))
-        self.model.load_state_dict(tensors, strict=True)
+            self.model.load_state_dict(load_file(str(Path(folder) / "model.safetensors")), strict=True)
+            return
+        unknown = self.model.load_state_dict(tensors, strict=False).unexpected_keys
+        if unknown:
+            raise ScoreError(f"hf sampler: no weight named {unknown[0]!r} to reload")
 
     def reset_base(self) -> None:
         """Reload the checkpoint's own base weights."""

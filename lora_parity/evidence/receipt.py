@@ -242,6 +242,11 @@ class AdapterVersion(Strict):
     file_differences: list[str] | None = None
     """The synced version's adapter file, read by lora-parity, against the trainer's tensors in memory: what differs
     beyond the rounding to the file's dtype ([]: exactly the trainer's adapter); None where not compared."""
+    buckets: list[int] | None = None
+    """The merged weights handed over in the user's buckets (`--loop bucket_mb`): each bucket's bytes, in the order
+    sent (one the sender lost too: it believes it sent it); None where they went over at once."""
+    split_modules: list[str] | None = None
+    """The modules the engine packs into one (q/k/v, gate/up) whose parts went over in different buckets."""
 
 
 HANDED_NOTHING = "the trainer handed no LoRA tensors"

@@ -393,6 +393,8 @@ class Reference(Strict):
     """Memory available for it (free GPU memory, else available host RAM), where measured."""
 
 
+SYNC_AT_ONCE = "at once"
+"""The sampler's setting `sync_buckets` where the sync hands the weights over in one piece (`models.loop`)."""
 GRAPHS_DECODE_ONLY = "on for decode batches only"
 """How a sampler whose CUDA graphs never run the scored prompts (prefill) starts its `cuda_graphs` setting (SGLang with
 LoRA): the lifecycle row is covered only where the decode path was scored too (`--probes sampled`)."""

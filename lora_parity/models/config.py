@@ -290,14 +290,16 @@ class ModelConfig(_Cfg):
 
     def digest(self) -> str:
         """sha256 of the config's canonical JSON (`route_replay` where unset, `adapter.target_parameters` where
-        empty, `sampler.sampling` where the identity and `sampler.loop` where the default left out: older digests
-        hold)."""
+        empty, `sampler.sampling` where the identity and `sampler.loop` where the default (its `bucket_mb` where
+        unset) left out: older digests hold)."""
         unset: dict[str, Any] = {"route_replay": True} if self.route_replay is None else {}
         if not self.adapter.target_parameters:
             unset["adapter"] = {"target_parameters"}
-        defaults = {"sampling"} if self.sampler.sampling.identity else set()
+        defaults: dict[str, Any] = {"sampling": True} if self.sampler.sampling.identity else {}
         if self.sampler.loop.default:
-            defaults.add("loop")
+            defaults["loop"] = True
+        elif self.sampler.loop.bucket_mb is None:
+            defaults["loop"] = {"bucket_mb"}
         if defaults:
             unset["sampler"] = defaults
         return sha256_json(self.model_dump(mode="json", exclude=unset or None))

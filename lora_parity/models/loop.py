@@ -9,6 +9,11 @@
 - `wake` ("split", the default, or "all"): how the sleep phases (`run.sleep_wake`) wake the engine around the sync:
   "split" wakes the weights, syncs, then wakes the KV cache (vLLM's tags, verl's rollout wake-up); "all" wakes
   everything at once, then syncs (TRL's colocate loop where the weights slept).
+- `bucket_mb` (default none: one hand-over): the sync hands the merged weights over in buckets of at most this many
+  MB, in the trainer's order, a tensor never cut (verl's `update_weights_bucket_megabytes`, NeMo-RL's refit buffer,
+  SkyRL's transfer threshold): `--sync memory` only, the engine reloading them in one session
+  (`run.buckets`). Faults `bucket-tail-dropped` (the last, partial bucket never sent) and `bucket-reload-each` (each
+  bucket its own reload: a fused module whose parts arrive in two buckets is rebuilt from one part).
 
 Recorded as `sampler.settings.loop` where not the default; the config digest leaves the default out (older digests
 hold). Pure: no engine import.
@@ -19,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from lora_parity.evidence.receipt_models import SYNC_AT_ONCE
 from lora_parity.models import key_values
 
-KEYS = "reset_prefix_cache, wake"
+KEYS = "reset_prefix_cache, wake, bucket_mb"
 
 
 class LoopSpec(BaseModel):
@@ -33,17 +39,31 @@ class LoopSpec(BaseModel):
 
     reset_prefix_cache: bool = False
     wake: Literal["split", "all"] = "split"
+    bucket_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @property
     def default(self) -> bool:
-        """lora-parity's own loop: no reset after the sync, the weights woken before it and the KV cache after."""
-        return not self.reset_prefix_cache and self.wake == "split"
+        """lora-parity's own loop: no reset after the sync, the weights woken before it and the KV cache after, one
+        hand-over."""
+        return not self.reset_prefix_cache and self.wake == "split" and self.bucket_mb is None
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """The bucket's size in bytes (None: one hand-over)."""
+        return None if self.bucket_mb is None else max(1, int(self.bucket_mb * 1_000_000))
+
+    def buckets(self) -> str:
+        """How the sync hands the weights over, for the sampler's settings (`sync_buckets`; `verdict.lifecycle`)."""
+        if self.bucket_mb is None:
+            return SYNC_AT_ONCE
+        return f"buckets of at most {self.bucket_mb:g} MB, one engine reload each"
 
     def describe(self) -> str:
         """One line for the receipt's sampler settings (`loop`)."""
         wake = ("the weights, the sync, then the KV cache" if self.wake == "split"
                 else "everything at once, then the sync")
-        return f"prefix cache reset after the sync: {'yes' if self.reset_prefix_cache else 'no'}; wake: {wake}"
+        line = f"prefix cache reset after the sync: {'yes' if self.reset_prefix_cache else 'no'}; wake: {wake}"
+        return line if self.bucket_mb is None else f"{line}; sync in buckets of at most {self.bucket_mb:g} MB"
 
 
 def parse(items: Iterable[str]) -> dict[str, Any]:

@@ -3,8 +3,7 @@
 the trainer once more; where the sampler scores through its prefix cache, stale and updated read that way too). With
 `--probes sampled` the sampler first completes the probes (`sample`), and after sync generates from the same prompts
 again (`generate_updated`); docs/probes-and-adapters.md. `run_sequence` reads top to bottom; each step is a method of
-`Run` that records its scores, adapters and timing. `checks.evaluate` derives the checks afterwards, as `verify` does.
-"""
+`Run` that records its scores, adapters and timing. `checks.evaluate` derives the checks afterwards, as verify does."""
 
 from __future__ import annotations
 
@@ -55,8 +54,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 FRESH_ID_OFFSET = 1_000_000
-"""The fresh load's adapter id is the run's first id plus this: never an id a sync of this run or a
-later run on the same sampler uses (they count up from the run's first id by one per version)."""
+"""The fresh load's adapter id is the run's first id plus this: never an id a sync of this run or a later run on the
+same sampler uses (they count up from the run's first id by one per version)."""
 WARM_FOLDER = "warm-start"  # where in the run's folder the warm start adapter (`--update step`) is written
 
 
@@ -184,19 +183,16 @@ class Run:
     exact_states: dict[str, dict[str, RawTensor]] = field(default_factory=dict)
     """The trainer's tensors kept for `exact_points`, by the score key they go to."""
     sampled: bool = False
-    """`--probes sampled`: each sequence's first `generation.prompt_length` tokens are a prompt, and
-    the rest is sampled from the zero-init adapter in the `sample` phase (`generation` module)."""
+    """`--probes sampled`: each sequence's prompt, then what the zero-init adapter samples (`generation`)."""
     start_adapter: bool = False
-    """`--adapter`: both sides start from the user's adapter; the sampler's base scores are then
-    recorded as `adapter_base` (the adapter must move the sampler from them)."""
+    """`--adapter`: both sides start from the user's adapter; the sampler's base scores go to `adapter_base`."""
     prompts: list[list[int]] = field(default_factory=list)  # the prompts the sampler generated from (sampled)
     generated: list[list[int]] = field(default_factory=list)
     """What the sampler generated from `prompts` with the synced adapter (`sampled` runs)."""
     published_digests: dict[Path, str] = field(default_factory=dict)
     """sha256 of each adapter folder the sampler was handed, checked again before it scores with it."""
     warm_start: bool = False
-    """`--update step` from zero-init: the trainer first moves to the seeded warm adapter (`update_step`),
-    which is then the start point (version 0), as a user's adapter would be."""
+    """`--update step` from zero-init: the seeded warm adapter (`update_step`) is the start point (version 0)."""
     replay: Replay = field(default_factory=Replay)
     """Route replay on an MoE model (`route_replay`): the engine's routes of each pass, replayed by the trainer."""
     mode: SyncMode = field(init=False)
@@ -223,6 +219,10 @@ class Run:
     @property
     def mixes_batches(self) -> bool:  # the sampler mixes routes in one batch after the sync
         return mixed_batch.applies(self)
+
+    @property
+    def bucket_bytes(self) -> int | None:  # the user's sync in buckets (`--loop bucket_mb`); None: at once
+        return self.cfg.sampler.loop.bucket_bytes
 
     @property
     def sampler_reads_prefix_cache(self) -> bool:  # a `CachedScoringSampler` whose traits say so as built

@@ -264,7 +264,7 @@ def backend_checks(opts: RunOptions, cfg: config.ModelConfig, trainer_cls: type[
     require_applies(opts.inject, sampler_cls.built_traits(cfg), opts.sampler,
                     issubclass(trainer_cls, TensorReadingTrainer), opts.trainer)
     sync.require(trainer_cls, sampler_cls, opts.trainer, opts.sampler)
-    loop.require(cfg.sampler.loop, sampler_cls, opts.sampler)
+    loop.require(cfg.sampler.loop, sampler_cls, opts.sampler, opts.sync)
     needs_checkpoint = trainer_cls.traits.needs_checkpoint or sampler_cls.traits.needs_checkpoint
     reference_preflight(opts.reference, needs_checkpoint)
     if needs_checkpoint:

@@ -338,7 +338,7 @@ def selftest(opts: RunOptions, out_dir: Path | None, repeat: int = 1,
     # the decode path's faults that act only with tempered decode logprobs, or only without them
     tempered = sampling.tempered(plan.cfg.sampler.sampling, plan.cfg.sampler.engine_args) is not None
     off = {**(generation.UNTEMPERED_FAULTS if tempered else dict.fromkeys(generation.TEMPERED_FAULT_NAMES, "")),
-           **loop.off(plan.cfg.sampler.loop)}  # and the prefix-cache faults the user's loop leaves out
+           **loop.off(plan.cfg.sampler.loop)}  # and the faults the user's loop leaves out
     applicable = [name for name in applicable if name not in off]
     fault_names = faults if faults is not None else applicable
     if only:

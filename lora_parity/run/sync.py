@@ -25,6 +25,7 @@ from lora_parity.backends.base import (
     WeightVersionSampler,
 )
 from lora_parity.evidence.receipt import AdapterVersion
+from lora_parity.models import buckets
 from lora_parity.util.errors import ConfigError
 
 
@@ -40,6 +41,12 @@ class SyncContext(Protocol):
     adapters: list[AdapterVersion]
     timings: dict[str, float]
     base_restored: bool
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """The user's sync in buckets of this many bytes (`--loop bucket_mb`: the merged weights in memory); None: the
+        weights at once."""
+        ...
 
     def exported(self, version: int, folder: Path) -> None:
         """Called with every adapter folder the trainer exported, before the sampler loads it."""
@@ -95,11 +102,13 @@ class SyncMode:
             ctx.handle = None
 
 
-def _record(ctx: SyncContext, version: int, name: str, adapter_id: int, mode: str, start: float) -> None:
+def _record(ctx: SyncContext, version: int, name: str, adapter_id: int, mode: str, start: float,
+            sent: tuple[list[int], list[str]] | None = None) -> None:
     seconds = time.perf_counter() - start
     weights = ctx.sampler.weight_version() if isinstance(ctx.sampler, WeightVersionSampler) else None
     ctx.adapters.append(AdapterVersion(version=version, name=name, adapter_id=adapter_id, mode=mode, seconds=seconds,
-                                       weight_version=weights))
+                                       weight_version=weights, buckets=sent[0] if sent else None,
+                                       split_modules=sent[1] if sent else None))
     ctx.timings[f"publish.v{version}"] = seconds
 
 
@@ -221,24 +230,26 @@ class MergedSync(SyncMode):
         if not issubclass(sampler_cls, BaseReloadingSampler):
             raise ConfigError(f"--sync {self.name} needs a sampler that reloads base weights; {sampler!r} cannot")
 
-    def publish(self, ctx: SyncContext, version: int, label: str = "") -> None:
-        """Reload the sampler's base weights with the adapter merged in (recorded with id 0)."""
+    def publish(self, ctx: SyncContext, version: int, label: str = "", lose_one: bool = False) -> None:
+        """Reload the sampler's base weights with the adapter merged in (recorded with id 0); in memory, in the
+        user's buckets where the loop has them (`models.buckets`; `lose_one`: fault bucket-lost)."""
         start = time.perf_counter()
         folder = ctx.workdir / f"merged-v{version}{label}"
         trainer, sampler = merging(ctx.trainer), reloading(ctx.sampler)
         ctx.base_restored = False
+        sent = None
         if self.in_memory:
-            sampler.reload_base(tensors=trainer.merged_tensors())
+            sent = buckets.deliver(sampler, trainer.merged_tensors(), ctx.bucket_bytes, lose_one)
         else:
             sampler.reload_base(folder=trainer.export_merged(folder))
-        _record(ctx, version, folder.name, 0, self.name, start)
+        _record(ctx, version, folder.name, 0, self.name, start, sent)
 
     def restore(self, ctx: SyncContext) -> None:
         """Reload the last merged version: its folder (`merged`), or the trainer's merged tensors again (`memory`)."""
         sampler = reloading(ctx.sampler)
         ctx.base_restored = False
         if self.in_memory:
-            sampler.reload_base(tensors=merging(ctx.trainer).merged_tensors())
+            buckets.deliver(sampler, merging(ctx.trainer).merged_tensors(), ctx.bucket_bytes)
         else:
             sampler.reload_base(folder=ctx.workdir / ctx.adapters[-1].name)
 

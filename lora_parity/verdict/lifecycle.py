@@ -10,7 +10,8 @@ Settings read (each sampler records those it knows; a missing one reads "not rec
 `cuda_graphs` ('on ...' or 'off (why)'), `enforce_eager`, `sleep_mode` ('off (why)'), `batch_invariant`
 ('on'/'off (why)', a server's VLLM_BATCH_INVARIANT value), `logprobs_mode`, `enable_prefix_caching` and
 `engine_args` (the user's `KEY=VALUE` engine arguments), `mixed_batch` ('on', or 'off: why'), `sampling` (the
-user's temperature, top-p and top-k: `models.sampling`).
+user's temperature, top-p and top-k: `models.sampling`), `sync_buckets` (how the sync hands the weights over:
+`models.loop`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lora_parity.evidence.receipt_models import GRAPHS_DECODE_ONLY, LifecycleRow, PhaseStatus
+from lora_parity.evidence.receipt_models import GRAPHS_DECODE_ONLY, SYNC_AT_ONCE, LifecycleRow, PhaseStatus
 
 SLEEP_PHASES = {1: ("sleep_wake.level1", "wake_again.level1"), 2: ("sleep_wake.level2", "wake_again.level2")}
 """The phases of a sleep level (`run.sleep_wake`, `--sleep-levels`): sleep -> sync -> wake -> score, then a second
@@ -30,9 +31,9 @@ MIXED_PHASE = "mixed_batch"
 
 CONDITIONS = ("CUDA graphs", "sleep level 1 + wake", "sleep level 2 + wake", "warm prefix cache after the sync",
               "decode-path logprobs", "processed logprobs", "mixed batches", "batch-variant kernels",
-              "the user's engine arguments", "the user's sampling parameters")
-"""Every row, in the order the table prints them (the last only where the sampler records `sampling`: receipts made
-before it derive the table they recorded)."""
+              "the user's engine arguments", "the user's sampling parameters", "the user's sync in buckets")
+"""Every row, in the order the table prints them (the last two only where the sampler records `sampling` and
+`sync_buckets`: receipts made before them derive the table they recorded)."""
 IDENTITY_SAMPLING = "temperature 1, top_p 1, top_k off"
 """`models.sampling.SamplingSpec.describe()` of the identity (lora-parity's own sampling)."""
 
@@ -159,6 +160,19 @@ def _sampling(settings: Mapping[str, Any], done: set[str]) -> list[LifecycleRow]
                                                                 "processed logprobs compared (the row above)"))]
 
 
+def _buckets(settings: Mapping[str, Any], done: set[str]) -> list[LifecycleRow]:
+    name, said = "the user's sync in buckets", _setting(settings, "sync_buckets")
+    if said is None:
+        return []
+    if said == SYNC_AT_ONCE:
+        return [_row(name, False, "the weights handed over at once (--loop bucket_mb=N with --sync memory hands the "
+                                  "merged weights over in your buckets)")]
+    if "sync" not in done:
+        return [_row(name, False, f"{said}, but the sync did not complete")]
+    return [_row(name, True, f"the merged weights handed over in {said}: checks C.* (the modules split across "
+                             "buckets: each version's split_modules)")]
+
+
 def _row(condition: str, covered: bool, detail: str) -> LifecycleRow:
     return LifecycleRow(condition=condition, status="covered" if covered else "not covered", detail=detail)
 
@@ -172,7 +186,8 @@ def derive(backend: str, settings: Mapping[str, Any], phases: Sequence[Any]) -> 
             _sleep(2, done, names, settings, backend),
             _prefix(done, names, settings, backend), _decode(done), _processed(settings, backend, done),
             _mixed(done, names, settings),
-            _batch_variant(settings, backend), _engine_args(settings), *_sampling(settings, done)]
+            _batch_variant(settings, backend), _engine_args(settings), *_sampling(settings, done),
+            *_buckets(settings, done)]
 
 
 def of_receipt(receipt: Any) -> list[LifecycleRow]:
