@@ -7,14 +7,15 @@ weights). In the merged modes, whose sync reloads the base weights, the run ends
 checkpoint's base weights back and scoring the base route once more (`base_after_restore`): the engine a user reuses
 after the run must give the first base scores again. Checks: `verdict.engine_state`. Then `retire` leaves the sampler
 as the run found it. And the synced adapter file against the trainer's tensors (`compare_file`: a wrong export, or
-the engine's side)."""
+the engine's side); in the merged modes, X's fresh load is the merged weights handed over again at once
+(`merged_fresh`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from lora_parity.backends.base import AdapterHandle, Sampler, TensorReadingTrainer
+from lora_parity.backends.base import AdapterHandle, MergingTrainer, Sampler, TensorReadingTrainer
 from lora_parity.evidence.receipt import AdapterVersion
 from lora_parity.models import export_check, fresh_adapter
 from lora_parity.models.fresh_adapter import RawTensor
@@ -150,3 +151,25 @@ def fresh(run: Any, id_offset: int) -> None:
             run._timed("fresh", lambda: run.sampler.score(run.sequences, handle))))
     finally:
         run.sampler.retire(handle)
+
+
+def merged_fresh(run: Any) -> None:
+    """X in the merged modes (`phases.Run` `run`): the trainer's current merged weights handed over again at once
+    (`memory`: its tensors; `merged`: a folder exported anew), scored as the base route, must score as the synced
+    weights did (`updated`), bit for bit, where the engine repeats itself exactly: a bucket lost or split, a stale
+    folder or copy. Run after the sleep phases, before per-target coverage republishes; the sampler keeps these
+    weights (the same, where the sync was right)."""
+    if not (run.mode.reloads_base and isinstance(run.trainer, MergingTrainer)):
+        return
+
+    def reload_and_score() -> None:
+        sampler, trainer = run.sampler, run.trainer
+        if run.mode.name == "memory":
+            sampler.reload_base(tensors=trainer.merged_tensors())
+        else:
+            sampler.reload_base(folder=trainer.export_merged(run.workdir / "merged-fresh"))
+        run.base_restored = False
+        run._record("fresh", run.faults.sampler_scores(
+            run._timed("fresh", lambda: run.sampler.score(run.sequences, None))))
+
+    run.step("fresh", reload_and_score)

@@ -39,7 +39,8 @@ LOOP_FAULTS = (
     # read it. One bucket's tensors never reach the engine, which keeps the old weights there and answers as usual.
     FaultSpec("bucket-lost", "one bucket of the sync (the middle one) never reaches the engine, silently: its "
               "tensors keep the old weights (an update spanning several buckets; verl #7327, #6454)",
-              ("C.parity.mean|C.slope|C.delta.cosine",), "fail", modes=("memory",), sync=BucketLost),
+              ("X.sync.identical|C.parity.mean|C.slope|C.delta.cosine",), "fail", modes=("memory",),
+              sync=BucketLost),
 )
 
 

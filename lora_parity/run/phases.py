@@ -90,6 +90,7 @@ def run_sequence(run: Run) -> None:
         run.step("stale_after_sync", lambda: run.sampler_score("stale_after_sync", run.stale_handle))
         run.step("trainer_after_stale", lambda: run.trainer_score("trainer_after_stale"))
     sleep_and_wake(run)
+    engine_state.merged_fresh(run)  # X where the sync merges: the weights handed over again at once
     _coverage_and_reference(run)
 
 
@@ -216,9 +217,7 @@ class Run:
         """A sampler on the trainer's service (Tinker): an old handle may serve or overwrite the trainer's weights."""
         return self.sampler.traits.shares_trainer_state
 
-    @property
-    def mixes_batches(self) -> bool:  # the sampler mixes routes in one batch after the sync
-        return mixed_batch.applies(self)
+    mixes_batches = property(mixed_batch.applies)  # the sampler mixes routes in one batch after the sync
 
     @property
     def bucket_bytes(self) -> int | None:  # the user's sync in buckets (`--loop bucket_mb`); None: at once

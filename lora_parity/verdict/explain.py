@@ -78,10 +78,12 @@ EXPLAIN: dict[str, str] = {
     "S.trainer_kept": "querying an old sampling client changed the trainer's weights: the client shares state "
                       "with the trainer",
     "R.": "the fp32 reference comparison (informational)",
-    "X.sync.identical": "the adapter the sync published is not the trainer's: its tensors, written by an "
-                        "independent writer and loaded under a new name and id, score differently on the same "
-                        "deterministic engine; look at the export (dtype casts, dropped or stale tensors, "
-                        "lora_alpha / r in adapter_config.json) and at what the engine cached under the old name",
+    "X.sync.identical": "what the sync delivered is not the trainer's: its tensors handed over again (an adapter "
+                        "written by an independent writer and loaded under a new name and id; merged weights "
+                        "reloaded at once) score differently on the same deterministic engine; look at the export "
+                        "(dtype casts, dropped or stale tensors, lora_alpha / r in adapter_config.json), at a "
+                        "bucket lost or a packed module split across buckets, and at what the engine cached under "
+                        "the old name",
 }
 
 # suffix of a check id -> what its observed number is
