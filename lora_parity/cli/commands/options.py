@@ -79,7 +79,8 @@ LoopOpt = Annotated[list[str] | None, typer.Option(
     help="What your RL loop does between a sync and the next scoring (repeatable; over the config's sampler.loop): "
          "reset_prefix_cache=true (it clears the engine's prefix cache after each sync; checks P then test the "
          "reset), wake=all (after a sleep it wakes everything, then syncs; default split: the weights, the sync, "
-         "the KV cache) (docs/deployment.md).")]
+         "the KV cache), bucket_mb=N (with --sync memory: it hands the merged weights over in buckets of at most N "
+         "MB, each its own engine reload) (docs/deployment.md).")]
 PerTargetOpt = Annotated[bool | None, typer.Option(
     "--per-target/--no-per-target", help="Per-target coverage after C (default: the config's per_target).")]
 RouteReplayOpt = Annotated[str | None, typer.Option(
