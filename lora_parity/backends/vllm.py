@@ -362,7 +362,7 @@ class VLLMSampler(SamplerBackend):
                 raise ConfigError("--sync memory needs an in-process vLLM engine (tensor_parallel_size 1)")
             assert tensors is not None
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors.items()))})
-        self.llm.reset_prefix_cache()
+        self.reset_prefix_cache()  # an answer of False is an error
 
     def reset_prefix_cache(self) -> None:
         """`LLM.reset_prefix_cache`, as the user's loop clears it after a sync (`run.loop`)."""
@@ -375,7 +375,7 @@ class VLLMSampler(SamplerBackend):
 
     def retire(self, handle: AdapterHandle) -> None:
         self.llm.llm_engine.remove_lora(handle.adapter_id)
-        self.llm.reset_prefix_cache()
+        self.reset_prefix_cache()
 
     def info(self) -> BackendInfo:
         import torch
