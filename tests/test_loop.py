@@ -144,6 +144,25 @@ def test_the_vllm_server_sampler_resets_its_cache_over_http() -> None:
         server.close()
 
 
+def test_an_attached_servers_engine_arguments_are_recorded_as_declared_not_set() -> None:
+    from lora_parity.backends import engine_args
+    from lora_parity.backends.vllm_server import VLLMServerSampler
+    from lora_parity.verdict import lifecycle
+
+    from .vllm_server_standin import VLLMStandIn
+
+    cfg = config.load(None)
+    cfg = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"engine_args": {"max_num_seqs": 8}})})
+    server = VLLMStandIn()
+    try:
+        settings = VLLMServerSampler(cfg, None, {}, url=server.url).info().settings
+    finally:
+        server.close()
+    assert settings["engine_args"] == ["max_num_seqs=8"] and engine_args.ATTACHED in settings["engine_args_effect"]
+    row = next(r for r in lifecycle.derive("vllm-server", settings, []) if r.condition == "the user's engine arguments")
+    assert "lora-parity did not start" in row.detail
+
+
 def test_a_server_started_here_for_a_resetting_loop_runs_in_dev_mode() -> None:
     from lora_parity.backends.vllm_server import server_env
 

@@ -105,6 +105,11 @@ def parse(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return args
 
 
+ATTACHED = ("declared for the attached server, which lora-parity did not start: they say how it runs, lora-parity set "
+            "none of them")
+"""The note on the user's engine arguments where the sampler attached to a server (`--sampler-url`)."""
+
+
 def record(args: Mapping[str, Any]) -> list[str]:
     """The receipt's words for the user's arguments: 'key=value' each, JSON values."""
     return [f"{k}={json.dumps(v)}" for k, v in args.items()]

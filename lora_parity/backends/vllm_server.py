@@ -428,9 +428,10 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
         if self.server is not None:
             settings["batch_invariant"] = self.server.env.get("VLLM_BATCH_INVARIANT", "unset")
             settings["argv"] = " ".join(a for a in self.server.argv[1:] if not a.startswith(("/", "\\")))
-        if self.cfg.sampler.engine_args:
+        if self.cfg.sampler.engine_args:  # an attached server's are the user's word for how it runs, not lora-parity's
             settings["engine_args"] = engine_args.record(self.cfg.sampler.engine_args)
-            settings["engine_args_effect"] = engine_args.notes(self.cfg.sampler.engine_args)
+            settings["engine_args_effect"] = engine_args.notes(self.cfg.sampler.engine_args) + (
+                [] if self.server is not None else [engine_args.ATTACHED])
         settings.update(self._sleep_settings(), cuda_graphs=self._graphs_setting(), mixed_batch=self._mixed())
         versions: dict[str, str] = {}
         try:
