@@ -19,6 +19,7 @@ PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
           "up_proj": "gate_up_proj"}
 """Checkpoint modules the engine packs into one (vLLM's `packed_modules_mapping` of the dense decoders)."""
 
+
 def nbytes(tensor: Any) -> int:
     """A tensor's size in bytes (a plain number, the fake trainer's 'weight', counts 8)."""
     if hasattr(tensor, "numel") and hasattr(tensor, "element_size"):

@@ -10,13 +10,12 @@
   "split" wakes the weights, syncs, then wakes the KV cache (vLLM's tags, verl's rollout wake-up); "all" wakes
   everything at once, then syncs (TRL's colocate loop where the weights slept).
 - `bucket_mb` (default none: one hand-over): the sync hands the merged weights over in buckets of at most this many
-  MB, in the trainer's order, a tensor never cut (verl's `update_weights_bucket_megabytes`, NeMo-RL's refit buffer,
-  SkyRL's transfer threshold): `--sync memory` only, the engine reloading them in one session
-  (`run.buckets`). Faults `bucket-tail-dropped` (the last, partial bucket never sent) and `bucket-reload-each` (each
-  bucket its own reload: a fused module whose parts arrive in two buckets is rebuilt from one part).
+  MB, in the trainer's order, a tensor never cut, each bucket its own in-place reload of the engine (verl's
+  `update_weights_bucket_megabytes`, NeMo-RL's refit buffer, SkyRL's transfer threshold): `--sync memory` only
+  (`models.buckets`; fault `bucket-lost`, `run.loop`).
 
-Recorded as `sampler.settings.loop` where not the default; the config digest leaves the default out (older digests
-hold). Pure: no engine import.
+Recorded as `sampler.settings.loop` where not the default (and `sampler.settings.sync_buckets` always); the config
+digest leaves the default out, and `bucket_mb` where unset (older digests hold). Pure: no engine import.
 """
 
 from __future__ import annotations
