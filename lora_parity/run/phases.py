@@ -217,11 +217,11 @@ class Run:
         """A sampler on the trainer's service (Tinker): an old handle may serve or overwrite the trainer's weights."""
         return self.sampler.traits.shares_trainer_state
 
-    mixes_batches = property(mixed_batch.applies)  # the sampler mixes routes in one batch after the sync
-
     @property
-    def bucket_bytes(self) -> int | None:  # the user's sync in buckets (`--loop bucket_mb`); None: at once
-        return self.cfg.sampler.loop.bucket_bytes
+    def mixes_batches(self) -> bool:  # the sampler mixes routes in one batch after the sync
+        return mixed_batch.applies(self)
+
+    bucket_bytes = property(lambda self: self.cfg.sampler.loop.bucket_bytes)  # the user's sync in buckets, or None
 
     @property
     def sampler_reads_prefix_cache(self) -> bool:  # a `CachedScoringSampler` whose traits say so as built
