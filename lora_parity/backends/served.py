@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from lora_parity.backends import bounded_http, vllm_routes
 from lora_parity.backends.base import AdapterHandle, PreflightOptions
 from lora_parity.backends.vllm_options import returns_routes
+from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, redact_url
 from lora_parity.util import safe_read
@@ -53,6 +54,15 @@ def server_value(value: object, api_key: str | None = None) -> str | int | float
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     return server_text(value, api_key)
+
+
+def settled(sampler: object, info: BackendInfo) -> BackendInfo:
+    """`info` with the settings a served sampler settles while it scores: how it read its prefix cache
+    (`cached_scoring()`, decided at its first cached score: `vllm_server_cached`)."""
+    said = getattr(sampler, "cached_scoring", None)
+    if not callable(said) or "cached_scoring" not in info.settings:
+        return info
+    return info.model_copy(update={"settings": {**info.settings, "cached_scoring": said()}})
 
 
 def check_options(opts: PreflightOptions) -> None:

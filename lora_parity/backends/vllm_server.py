@@ -41,7 +41,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.served import ServedAdapters
 from lora_parity.backends.server_process import ServerProcess, free_port
 from lora_parity.backends.vllm_options import expert_lora, lora_modules, max_lora_rank, returns_routes
-from lora_parity.backends.vllm_server_cached import VLLMServerCachedScoring
+from lora_parity.backends.vllm_server_cached import VLLMServerCachedScoring, server_flags
 from lora_parity.backends.vllm_server_generate import VLLMServerGeneration, prompt_row
 from lora_parity.backends.vllm_server_mixed import VLLMServerMixedBatch
 from lora_parity.evidence.receipt import BackendInfo
@@ -104,7 +104,7 @@ def server_argv(cfg: ModelConfig, model_dir: Path, port: int, cuda: bool) -> lis
             "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.model.dtype,
             "--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *lora_modules(cfg),
             *(["--enable-mixed-moe-lora-format"] if expert_lora(cfg) else []),
-            "--skip-tokenizer-init", "--seed", "0",
+            "--skip-tokenizer-init", "--seed", "0", *server_flags(),
             # As the in-process engine (`vllm.LLM` logs no stats); no access-log line per request.
             "--disable-log-stats", "--disable-uvicorn-access-log"]
     defaults: dict[str, Any] = {"max_loras": 1, "max_model_len": cfg.sampler.max_model_len,
@@ -419,8 +419,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
             "scoring": "/v1/completions, one request per "
                        + ("sequence" if self.cfg.scoring.batch_size == 1 else f"{self.cfg.scoring.batch_size} "
                           "sequences") + ", prompt_logprobs=0",
-            "cached_scoring": engine_args.cached_scoring_off(self.cfg.sampler.engine_args)
-            or "one request per prefix, the next token forced (allowed_token_ids, logprobs=0)",
+            "cached_scoring": self.cached_scoring(),
             "sync": "/v1/load_lora_adapter, /v1/unload_lora_adapter", "sampling": self.cfg.sampler.sampling.describe(),
         }
         if self.server is not None and not self.cuda:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lora_parity import __version__, backends
+from lora_parity.backends import served
 from lora_parity.backends.base import (
     BackendOptions,
     PreflightOptions,
@@ -309,6 +310,7 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     _stop_if_interrupted(run, loaded)
     if loaded.interrupted is None:
         run.retire()
+        loaded.sampler_info = served.settled(loaded.sampler, loaded.sampler_info)
     return run, router
 
 
