@@ -25,7 +25,7 @@ EXPECTED_NOT_PASSING = {
     # distance from fp32, the zero adapter no longer a no-op). The engine's finding, not a false alarm: 64 MB buckets,
     # which split none, pass in 5 of 5 seeds (BENCHMARKS.md, twenty-sixth session; docs/deployment.md).
     "smollm2-135m-bf16-path.memory-buckets-4mb-split.seed-00.7b6390e__hf__vllm__clean__h100.json",
-    # The same at 8 MB buckets at 7c459fb (an H100): one packed module split (a layer's gate/up) is enough: A and X
+    # The same at 8 MB buckets at 7c459fb (an H100): one packed module split (layer 1's q/k/v) is enough: A and X
     # failed at zero in 5 of 5 seeds (BENCHMARKS.md, twenty-seventh session).
     "smollm2-135m-bf16-path.memory-buckets-8mb-split.seed-00.7c459fb__hf__vllm__clean__h100.json",
     # vllm-server with the user's loop resetting the prefix cache at 44419e5 (an H100): the server scheduled one request
