@@ -86,6 +86,14 @@ class FakeLLM:
                                outputs=[SimpleNamespace(token_ids=[token], logprobs=logprobs)])
 
 
+def uncached_pass(llm: FakeLLM, factory: type = NewParams) -> FakeLLM:
+    """The run's uncached pass before a cached phase: prompt_logprobs requests that read no cache but leave their
+    blocks in it, as vLLM's do. Its calls are not counted."""
+    llm.generate([{"prompt_token_ids": seq} for seq in SEQUENCES], factory(prompt_logprobs=0))
+    llm.calls.clear()
+    return llm
+
+
 def fake_sampler(monkeypatch: pytest.MonkeyPatch, llm: FakeLLM, factory: type) -> vllm.VLLMCachedSampler:
     def start(self: vllm.VLLMSampler, cfg: Any, *args: Any, **kwargs: Any) -> None:
         self.cfg, self.pack, self.llm, self._SamplingParams, self._TokensPrompt = cfg, 0, llm, factory, dict
@@ -99,11 +107,11 @@ def fake_sampler(monkeypatch: pytest.MonkeyPatch, llm: FakeLLM, factory: type) -
 @pytest.mark.parametrize("block", [4, 8])
 def test_by_blocks_the_rows_are_scores_and_a_sequence_is_ceil_l_over_b_requests(monkeypatch: pytest.MonkeyPatch,
                                                                                  block: int) -> None:
-    llm = FakeLLM(block)
+    llm = uncached_pass(FakeLLM(block))
     sampler = fake_sampler(monkeypatch, llm, NewParams)
     assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
-    # batch_size 1: per sequence the warm call, then one request per block
-    assert llm.calls == [n for seq in SEQUENCES for n in (1, math.ceil(len(seq) / block))]
+    # batch_size 1: per sequence one call of its blocks' requests, reading what the uncached pass left
+    assert llm.calls == [math.ceil(len(seq) / block) for seq in SEQUENCES]
     said = sampler.info().settings["cached_scoring"]
     assert isinstance(said, str) and said.startswith(f"by blocks of {block}:") and "fewer" not in said
     assert sampler.blocks is not None and sampler.blocks.short == 0
@@ -114,10 +122,10 @@ def test_the_model_runner_v2s_layout_without_the_cached_entries_gives_the_same_r
         monkeypatch: pytest.MonkeyPatch) -> None:
     # vLLM 0.26's model runner V2 (the GPU's default) returns entry 0 and the computed positions' entries alone.
     for reported in (None, 2):  # exact blocks, and blocks reported smaller than the engine's (short hits)
-        sampler = fake_sampler(monkeypatch, FakeLLM(4, reported=reported, compact=True), NewParams)
+        sampler = fake_sampler(monkeypatch, uncached_pass(FakeLLM(4, reported=reported, compact=True)), NewParams)
         assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
     # a layout of neither length is refused in one line
-    llm = FakeLLM(4, compact=True)
+    llm = uncached_pass(FakeLLM(4, compact=True))
     sampler = fake_sampler(monkeypatch, llm, NewParams)
     real = llm._one
     monkeypatch.setattr(llm, "_one", lambda ids, p: SimpleNamespace(**{
@@ -129,7 +137,7 @@ def test_the_model_runner_v2s_layout_without_the_cached_entries_gives_the_same_r
 @pytest.mark.unit
 def test_a_cache_hit_past_the_block_is_refused_naming_the_sequence_and_block(monkeypatch: pytest.MonkeyPatch) -> None:
     # The engine caches in blocks of 4 but reports 8: the first request, 8 tokens, hits 4 where none is allowed.
-    sampler = fake_sampler(monkeypatch, FakeLLM(4, reported=8), NewParams)
+    sampler = fake_sampler(monkeypatch, uncached_pass(FakeLLM(4, reported=8)), NewParams)
     with pytest.raises(ScoreError, match=r"^vLLM cached scoring of sequence 0, block 0 \(tokens 0-7\): the engine "
                                          r"read 4 tokens from the prefix cache where at most 0 ") as raised:
         sampler.score_cached(SEQUENCES, None)
@@ -139,7 +147,7 @@ def test_a_cache_hit_past_the_block_is_refused_naming_the_sequence_and_block(mon
 @pytest.mark.unit
 def test_a_cache_hit_short_of_the_block_is_valid_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     # Blocks of 8 reported as 4: the requests ending mid-block hit 4 tokens fewer than expected.
-    sampler = fake_sampler(monkeypatch, FakeLLM(8, reported=4), NewParams)
+    sampler = fake_sampler(monkeypatch, uncached_pass(FakeLLM(8, reported=4)), NewParams)
     assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
     assert sampler.blocks is not None and sampler.blocks.short > 0
     assert str(sampler.info().settings["cached_scoring"]).endswith(
@@ -197,7 +205,9 @@ def test_on_vllm_cpu_cached_scoring_is_scoring_in_ceil_l_over_b_requests_read_th
 
         sampler.llm.generate = counted  # type: ignore[method-assign]
         cached = sampler.score_cached(sequences, handle)
-        assert calls == [n for seq in sequences for n in (1, math.ceil(len(seq) / block))]
+        # one call per sequence of its blocks' requests, no call filling the cache first: every request hit exactly
+        # the blocks before its own (short 0 below), which the uncached pass left (vLLM writes what it skips reading)
+        assert calls == [math.ceil(len(seq) / block) for seq in sequences]
         for row, got in zip(scores, cached, strict=True):
             assert len(got) == len(row) and max(abs(a - b) for a, b in zip(row, got, strict=True)) <= 1e-4
         assert sampler.blocks.short == 0

