@@ -11,7 +11,7 @@ import shutil
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lora_parity.backends import bounded_http, vllm_routes
 from lora_parity.backends.base import AdapterHandle, PreflightOptions
@@ -56,13 +56,21 @@ def server_value(value: object, api_key: str | None = None) -> str | int | float
     return server_text(value, api_key)
 
 
+@runtime_checkable
+class SettlingSampler(Protocol):
+    """A sampler that settles how it reads its prefix cache at its first cached score (vllm-server: by blocks or per
+    position, `vllm_server_cached`), after its `info` was taken."""
+
+    def cached_scoring(self) -> str:
+        """The receipt's `sampler.settings.cached_scoring` as it stands now."""
+        ...
+
+
 def settled(sampler: object, info: BackendInfo) -> BackendInfo:
-    """`info` with the settings a served sampler settles while it scores: how it read its prefix cache
-    (`cached_scoring()`, decided at its first cached score: `vllm_server_cached`)."""
-    said = getattr(sampler, "cached_scoring", None)
-    if not callable(said) or "cached_scoring" not in info.settings:
+    """`info` with what a `SettlingSampler` settled while it scored (its `cached_scoring()`); others' as it is."""
+    if not isinstance(sampler, SettlingSampler) or "cached_scoring" not in info.settings:
         return info
-    return info.model_copy(update={"settings": {**info.settings, "cached_scoring": said()}})
+    return info.model_copy(update={"settings": {**info.settings, "cached_scoring": sampler.cached_scoring()}})
 
 
 def check_options(opts: PreflightOptions) -> None:
