@@ -6,7 +6,7 @@ vLLM never reads the prefix cache for a prompt_logprobs request unless its Sampl
 in-process engine is (`vllm_cached.Blocks`): one request per block of the cache, its prompt to the block's end, the
 blocks before it read from the cache and checked by the cached-token count the server reports
 (`--enable-prompt-tokens-details`, and `--enable-scale-out` where the vLLM gates the endpoint: `server_flags`,
-which a server started here has). No request fills the cache first, as the in-process engine's does: each cached
+which a server started here has). No request fills the cache first (nor in process): each cached
 phase follows the uncached pass of the same sequences under the same adapter (`stale`, `updated`), and vLLM keeps
 the blocks a prompt_logprobs request computes (it skips reading the cache, not writing it). A request that finds
 fewer blocks reads less through the cache, its scores still valid, and is counted in the receipt (`Blocks.short`).
