@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lora_parity.backends import vllm, vllm_cached
+from lora_parity.backends import served, vllm, vllm_cached
 from lora_parity.evidence.receipt import BackendInfo
 from lora_parity.models import config
 from lora_parity.util.errors import ScoreError
@@ -152,6 +152,9 @@ def test_a_cache_hit_short_of_the_block_is_valid_and_counted(monkeypatch: pytest
     assert sampler.blocks is not None and sampler.blocks.short > 0
     assert str(sampler.info().settings["cached_scoring"]).endswith(
         f"; {sampler.blocks.short} requests read fewer cached tokens than their block")
+    # the receipt's settings were taken before any cached score: the run writes them again after it (`served.settled`)
+    before = BackendInfo(backend="vllm", versions={}, settings={"cached_scoring": "by blocks of 4: ..."})
+    assert served.settled(sampler, before).settings["cached_scoring"] == sampler.cached_scoring()
 
 
 @pytest.mark.unit

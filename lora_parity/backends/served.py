@@ -58,8 +58,9 @@ def server_value(value: object, api_key: str | None = None) -> str | int | float
 
 @runtime_checkable
 class SettlingSampler(Protocol):
-    """A sampler that settles how it reads its prefix cache at its first cached score (vllm-server: by blocks or per
-    position, `vllm_server_cached`), after its `info` was taken."""
+    """A sampler whose way of reading its prefix cache is settled while it scores, after its `info` was taken:
+    vllm-server's at its first cached score (by blocks or per position, `vllm_server_cached`), both vLLM samplers'
+    count of block requests that read fewer cached tokens than their block."""
 
     def cached_scoring(self) -> str:
         """The receipt's `sampler.settings.cached_scoring` as it stands now."""

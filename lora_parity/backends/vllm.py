@@ -420,11 +420,9 @@ class VLLMCachedSampler(VLLMSampler):
 
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), read through the prefix cache, per group of
-        sequences in one generate call: by blocks where this vLLM lets a prompt_logprobs request read the cache
-        (ceil(L/B) requests for a sequence of L tokens in blocks of B, each reading the blocks before its own, which
-        the uncached pass before each cached phase left: vLLM skips reading the cache for it, not writing:
-        `vllm_cached.Blocks`), else one request per position, the next token forced, after one call of the whole
-        sequences fills the cache (`vllm_cached.by_position`)."""
+        sequences in one generate call: by blocks where this vLLM lets a prompt_logprobs request read the cache (each
+        reading the blocks before its own, which the uncached pass before left: `vllm_cached.Blocks`), else one
+        request per position, the next token forced, after one call of the whole sequences fills the cache."""
         request = self._request(adapter)
         warm = self._SamplingParams(max_tokens=1, temperature=1.0, detokenize=False)
 
@@ -442,9 +440,11 @@ class VLLMCachedSampler(VLLMSampler):
                 out += self.blocks.score(generate, self._SamplingParams, group, part.start)
         return out
 
+    def cached_scoring(self) -> str:
+        """How `score_cached` reads the cache; by blocks, how many requests so far read fewer cached tokens than their
+        block (valid scores, less read through the cache). The receipt's, written again after the run (`served`)."""
+        return vllm_cached.describe(self.blocks, self._SamplingParams)
+
     def info(self) -> BackendInfo:
-        """`VLLMSampler.info`, how `score_cached` reads the cache (`cached_scoring`); where by blocks, how many requests
-        so far read fewer cached tokens than their block (valid scores, less read through the cache)."""
         info = super().info()
-        said = vllm_cached.describe(self.blocks, self._SamplingParams)
-        return info.model_copy(update={"settings": info.settings | {"cached_scoring": said}})
+        return info.model_copy(update={"settings": info.settings | {"cached_scoring": self.cached_scoring()}})
