@@ -60,10 +60,7 @@ def describe(blocks: Blocks | None, factory: Any) -> str:
         why = "the engine reports no block size" if has_field(factory) else f"this vLLM's SamplingParams has no {FIELD}"
         return (f"per position ({why}): the whole sequences, then one request per scored position, the prefix with "
                 "its next token forced (allowed_token_ids, logprobs=0)")
-    said = (f"by blocks of {blocks.size}: per sequence one request per block, its prompt to the block's end with "
-            f"prompt_logprobs=0 and {FIELD}=false (the blocks before it read from the cache the uncached pass left, "
-            "checked by num_cached_tokens) and the next token forced (allowed_token_ids, logprobs=0)")
-    return said + (f"; {blocks.short} requests read fewer cached tokens than their block" if blocks.short else "")
+    return blocks.describe()
 
 
 Generate = Callable[[list[Any], list[Any]], list[Any]]
@@ -76,6 +73,15 @@ class Blocks:
 
     size: int
     short: int = 0
+
+    def describe(self, via: str = "", count: str = "num_cached_tokens") -> str:
+        """The receipt's words for scoring by these blocks (through `via`, the reads checked by `count`), with the
+        short reads so far."""
+        said = (f"by blocks of {self.size}{f' ({via})' if via else ''}: per sequence one request per block, its "
+                f"prompt to the block's end with prompt_logprobs=0 and {FIELD}=false (the blocks before it read from "
+                f"the cache the uncached pass left, checked by {count}) and the next token forced (allowed_token_ids, "
+                "logprobs=0)")
+        return said + (f"; {self.short} requests read fewer cached tokens than their block" if self.short else "")
 
     def score(self, generate: Generate, factory: Any, group: Sequences, first: int) -> Scores:
         """`group` (sequences `first`...) scored in one generate call, once the cache holds their blocks."""

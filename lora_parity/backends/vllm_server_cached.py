@@ -109,12 +109,7 @@ class VLLMServerCachedScoring:
         if off is not None:
             return off
         if self._blocks is not None:
-            said = (f"by blocks of {self._blocks.size} ({GENERATE}): per sequence one request per block, its prompt to "
-                    f"the block's end with prompt_logprobs=0 and {vllm_cached.FIELD}=false (the blocks before it read "
-                    "from the cache the uncached pass left, checked by the server's cached-token count) and the next "
-                    "token forced (allowed_token_ids, logprobs=0)")
-            short = self._blocks.short
-            return said + (f"; {short} requests read fewer cached tokens than their block" if short else "")
+            return self._blocks.describe(GENERATE, "the server's cached-token count")
         return PER_POSITION + (f" ({self._per_position_why})" if self._per_position_why else "")
 
     def _generate(self, prompts: list[Any], given: list[Any], model: str) -> list[Any]:
