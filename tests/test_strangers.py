@@ -29,6 +29,7 @@ from lora_parity.run import start_adapter
 from lora_parity.run.runner import RunOptions, execute, prepare
 from lora_parity.util import cache, scratch
 from lora_parity.util.errors import ConfigError, ReceiptError
+from lora_parity.util.in_flight import InFlight
 
 from .conftest import ROOT, cli
 
@@ -403,8 +404,8 @@ def _attached(url: str, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setenv("LORA_PARITY_TEST_KEY", SECRET)
     sampler = VLLMServerSampler.__new__(VLLMServerSampler)
-    sampler.__dict__.update(cfg=config.load(None), timings={}, api_key=SECRET, server=None, url=url, num_calls=0,
-                            _ready_lock=threading.Lock())
+    sampler.__dict__.update(cfg=config.load(None), timings={}, api_key=SECRET, server=None, url=url,
+                            clock=InFlight({}), _ready_lock=threading.Lock())
     return sampler
 
 

@@ -56,6 +56,7 @@ from lora_parity.models.config import ModelConfig
 from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
 from lora_parity.util.errors import ConfigError, ScoreError
+from lora_parity.util.in_flight import InFlight
 
 CACHED_CONCURRENCY = 32
 """Requests in flight at once when scoring through the radix cache (one per prefix)."""
@@ -186,7 +187,7 @@ class SGLangSampler(SGLangEngineState, ServedAdapters, SamplerBackend):
         # A folder of this sampler's own under --shared-dir: runs never overwrite each other's adapters.
         self.shared_dir = Path(tempfile.mkdtemp(prefix="lora-parity-", dir=shared_dir)) if shared_dir else None
         self.server: ServerProcess | None = None
-        self.num_calls = 0
+        self.clock = InFlight(timings)
         # Served names carry this sampler's own suffix, so that runs attached to one server never
         # collide; `loaded` is what this sampler has on the server (unloaded again on close).
         self.suffix = f"-{os.getpid()}-{time.time_ns() % 10**9}"
@@ -240,16 +241,13 @@ class SGLangSampler(SGLangEngineState, ServedAdapters, SamplerBackend):
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        start = time.perf_counter()
         try:
-            answer = bounded_http.request(self.url + path, data, headers, timeout_s=sglang_server.REQUEST_TIMEOUT_S,
-                                          deadline_s=sglang_server.REQUEST_DEADLINE_S)
+            with self.clock.call(f"http.{label}"):  # wall time: calls from a thread pool overlap
+                answer = bounded_http.request(self.url + path, data, headers,
+                                              timeout_s=sglang_server.REQUEST_TIMEOUT_S,
+                                              deadline_s=sglang_server.REQUEST_DEADLINE_S)
         except bounded_http.HTTPCallError as e:
             raise ServerError(self._redact(self.exited(f"SGLang server: {path}: {e}"))) from None
-        finally:
-            key = f"http.{label}"
-            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
-            self.num_calls += 1
         text = answer.body.decode("utf-8", errors="replace")
         if answer.status >= 400:
             raise ServerError(self._redact(f"SGLang server: {path} answered {answer.status}: {text[:500]}"))

@@ -51,6 +51,7 @@ from lora_parity.models.provenance import redact_secrets, remember_secret
 from lora_parity.models.provenance import redact_url as redact
 from lora_parity.util import env, scratch
 from lora_parity.util.errors import ConfigError, ScoreError
+from lora_parity.util.in_flight import InFlight
 
 REQUEST_TIMEOUT_S = 300.0
 """Longest wait on the socket within one call (the first scoring calls on a fresh CPU server compile)."""
@@ -257,7 +258,7 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
         self.shared_dir = Path(tempfile.mkdtemp(prefix="lora-parity-", dir=shared_dir)) if shared_dir else None
         self.cuda = _has_cuda()
         self.server: ServerProcess | None = None
-        self.num_calls = 0
+        self.clock = InFlight(timings)
         # Served names carry this sampler's own suffix, so that runs attached to one server never
         # collide; `loaded` is what this sampler has on the server (unloaded again on close).
         self.suffix = f"-{os.getpid()}-{time.time_ns() % 10**9}"
@@ -320,16 +321,12 @@ class VLLMServerSampler(vllm_server_state.VLLMServerEngineState, VLLMServerGener
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        start = time.perf_counter()
         try:
-            answer = bounded_http.request(self.url + path, data, headers, timeout_s=REQUEST_TIMEOUT_S,
-                                          deadline_s=REQUEST_DEADLINE_S)
+            with self.clock.call(f"http.{label}"):  # wall time: calls from a thread pool overlap
+                answer = bounded_http.request(self.url + path, data, headers, timeout_s=REQUEST_TIMEOUT_S,
+                                              deadline_s=REQUEST_DEADLINE_S)
         except bounded_http.HTTPCallError as e:
             raise ServerError(self._redact(self.exited(f"vLLM server: {path}: {e}"))) from None
-        finally:
-            key = f"http.{label}"
-            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - start
-            self.num_calls += 1
         text = answer.body.decode("utf-8", errors="replace")
         if answer.status >= 400:
             raise ServerError(self._redact(f"vLLM server: {path} answered {answer.status}: {text[:500]}"))
