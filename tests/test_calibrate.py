@@ -285,6 +285,39 @@ def test_batch_invariant_is_off_without_cuda(monkeypatch: pytest.MonkeyPatch) ->
     assert vllm_backend.batch_invariant_support() is not None
 
 
+def test_sampler_import_times_the_lookups_that_import_vllm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 47: finding vLLM's batch-invariant module imports the vLLM packages above it (on CUDA); that time is
+    the sampler's import, not a gap outside every timer."""
+    import time
+
+    from lora_parity.backends import vllm as vllm_backend
+
+    class Stop(Exception):
+        pass
+
+    def slow_lookup(wanted: bool) -> str:
+        time.sleep(0.3)
+        return "off (this test)"
+
+    def stop(*args: object) -> dict[str, object]:
+        raise Stop
+
+    pytest.importorskip("vllm")
+    from vllm import LLM  # noqa: F401  (imported already: the sampler's imports then cost nothing, only the lookup)
+    from vllm.inputs import TokensPrompt  # noqa: F401
+    from vllm.lora.request import LoRARequest  # noqa: F401
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL"):  # restored afterwards, set or not
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(vllm_backend, "_batch_invariant_environment", slow_lookup)
+    monkeypatch.setattr(vllm_backend, "_has_cuda", lambda: True)  # no CPU environment set in this process
+    monkeypatch.setattr(vllm_backend, "engine_options", stop)  # right after the imports, before the engine
+    timings: dict[str, float] = {}
+    with pytest.raises(Stop):
+        vllm_backend.VLLMSampler(config.load(None), tmp_path, timings)
+    assert timings["sampler.import"] >= 0.3
+
+
 def test_no_calibration_for_an_optimizer_step_trainer() -> None:
     cfg = config.load("tiny-qwen3")
     calls: list[str] = []

@@ -86,10 +86,9 @@ def _has_cuda() -> bool:
 
 
 def refuse_fp32_on_cuda(cfg: ModelConfig) -> None:
-    """Preflight: vLLM on CUDA fails at engine start with an fp32 model and a bare AssertionError
-    (vLLM 0.26, its default attention backends take half precision only), so such a run is refused
-    unless the config forces an attention backend (`sampler.attention_backend`, e.g. FLEX_ATTENTION:
-    untested)."""
+    """Preflight: vLLM on CUDA fails at engine start with an fp32 model and a bare AssertionError (vLLM 0.26, its
+    default attention backends take half precision only), so such a run is refused unless the config forces an
+    attention backend (`sampler.attention_backend`, e.g. FLEX_ATTENTION: untested)."""
     if cfg.model.dtype == "float32" and cfg.sampler.attention_backend is None and _has_cuda():
         # --dtype casts a checkpoint by path only; a config names its own dtype (config.load)
         how = ("--dtype bfloat16" if cfg.model.path and cfg.description.startswith("local checkpoint")
@@ -158,10 +157,12 @@ class VLLMSampler(SamplerBackend):
                  batch_invariant: bool = True) -> None:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
+        # `sampler.import` from here: finding vLLM's batch-invariant module imports the packages above it (issue 47)
+        start = time.perf_counter()
         self.cuda = _has_cuda()
         self.batch_invariant = _batch_invariant_environment(batch_invariant and cfg.sampler.batch_invariant)
+        # tokens of requests per generate call (0: `scoring.batch_size` requests)
         self.pack = packing(cfg, model_dir, self.cuda and self.batch_invariant.startswith("on"))
-        """Tokens of requests per generate call (0: `scoring.batch_size` requests)."""
         self.torch_compile: str | None = None
         if not self.cuda:
             _cpu_environment(cfg.sampler.kv_cache_gib)
@@ -173,7 +174,6 @@ class VLLMSampler(SamplerBackend):
         # vLLM logs at INFO by default, and a harmless chat-template warm-up traceback without a
         # tokenizer; lora-parity prints its own progress.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        start = time.perf_counter()
         import vllm
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
