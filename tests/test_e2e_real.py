@@ -28,6 +28,10 @@ def test_smollm2_with_text_probes_passes_and_verifies(tmp_path: Path) -> None:
     assert receipt.model.architecture == "LlamaForCausalLM" and receipt.model.dtype == "float32"
     assert receipt.model.source_sha256 is not None and len(receipt.model.source_sha256) == 64
     assert receipt.model.weights_digest is not None
+    # issue 47: the digest of the 270 MB checkpoint is timed, and the backends' start holds every part of it timed
+    t = receipt.timings
+    assert t["model.digest"] > 0 and t["backends.open"] >= t["model.materialize"] + t["model.digest"] + t[
+        "sampler.import"] + t["sampler.start"] + t["trainer.load"]
     source = receipt.probes.source
     assert source is not None and source.kind == "text" and source.tokenizer is not None
     assert [len(s) for s in receipt.probes.sequences] == [65, 129]

@@ -234,9 +234,11 @@ class Backends:
         t0 = time.perf_counter()
         model_dir = self.model_dir = synthetic.materialize(self._plan.cfg)
         self.timings["model.materialize"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.model_info = self.model_info.model_copy(update={
             "weights_digest": weights_digest(model_dir), "architecture": Checkpoint.open(model_dir).architecture,
             "source_sha256": realmodel.source_sha256(model_dir)})
+        self.timings["model.digest"] = time.perf_counter() - t0  # the checkpoint's sha256 (issue 47: was untimed)
         self._say("model", "ok", self.timings["model.materialize"])
         return model_dir
 
@@ -257,6 +259,7 @@ class Backends:
             say("sampler.start", "ok", timings.get("sampler.start", timings.get("sampler.load", 0.0)))
             settings = {**self.sampler_info.settings, **self.trainer_info.settings}
             self.device = str(settings.get("device", "cpu"))
+            timings["backends.open"] = time.perf_counter() - start  # the timed parts above, and what lies between
         except Exception as e:
             self.error = f"setup: {tracebacks.one_line(e)}"
             self.error_detail = tracebacks.describe(e, "setup")
