@@ -128,9 +128,24 @@ def _report(args: argparse.Namespace, probes: str, walls: list[float], receipts:
         print(f"      before the run          median {med(before):7.3f} s (interpreter start and the CLI's imports)")
         print(f"      after the receipt       median {med(after):7.3f} s (exit and teardown: the engine's shutdown, "
               "the interpreter's)")
+    untimed = [untimed_in_open(r["timings"]) for r in receipts]
+    if all(u is not None for u in untimed):
+        print(f"      in the backends' start  median {med([u for u in untimed if u is not None]):7.3f} s outside its "
+              "timed parts (the engine's settings read back, the backends' info, the start adapter)")
     print(f"  scoring: {receipts[0]['sampler']['settings'].get('scoring')}; "
           f"trainer: {receipts[0]['trainer']['settings'].get('forward', 'one sequence per forward')}")
     print(f"  verdicts: {', '.join(r['verdict'] for r in receipts)}")
+
+
+def untimed_in_open(timings: dict[str, float]) -> float | None:
+    """What the backends' start (`backends.open`) spent outside its own timed parts: the checkpoint, the imports and
+    start of the sampler, the trainer's load (the run's wait for a served sampler, not its whole start). None for a
+    receipt made before `backends.open` was timed."""
+    if "backends.open" not in timings:
+        return None
+    parts = ("model.materialize", "model.digest", "sampler.import", "sampler.load", "trainer.load")
+    start = timings.get("sampler.start_wait", timings.get("sampler.start", 0.0))
+    return timings["backends.open"] - start - sum(timings.get(k, 0.0) for k in parts)
 
 
 def per_target_seconds(timings: dict[str, float]) -> float:

@@ -42,3 +42,13 @@ def test_per_target_coverage_counts_the_target_phases_only(bench: ModuleType) ->
                "publish.v3": 0.2, "target.v_proj": 0.5, "total": 9.0}
     assert bench.per_target_seconds(timings) == pytest.approx(3.5)
     assert bench.per_target_seconds({"score.zero": 1.0, "total": 2.0}) == 0.0
+
+
+def test_the_backends_start_s_untimed_part_is_what_its_timed_parts_leave(bench: ModuleType) -> None:
+    # issue 47: the seconds of `backends.open` that no other timer holds
+    in_process = {"backends.import": 3.0, "backends.open": 6.0, "model.materialize": 0.1, "model.digest": 0.4,
+                  "sampler.import": 2.0, "sampler.start": 2.5, "trainer.load": 0.5}
+    assert bench.untimed_in_open(in_process) == pytest.approx(0.5)
+    served = {"backends.open": 4.0, "sampler.start": 12.0, "sampler.start_wait": 3.0, "trainer.load": 0.5}
+    assert bench.untimed_in_open(served) == pytest.approx(0.5)
+    assert bench.untimed_in_open({"sampler.start": 2.0}) is None  # a receipt from before the timer
