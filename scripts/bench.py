@@ -143,9 +143,8 @@ def untimed_in_open(timings: dict[str, float]) -> float | None:
     receipt made before `backends.open` was timed."""
     if "backends.open" not in timings:
         return None
-    parts = ("model.materialize", "model.digest", "sampler.import", "sampler.load", "trainer.load")
-    start = timings.get("sampler.start_wait", timings.get("sampler.start", 0.0))
-    return timings["backends.open"] - start - sum(timings.get(k, 0.0) for k in parts)
+    inside = _engine_seconds(timings) - timings.get("backends.import", 0.0)  # the imports before it are preflight's
+    return timings["backends.open"] - inside - timings.get("model.digest", 0.0)
 
 
 def per_target_seconds(timings: dict[str, float]) -> float:
