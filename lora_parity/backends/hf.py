@@ -15,7 +15,7 @@ import peft
 import torch
 import transformers
 
-from lora_parity.backends import hf_step, layer_subset
+from lora_parity.backends import hf_step, layer_subset, zero_lora
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendTraits,
@@ -52,9 +52,7 @@ def device_name(device: torch.device) -> str:
 def load_base(cfg: ModelConfig, model_dir: Path, device: torch.device, dtype: str | None = None) -> Any:
     """The base model from a local HF checkpoint (the config's dtype unless `dtype`), safetensors only, eval mode."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir),
-        dtype=getattr(torch, dtype or cfg.model.dtype),
-        use_safetensors=True,
+        str(model_dir), dtype=getattr(torch, dtype or cfg.model.dtype), use_safetensors=True,
         trust_remote_code=cfg.model.trust_remote_code,
     )
     return model.to(device).eval()  # type: ignore[arg-type]
@@ -67,6 +65,7 @@ def pack_tokens(cfg: ModelConfig, model: Any) -> int:
 
 
 @torch.inference_mode()
+@zero_lora.skipping  # LoRA layers adding exactly zero run their base alone: the same values, bit for bit
 def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1,
                     pack: int = 0, tempered: tuple[list[int], float, int, float] | None = None) -> Scores:
     """One forward per group (`groups`: `batch_size` sequences, or `pack` tokens), right-padded (causal
