@@ -40,6 +40,24 @@ def from_raw(raw: RawTensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)
 
 
+def copy_raw(params: Mapping[str, torch.Tensor], state: Mapping[str, RawTensor], device: torch.device) -> None:
+    """Each parameter set to its tensor of `state` (same shape; cast to the parameter's dtype on `device`), with one
+    transfer to the device per stored dtype (per tensor, a GPU waited once per tensor: issue 47)."""
+    kinds: dict[str, list[str]] = {}
+    for name in params:
+        kinds.setdefault(state[name][0], []).append(name)
+    with torch.no_grad():
+        for dtype, names in kinds.items():
+            data = b"".join(state[n][2] for n in names)
+            flat = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]) if data else torch.empty(0)
+            if flat.numel() != sum(params[n].numel() for n in names):
+                raise ConfigError(f"the {dtype} tensors given hold {flat.numel()} values where their shapes need "
+                                  f"{sum(params[n].numel() for n in names)}")
+            values = flat.to(device).split([params[n].numel() for n in names])
+            for name, value in zip(names, values, strict=True):
+                params[name].copy_(value.view(params[name].shape))
+
+
 def fp32_points(cfg: ModelConfig, model_dir: Path) -> PointScorer:
     """A scorer of the fp32 base model with each given set of LoRA tensors (PEFT's saved names), in one load
     freed afterwards (`with_states`)."""
@@ -69,14 +87,12 @@ def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward,
         try:
             out = []
             for i, state in enumerate(states):
-                with torch.no_grad():
-                    for name, p in params.items():
-                        if name not in state:
-                            raise ConfigError(f"{what}: the trainer's tensors have no {name}")
-                        value = from_raw(state[name])
-                        if list(value.shape) != list(p.shape):
-                            raise ConfigError(f"{what}: {name} is {list(value.shape)}, expected {list(p.shape)}")
-                        p.copy_(value.to(device=where, dtype=p.dtype))
+                for name, p in params.items():
+                    if name not in state:
+                        raise ConfigError(f"{what}: the trainer's tensors have no {name}")
+                    if list(state[name][1]) != list(p.shape):
+                        raise ConfigError(f"{what}: {name} is {list(state[name][1])}, expected {list(p.shape)}")
+                copy_raw(params, state, where)
                 table = routes[i] if routes is not None else None
                 with forced_routes(model, table) if table is not None else contextlib.nullcontext():
                     out.append(forward(model, sequences, where))

@@ -30,7 +30,7 @@ from lora_parity.backends.base import (
 from lora_parity.backends.grouping import forward_description
 from lora_parity.backends.moe import REPLAYED_WEIGHTS, Routes, forced_routes, hf_router_topk, recorded_routes, routers
 from lora_parity.backends.processed import processed_logprobs
-from lora_parity.backends.raw_tensors import to_raw
+from lora_parity.backends.raw_tensors import to_raw_all
 from lora_parity.evidence.receipt import BackendInfo, Perturbation, sha256_json
 from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
@@ -292,7 +292,7 @@ class HFTrainer(TrainerBackend):
 
     def lora_tensors(self) -> dict[str, RawTensor]:
         """Every lora_A and lora_B parameter as the model holds it, under PEFT's saved name."""
-        return {n.replace(".default.weight", ".weight"): to_raw(p) for n, p in self._named if "lora_" in n}
+        return to_raw_all((n.replace(".default.weight", ".weight"), p) for n, p in self._named if "lora_" in n)
 
     def export_adapter(self, directory: Path) -> Path:
         # PEFT's save without its README.md model card (no engine reads it): its Jinja template was compiled at every

@@ -3,6 +3,8 @@ gives the exact sync check (`models.fresh_adapter`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from lora_parity.models.fresh_adapter import RawTensor
@@ -10,7 +12,18 @@ from lora_parity.models.fresh_adapter import RawTensor
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
-def to_raw(t: torch.Tensor) -> RawTensor:
-    """The tensor's values as they are (no cast), copied to the host."""
-    host = t.detach().to("cpu").contiguous()
-    return DTYPES[host.dtype], list(host.shape), host.view(torch.uint8).numpy().tobytes()
+def to_raw_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, RawTensor]:
+    """Each tensor's values as they are (no cast), copied to the host in one transfer per device and dtype (one per
+    tensor made a GPU wait once per tensor: hundreds of waits for an adapter's LoRA tensors, issue 47)."""
+    items = [(name, t.detach()) for name, t in named]
+    out: dict[str, RawTensor] = {}
+    kinds: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, t in items:
+        kinds.setdefault((t.device, t.dtype), []).append((name, t))
+    for (_, dtype), group in kinds.items():
+        flat = torch.cat([t.reshape(-1) for _, t in group]).to("cpu")
+        data, at, size = flat.view(torch.uint8).numpy().tobytes(), 0, flat.element_size()
+        for name, t in group:
+            out[name] = DTYPES[dtype], list(t.shape), data[at:at + t.numel() * size]
+            at += t.numel() * size
+    return {name: out[name] for name, _ in items}

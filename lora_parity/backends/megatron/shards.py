@@ -37,7 +37,7 @@ from lora_parity.backends.megatron.layout import (
     unshard_fused,
 )
 from lora_parity.backends.megatron.lora import LoRALinear
-from lora_parity.backends.raw_tensors import to_raw
+from lora_parity.backends.raw_tensors import to_raw_all
 from lora_parity.evidence.receipt import Perturbation
 from lora_parity.models import adapter_files as af
 from lora_parity.models.config import ModelConfig
@@ -380,7 +380,7 @@ class Shard:
         if self.rank != 0:
             return None
         return {n: [d, shape, base64.b64encode(data).decode()] for n, (d, shape, data) in
-                ((n, to_raw(t)) for n, t in tensors.items())}
+                to_raw_all(tensors.items()).items()}
 
     def export(self, directory: str) -> str | None:
         """Write the PEFT adapter (rank 0); every rank takes part in the gather."""
