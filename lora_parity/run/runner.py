@@ -41,7 +41,8 @@ from lora_parity.evidence.receipt import (
     write_atomic,
 )
 from lora_parity.models import config, realmodel, synthetic
-from lora_parity.models.checkpoint import Checkpoint, weights_digest
+from lora_parity.models.checkpoint import Checkpoint
+from lora_parity.models.digest_cache import known_weights_digest
 from lora_parity.models.provenance import environment, git_revision, redact_url, redacted_command, scrub_secrets, source
 from lora_parity.run import early_launch, generation, preflight, reference_scorers, route_replay, start_adapter
 from lora_parity.run import probes as probe_sources
@@ -236,7 +237,7 @@ class Backends:
         self.timings["model.materialize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.model_info = self.model_info.model_copy(update={
-            "weights_digest": weights_digest(model_dir), "architecture": Checkpoint.open(model_dir).architecture,
+            "weights_digest": known_weights_digest(model_dir), "architecture": Checkpoint.open(model_dir).architecture,
             "source_sha256": realmodel.source_sha256(model_dir)})
         self.timings["model.digest"] = time.perf_counter() - t0  # the checkpoint's sha256 (issue 47: was untimed)
         self._say("model", "ok", self.timings["model.materialize"])
