@@ -42,6 +42,8 @@
 #                  ARG @fault=SPEC plants
 #                  scripts/engine-fault-site's fault (scale:0.9, layer:down_proj) in what the engine reads;
 #                  ARG --faults,none runs only the clean runs (a table of clean runs; with @fault, a power curve's point)
+#   http-variants [ROUNDS]
+#                  where cached scoring's time goes over HTTP: request variants (scripts/http-cached-variants.py)
 #   http-cached [ROUNDS]
 #                  cached scoring against uncached over HTTP on SmolLM2 bf16 (scripts/http-cached-bench.py)
 #   digest [WAIT]  the pseeds folders verified and tallied ($OUT/digest.md, digest.jsonl) with a selection of receipts
@@ -550,6 +552,12 @@ PY
     while pgrep -f "compileall -q -j 0 /tmp/site" > /dev/null; do sleep 2; done  # install's bytecode first
     python3 -u scripts/http-cached-bench.py smollm2-135m-bf16 --rounds "${2:-9}" 2>&1 | grep -v WARNING \
       | tee "$out/http-cached.txt" | tail -8 ;;
+  http-variants)
+    # http-variants [ROUNDS]: scripts/http-cached-variants.py on SmolLM2-135M bf16 (one vllm serve): where the cached
+    # scoring's time goes over HTTP, request variants alternating; $OUT/http-variants.txt
+    while pgrep -f "compileall -q -j 0 /tmp/site" > /dev/null; do sleep 2; done  # install's bytecode first
+    python3 -u scripts/http-cached-variants.py smollm2-135m-bf16 --rounds "${2:-7}" 2>&1 | grep -v WARNING \
+      | tee "$out/http-variants.txt" | tail -16 ;;
   profile)
     # profile [WARM]: where a default run's wall time goes (issue 47), SmolLM2-135M bf16 by path with per-target
     # coverage: WARM plain runs first (the first fills the JIT caches), then one under cProfile (the main thread: the
