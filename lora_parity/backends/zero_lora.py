@@ -3,8 +3,8 @@
 A vanilla LoRA linear layer adds `lora_B(lora_A(x)) * scaling` to its base output. Where every B parameter of the
 layer (weight and bias) is exactly zero, that term is exactly zero, and adding it changes no value: the layer's
 output is its base output, bit for bit. At zero-init every layer is so, and during per-target coverage all but one
-target kind's: their LoRA matmuls were about half the launches of a forward on the GPU. `skipped` turns such layers'
-adapters off for one forward and back on after it.
+target kind's; of each LoRA layer's three matmuls (base, A, B) two are its adapter's, and on a GPU a small model's
+forward costs its launches. `skipped` turns such layers' adapters off for one forward and back on after it.
 
 What is checked is the tensors' values now, in one host sync, never a belief about them (a fault that writes a B
 is seen). Not skipped: merged layers, a variant (DoRA: its magnitude rescales even at B = 0), other layer types
