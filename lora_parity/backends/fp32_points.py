@@ -34,12 +34,6 @@ PointScorer = Callable[..., list[Scores]]
 state, replayed at that point (`moe.forced_routes`)."""
 
 
-def from_raw(raw: RawTensor) -> torch.Tensor:
-    """The tensor of a (dtype, shape, bytes) triple, as stored."""
-    dtype, shape, data = raw
-    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)
-
-
 def copy_raw(params: Mapping[str, torch.Tensor], state: Mapping[str, RawTensor], device: torch.device) -> None:
     """Each parameter set to its tensor of `state` (same shape; cast to the parameter's dtype on `device`), with one
     transfer to the device per stored dtype (per tensor, a GPU waited once per tensor: issue 47)."""

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from lora_parity.models.checkpoint import weights_digest
-from lora_parity.util import cache
+from lora_parity.util import cache, safe_read, safe_write
+from lora_parity.util.errors import ConfigError
 
 FOLDER = "weights-digests"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -35,9 +34,9 @@ def _identity(folder: Path) -> list[object]:
 
 def _read(record: Path) -> str | None:
     try:
-        with record.open("rb") as fh:
+        with safe_read.open_regular(record) as fh:
             value = json.loads(fh.read(1024)).get("sha256")
-    except (OSError, ValueError, AttributeError):
+    except (ConfigError, OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, str) and _DIGEST.fullmatch(value) else None
 
@@ -58,14 +57,8 @@ def known_weights_digest(folder: Path) -> str:
         return known
     digest = weights_digest(folder)
     try:
-        if _identity(folder) != before:  # a file moved while it was read: no record
-            return digest
-        with tempfile.NamedTemporaryFile("w", dir=records, suffix=".tmp", delete=False) as fh:
-            json.dump({"sha256": digest}, fh)
-        try:
-            os.replace(fh.name, record)
-        finally:
-            Path(fh.name).unlink(missing_ok=True)
-    except OSError:
+        if _identity(folder) == before:  # no file moved while it was read
+            safe_write.write_atomic(record, json.dumps({"sha256": digest}))
+    except (ConfigError, OSError):
         pass  # the record only saves time
     return digest
