@@ -168,6 +168,7 @@ def run(
                       sampling=tuple(sampling or ()), loop=tuple(loop or ()))
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
+    lean.pause_collector()  # until the backends have started
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts), phase_lines=True)
     # The CLI leaves right after the receipt is written (see _exit_fast).
     result = _execute_interruptible(opts, session)
@@ -300,6 +301,7 @@ def selftest(
 
     start = time.perf_counter()
     lean.skip_unused_imports(opts.trainer, opts.sampler)
+    lean.pause_collector()  # until the backends have started
     what = f"selftest over {seeds} seeds" if seeds > 1 or first_seed else "selftest"
     session = live.Session(live.mode_of(verbose, quiet or json_), live.describe(opts, what))
     with interrupt.handle_signals():

@@ -55,7 +55,7 @@ from lora_parity.run.preflight import reference_decision as reference_decision
 from lora_parity.run.routing import router_agreement
 from lora_parity.run.sync import SyncMode
 from lora_parity.run.sync import mode as sync_mode_named
-from lora_parity.util import interrupt, process_clock, scratch
+from lora_parity.util import interrupt, lean, process_clock, scratch
 from lora_parity.util.errors import ConfigError, LoraParityError
 from lora_parity.verdict import breakdown, checks, lifecycle
 
@@ -91,10 +91,8 @@ class Plan:
     sync: SyncMode
     probes: Probes
     revision: Revision
-    timings: dict[str, float]
-    """Preflight timings (importing the backends' libraries)."""
-    server: ServerProcess | None = None
-    """The sampler's server, launched at preflight (`early_launch`); the sampler adopts it."""
+    timings: dict[str, float]  # preflight timings (importing the backends' libraries)
+    server: ServerProcess | None = None  # the sampler's server, launched at preflight (`early_launch`), adopted
     trainer: Trainer | None = None
     """A trainer the caller built (the Python API, `lora_parity.api`): used as it is, not built from `trainer_cls`."""
     sampler: Sampler | None = None
@@ -268,6 +266,8 @@ class Backends:
         except KeyboardInterrupt as e:
             self.interrupted = e
             self.error = f"setup: {interrupt.describe(e)}"
+        finally:
+            lean.resume_collector()  # paused by the CLI while the libraries imported and the backends started
 
     def close(self, process_exiting: bool = False) -> None:
         """Free both backends. When the process is about to exit, a backend that holds nothing but
