@@ -4,8 +4,9 @@ With the in-process `vllm` sampler, vLLM's batch-invariant mode (0.26: Triton ke
 _log_softmax, mean.dim and bmm at the CUDA key; cuBLAS without split-K through CUBLAS_WORKSPACE_CONFIG) applies to
 every forward in the process, the trainer's too. This times one SmolLM2-shaped Llama forward (random weights, bf16,
 PEFT LoRA r8 on the seven projections, B nonzero, the default probes' shapes 65 and 129), medians of 9: before the
-mode is on, with it on, with its Library destroyed (the overrides lifted; the cuBLAS settings stay), and on again;
-and whether each state's scores repeat. Run on the GPU machine after `gpu-evidence.sh install`:
+mode is on, with it on, with its Library destroyed (the overrides lifted; the cuBLAS settings stay), then with the
+matmul flags the mode turned off put back one by one (reduced-precision reductions, the preferred BLAS library), and
+on again; and whether each state's scores equal the first. Run on the GPU machine after `gpu-evidence.sh install`:
 
     PYTHONPATH=/tmp/site:$PWD python3 scripts/trainer-forward-batch-invariant.py
 """
@@ -74,6 +75,9 @@ def main() -> None:
         bi = importlib.import_module("vllm.model_executor.layers.batch_invariant")
     except ImportError:
         bi = importlib.import_module("vllm.model_executor.determinism.batch_invariant")
+    matmul = torch.backends.cuda.matmul
+    flags = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    blas = torch.backends.cuda.preferred_blas_library()
     plain, t_plain = score(model, seqs), timed_ms(model, seqs)
     bi.enable_batch_invariant_mode()
     invariant, t_invariant = score(model, seqs), timed_ms(model, seqs)
@@ -84,6 +88,13 @@ def main() -> None:
         bi._batch_invariant_LIB = None
     bi._batch_invariant_MODE = False
     lifted, t_lifted = score(model, seqs), timed_ms(model, seqs)
+    matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = flags
+    reduced, t_reduced = score(model, seqs), timed_ms(model, seqs)
+    torch.backends.cuda.preferred_blas_library(blas)
+    library, t_library = score(model, seqs), timed_ms(model, seqs)
+    print(f"then reduced-precision reductions allowed again {t_reduced:.1f} ms (== plain "
+          f"{torch.equal(plain, reduced)}), then the preferred BLAS {blas} again {t_library:.1f} ms (== plain "
+          f"{torch.equal(plain, library)})")
     bi.enable_batch_invariant_mode()
     again, t_again = score(model, seqs), timed_ms(model, seqs)
     print(f"forward plain {t_plain:.1f} ms, batch-invariant {t_invariant:.1f} ms, plain again {t_lifted:.1f} ms, "
