@@ -106,8 +106,8 @@ def test_a_server_that_leaves_cached_positions_out_is_read_by_blocks_its_size_fr
 
 
 def test_every_sequences_blocks_go_in_flight_together_whatever_the_scoring_batch() -> None:
-    # a scoring batch at a time, the cached pass took 2.1x the uncached one on an H100 (two rounds of requests); all
-    # at once 1.15x. The probe is still the first batch's.
+    # a scoring batch at a time, the cached pass took 2.11x the uncached one on an H100 (two rounds of requests); all
+    # at once 1.11x. The probe is still the first batch's.
     server = FakeServer(block=4).uncached_pass(SEQUENCES)
     server.cfg.scoring.batch_size = 1
     rounds: list[int] = []

@@ -168,8 +168,8 @@ class VLLMServerCachedScoring:
     def score_cached(self, sequences: Sequences, adapter: AdapterHandle | None) -> Scores:
         """Same values as `score` (entry t = log p(s[t+1] | s[:t+1])), computed as a rollout reads them: by blocks of
         the cache, every sequence's blocks in flight together (each request is one block of one sequence, whatever
-        `scoring.batch_size`: a scoring batch at a time, 12 requests took 2.1x the uncached pass on an H100, all at once
-        1.15x), else one request per prefix, a scoring batch at a time."""
+        `scoring.batch_size`: a scoring batch at a time, 12 requests took 2.11x the uncached pass on an H100, all at
+        once 1.11x), else one request per prefix, a scoring batch at a time."""
         if not self.traits.reads_prefix_cache:
             raise ScoreError("vLLM server: no cached scoring under this logprobs mode (engine_args.cached_scoring_off)")
         model = adapter.name if adapter is not None else self.base_model

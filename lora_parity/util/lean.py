@@ -37,9 +37,9 @@ _paused = False
 def pause_collector() -> None:
     """The cycle collector off until `resume_collector` (the CLI's run and selftest, before any backend import).
 
-    Importing torch, transformers, PEFT and vLLM makes hundreds of thousands of objects, and each few
-    hundred thousand allocations the collector scans every object made so far: 1.1-1.5 s of a 7-9 s import
-    on two CPU cores (issue 47). Those imports leave about 13,000 objects in cycles (12 MB): kept, not freed."""
+    Importing torch, transformers, PEFT and vLLM makes hundreds of thousands of objects, and the collector's
+    full collections along the way scan every object made so far: 1.1-1.5 s of a 7-9 s import on two CPU
+    cores (issue 47). Those imports leave about 13,000 objects in cycles (12 MB): kept, not freed."""
     global _paused
     if gc.isenabled():
         gc.disable()
