@@ -73,6 +73,17 @@ def llama_with_adapter(folder: Path, targets: list[str]) -> tuple[Path, Path]:
 # (tests/test_native_ops.py, the Megatron step beside it in tests/test_megatron_adapter.py).
 
 
+def from_raw(raw: tuple[str, list[int], bytes]) -> Any:
+    """A stored (dtype, shape, bytes) triple as a tensor, decoded on its own (the tests' reference for the raw
+    tensors the backends move in one transfer per dtype)."""
+    import torch
+
+    from lora_parity.backends.fp32_points import TORCH_DTYPES
+
+    dtype, shape, data = raw
+    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)
+
+
 def softmax_outside_autograd(input: Any, dim: int, dtype: Any = None) -> Any:
     x = input.detach()  # as a Triton kernel: no autograd history
     e = (x - x.amax(dim, keepdim=True)).exp()

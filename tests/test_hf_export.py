@@ -4,9 +4,10 @@ adapter_config.json as PEFT saves them, no README.md, and PEFT loads the folder 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.conftest import from_raw
 
 pytestmark = pytest.mark.unit
 
@@ -29,17 +30,8 @@ def test_the_export_is_peft_s_adapter_without_the_model_card(tmp_path: Path) -> 
         assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
         saved = load_file(str(folder / "adapter_model.safetensors"))
         assert set(saved) == set(held) and any(bool(t.any()) for k, t in saved.items() if "lora_B" in k)
-        assert all(torch.equal(saved[k], _from_raw(held[k])) for k in held)
+        assert all(torch.equal(saved[k], from_raw(held[k])) for k in held)
     loaded = peft.PeftModel.from_pretrained(load_base(cfg, ckpt, torch.device("cpu")), str(tmp_path / "v1"))
     back = {n.replace(".default.weight", ".weight"): p for n, p in loaded.named_parameters() if "lora_" in n}
-    assert set(back) == set(held) and all(torch.equal(back[k], _from_raw(held[k]).to(back[k].dtype)) for k in held)
+    assert set(back) == set(held) and all(torch.equal(back[k], from_raw(held[k]).to(back[k].dtype)) for k in held)
 
-
-def _from_raw(raw: tuple[str, list[int], bytes]) -> Any:
-    """A stored (dtype, shape, bytes) triple as a tensor, decoded on its own (the test's reference)."""
-    import torch
-
-    from lora_parity.backends.fp32_points import TORCH_DTYPES
-
-    dtype, shape, data = raw
-    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)

@@ -3,9 +3,9 @@ bytes as one tensor at a time, and a short buffer refused."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+
+from tests.conftest import from_raw
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +38,7 @@ def test_copy_raw_sets_each_parameter_cast_to_its_dtype() -> None:
     params = {n: torch.zeros(t.shape, dtype=torch.float32) for n, t in named}
     copy_raw(params, state, torch.device("cpu"))
     for name, _ in named:
-        assert torch.equal(params[name], _from_raw(state[name]).to(torch.float32))
+        assert torch.equal(params[name], from_raw(state[name]).to(torch.float32))
 
 
 def test_copy_raw_refuses_a_buffer_that_does_not_fill_the_shapes() -> None:
@@ -53,10 +53,3 @@ def test_copy_raw_refuses_a_buffer_that_does_not_fill_the_shapes() -> None:
     with pytest.raises(ConfigError, match="F32 tensors given hold 23 values where their shapes need 24"):
         copy_raw({n: torch.zeros(t.shape) for n, t in named}, state, torch.device("cpu"))
 
-
-def _from_raw(raw: tuple[str, list[int], bytes]) -> Any:
-    """A stored (dtype, shape, bytes) triple as a tensor, decoded on its own (the test's reference)."""
-    from lora_parity.backends.fp32_points import TORCH_DTYPES
-
-    dtype, shape, data = raw
-    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)
