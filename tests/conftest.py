@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -99,6 +100,13 @@ def bmm_outside_autograd(a: Any, b: Any) -> Any:
 @pytest.fixture
 def vllm_mode() -> Iterator[Any]:
     """A module shaped like vLLM 0.26's `batch_invariant`, with the mode switched on."""
+    with vllm_mode_on() as module:
+        yield module
+
+
+@contextlib.contextmanager
+def vllm_mode_on() -> Iterator[Any]:
+    """`vllm_mode` for a block: the stand-in module with the mode on, everything put back after."""
     import types
 
     import torch
@@ -116,9 +124,13 @@ def vllm_mode() -> Iterator[Any]:
         module._batch_invariant_LIB = torch.library.Library("aten", "IMPL")
         module._batch_invariant_LIB.impl("aten::softmax.int", softmax_outside_autograd, "CPU")
         torch.bmm = bmm_outside_autograd  # type: ignore[assignment]
+        matmul = torch.backends.cuda.matmul  # as vLLM's: no reduced-precision reductions
+        matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
 
     module.enable_batch_invariant_mode = enable
     original_bmm = torch.bmm
+    matmul = torch.backends.cuda.matmul
+    flags = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
     sys.modules[MODULES[0]] = module
     enable()
     try:
@@ -128,6 +140,7 @@ def vllm_mode() -> Iterator[Any]:
         if module._batch_invariant_LIB is not None:
             module._batch_invariant_LIB._destroy()
         torch.bmm = original_bmm
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = flags
 
 
 def run_fakes(tmp_path: Path, tag: str = "", **kw: Any) -> Any:

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 
+from lora_parity.backends import native_ops
 from lora_parity.backends.native_ops import MODULES, native_autograd_ops
 
-from .conftest import bmm_outside_autograd
+from .conftest import bmm_outside_autograd, vllm_mode_on
 
 pytestmark = pytest.mark.unit
 
@@ -41,3 +42,77 @@ def test_without_vllm_or_with_the_mode_off_nothing_changes(vllm_mode: Any) -> No
     with native_autograd_ops() as lifted:
         assert not lifted
     sys.modules[MODULES[0]] = vllm_mode
+
+
+def _flags() -> tuple[bool, bool]:
+    matmul = torch.backends.cuda.matmul
+    return matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+
+
+@pytest.fixture
+def kept(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The settings kept before the mode goes on (reset per test), and a stand-in for the preferred BLAS library
+    (the CPU build refuses cuBLASLt): what each call set."""
+    monkeypatch.setattr(native_ops, "_plain", None)
+    chosen: list[Any] = ["cublas"]
+
+    def preferred(backend: Any = None) -> Any:
+        if backend is not None:
+            chosen.append(backend)
+        return chosen[-1]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    return chosen
+
+
+def test_plain_kernels_put_back_the_settings_kept_before_the_engine(kept: list[Any]) -> None:
+    native_ops.keep_plain_settings()  # before the engine: PyTorch's defaults
+    assert _flags() == (True, True)
+    with vllm_mode_on() as module:
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # as vLLM's mode on Hopper
+        native_ops.keep_plain_settings()  # a second sampler, the mode on: the first settings stay
+        assert _flags() == (False, False) and _grads() == (False, False)
+        with native_ops.plain_kernels() as changed:
+            assert changed and _flags() == (True, True) and _grads() == (True, True)
+            assert torch.backends.cuda.preferred_blas_library() == "cublas"
+        # the engine's settings and kernels back for the sampler's next scoring
+        assert _flags() == (False, False) and _grads() == (False, False) and module._batch_invariant_MODE
+        assert torch.backends.cuda.preferred_blas_library() == "cublaslt"
+
+
+def test_plain_kernels_without_kept_settings_lift_the_kernels_only(kept: list[Any]) -> None:
+    with vllm_mode_on():
+        with native_ops.plain_kernels() as changed:
+            assert changed and _grads() == (True, True) and _flags() == (False, False)
+    with native_ops.plain_kernels() as changed:  # no vLLM: nothing to change
+        assert not changed and kept == ["cublas"]
+
+
+def test_the_trainers_scoring_runs_in_plain_kernels(kept: list[Any]) -> None:
+    """`hf.score_sequences` (the trainer's and the fp32 references' forwards) sees the kept settings; the scores
+    are those of the same forward without the engine's mode."""
+    from lora_parity.backends.hf import score_sequences
+
+    seen: list[tuple[bool, bool]] = []
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
+            seen.append(_flags())
+            logits = torch.nn.functional.one_hot(input_ids, 8).float() * 3
+            return type("Out", (), {"logits": logits})()
+
+    native_ops.keep_plain_settings()
+    plain = score_sequences(Model(), [[1, 2, 3], [4, 5]], torch.device("cpu"))
+    with vllm_mode_on():
+        assert score_sequences(Model(), [[1, 2, 3], [4, 5]], torch.device("cpu")) == plain
+        assert _flags() == (False, False)
+    assert seen == [(True, True)] * 4  # one forward per sequence, two runs
+
+
+def test_the_vllm_sampler_keeps_the_settings_before_its_engine_starts(kept: list[Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from lora_parity.backends import vllm
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    vllm._batch_invariant_environment(True)
+    assert native_ops._plain == (True, True, "cublas")

@@ -15,7 +15,7 @@ import peft
 import torch
 import transformers
 
-from lora_parity.backends import hf_step, layer_subset, zero_lora
+from lora_parity.backends import hf_step, layer_subset, native_ops, zero_lora
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendTraits,
@@ -66,6 +66,7 @@ def pack_tokens(cfg: ModelConfig, model: Any) -> int:
 
 @torch.inference_mode()
 @zero_lora.skipping  # LoRA layers adding exactly zero run their base alone: the same values, bit for bit
+@native_ops.plain_kernels()  # beside an in-process engine: PyTorch's kernels and settings, not the engine's mode
 def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1,
                     pack: int = 0, tempered: tuple[list[int], float, int, float] | None = None) -> Scores:
     """One forward per group (`groups`: `batch_size` sequences, or `pack` tokens), right-padded (causal

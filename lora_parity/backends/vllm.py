@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_parity.backends import engine_args as user_args
-from lora_parity.backends import moe, vllm_cached, vllm_reload, vllm_routes
+from lora_parity.backends import moe, native_ops, vllm_cached, vllm_reload, vllm_routes
 from lora_parity.backends import sleep as sleep_mode
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -124,6 +124,7 @@ def _batch_invariant_environment(wanted: bool) -> str:
     why_not = batch_invariant_support() if wanted else "--no-batch-invariant or the config's sampler.batch_invariant"
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1" if why_not is None else "0")
     on = os.environ["VLLM_BATCH_INVARIANT"].strip() not in ("", "0")
+    native_ops.keep_plain_settings()  # the trainer's forwards keep them (`native_ops.plain_kernels`)
     if on == (why_not is None):
         return "on" if on else f"off ({why_not})"
     return f"{'on' if on else 'off'} (VLLM_BATCH_INVARIANT={os.environ['VLLM_BATCH_INVARIANT']} set by the user)"
@@ -171,8 +172,7 @@ class VLLMSampler(SamplerBackend):
         else:
             in_process = cfg.sampler.tensor_parallel_size == 1
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else "1")
-        # vLLM logs at INFO by default, and a harmless chat-template warm-up traceback without a
-        # tokenizer; lora-parity prints its own progress.
+        # vLLM logs at INFO, and a harmless chat-template warm-up traceback without a tokenizer: we print our own
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         import vllm
         from vllm import LLM, SamplingParams
