@@ -124,13 +124,15 @@ def vllm_mode_on() -> Iterator[Any]:
         module._batch_invariant_LIB = torch.library.Library("aten", "IMPL")
         module._batch_invariant_LIB.impl("aten::softmax.int", softmax_outside_autograd, "CPU")
         torch.bmm = bmm_outside_autograd  # type: ignore[assignment]
-        matmul = torch.backends.cuda.matmul  # as vLLM's: no reduced-precision reductions
+        matmul = torch.backends.cuda.matmul  # as vLLM's: no reduced-precision reductions, no split-K on Hopper
         matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+        os.environ.update(CUBLAS_WORKSPACE_CONFIG=":16:8", CUBLASLT_WORKSPACE_SIZE="1")
 
     module.enable_batch_invariant_mode = enable
     original_bmm = torch.bmm
     matmul = torch.backends.cuda.matmul
     flags = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    workspaces = {name: os.environ.get(name) for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
     sys.modules[MODULES[0]] = module
     enable()
     try:
@@ -141,6 +143,8 @@ def vllm_mode_on() -> Iterator[Any]:
             module._batch_invariant_LIB._destroy()
         torch.bmm = original_bmm
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = flags
+        for name, value in workspaces.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 def run_fakes(tmp_path: Path, tag: str = "", **kw: Any) -> Any:

@@ -2,6 +2,7 @@
 backward pass and installed again after. A stand-in for vLLM's module registers the same kind of
 override for real, on the CPU dispatch key."""
 
+import os
 import sys
 import warnings
 from typing import Any
@@ -44,9 +45,14 @@ def test_without_vllm_or_with_the_mode_off_nothing_changes(vllm_mode: Any) -> No
     sys.modules[MODULES[0]] = vllm_mode
 
 
-def _flags() -> tuple[bool, bool]:
+def _flags() -> tuple[Any, ...]:
+    """The reduced-precision flags and the cuBLAS workspace variables."""
     matmul = torch.backends.cuda.matmul
-    return matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    return (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction,
+            *(os.environ.get(name) for name in native_ops.WORKSPACES))
+
+
+PLAIN, ENGINE = (True, True, None, None), (False, False, ":16:8", "1")
 
 
 @pytest.fixture
@@ -54,6 +60,8 @@ def kept(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The settings kept before the mode goes on (reset per test), and a stand-in for the preferred BLAS library
     (the CPU build refuses cuBLASLt): what each call set."""
     monkeypatch.setattr(native_ops, "_plain", None)
+    for name in native_ops.WORKSPACES:
+        monkeypatch.delenv(name, raising=False)
     chosen: list[Any] = ["cublas"]
 
     def preferred(backend: Any = None) -> Any:
@@ -67,23 +75,23 @@ def kept(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 def test_plain_kernels_put_back_the_settings_kept_before_the_engine(kept: list[Any]) -> None:
     native_ops.keep_plain_settings()  # before the engine: PyTorch's defaults
-    assert _flags() == (True, True)
+    assert _flags() == PLAIN
     with vllm_mode_on() as module:
         torch.backends.cuda.preferred_blas_library("cublaslt")  # as vLLM's mode on Hopper
         native_ops.keep_plain_settings()  # a second sampler, the mode on: the first settings stay
-        assert _flags() == (False, False) and _grads() == (False, False)
+        assert _flags() == ENGINE and _grads() == (False, False)
         with native_ops.plain_kernels() as changed:
-            assert changed and _flags() == (True, True) and _grads() == (True, True)
+            assert changed and _flags() == PLAIN and _grads() == (True, True)
             assert torch.backends.cuda.preferred_blas_library() == "cublas"
         # the engine's settings and kernels back for the sampler's next scoring
-        assert _flags() == (False, False) and _grads() == (False, False) and module._batch_invariant_MODE
+        assert _flags() == ENGINE and _grads() == (False, False) and module._batch_invariant_MODE
         assert torch.backends.cuda.preferred_blas_library() == "cublaslt"
 
 
 def test_plain_kernels_without_kept_settings_lift_the_kernels_only(kept: list[Any]) -> None:
     with vllm_mode_on():
         with native_ops.plain_kernels() as changed:
-            assert changed and _grads() == (True, True) and _flags() == (False, False)
+            assert changed and _grads() == (True, True) and _flags() == ENGINE
     with native_ops.plain_kernels() as changed:  # no vLLM: nothing to change
         assert not changed and kept == ["cublas"]
 
@@ -93,7 +101,7 @@ def test_the_trainers_scoring_runs_in_plain_kernels(kept: list[Any]) -> None:
     are those of the same forward without the engine's mode."""
     from lora_parity.backends.hf import score_sequences
 
-    seen: list[tuple[bool, bool]] = []
+    seen: list[tuple[Any, ...]] = []
 
     class Model(torch.nn.Module):
         def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
@@ -105,8 +113,8 @@ def test_the_trainers_scoring_runs_in_plain_kernels(kept: list[Any]) -> None:
     plain = score_sequences(Model(), [[1, 2, 3], [4, 5]], torch.device("cpu"))
     with vllm_mode_on():
         assert score_sequences(Model(), [[1, 2, 3], [4, 5]], torch.device("cpu")) == plain
-        assert _flags() == (False, False)
-    assert seen == [(True, True)] * 4  # one forward per sequence, two runs
+        assert _flags() == ENGINE
+    assert seen == [PLAIN] * 4  # one forward per sequence, two runs
 
 
 def test_the_vllm_sampler_keeps_the_settings_before_its_engine_starts(kept: list[Any],
@@ -115,4 +123,4 @@ def test_the_vllm_sampler_keeps_the_settings_before_its_engine_starts(kept: list
 
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     vllm._batch_invariant_environment(True)
-    assert native_ops._plain == (True, True, "cublas")
+    assert native_ops._plain == (True, True, "cublas", None, None)

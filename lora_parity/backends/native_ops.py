@@ -18,13 +18,14 @@ off cuBLAS's reduced-precision reductions and prefers cuBLASLt, which PyTorch th
 matmul; a trainer forward of SmolLM2-135M (LoRA on seven projections, 630 matmuls) took 124.9 ms with the mode on
 against 41.7 ms without it (H100, `scripts/trainer-forward-batch-invariant.py`). Inside, the trainer computes as
 in a process of its own, as it does beside an engine over HTTP: PyTorch's kernels and the matmul settings as they
-were before the engine started (`keep_plain_settings`). Only the cuBLAS workspace sizes the mode sets in the
-environment (no split-K) stay: PyTorch reads them once.
+were before the engine started (`keep_plain_settings`), the cuBLAS workspace sizes the mode sets in the
+environment (no split-K; 24 ms of the 83) among them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from types import ModuleType
@@ -36,22 +37,30 @@ MODULES = ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.de
 """Where vLLM keeps its batch-invariant mode (the first: vLLM 0.26; the second: later releases)."""
 
 
-_plain: tuple[bool, bool, Any] | None = None
-"""The matmul settings before the engine turned the mode on: bf16's and fp16's reduced-precision reductions, the
-preferred BLAS library (`keep_plain_settings`)."""
+WORKSPACES = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
+"""The cuBLAS workspace sizes the mode sets on Hopper (no split-K); PyTorch reads them as it calls cuBLAS."""
+
+_plain: tuple[Any, ...] | None = None
+"""The settings before the engine turned the mode on: bf16's and fp16's reduced-precision reductions, the
+preferred BLAS library, then the workspace variables (None: unset) (`keep_plain_settings`)."""
 
 
-def _settings() -> tuple[bool, bool, Any]:
+def _settings() -> tuple[Any, ...]:
     matmul = torch.backends.cuda.matmul
     return (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction,
-            torch.backends.cuda.preferred_blas_library())
+            torch.backends.cuda.preferred_blas_library(), *(os.environ.get(name) for name in WORKSPACES))
 
 
-def _put(settings: tuple[bool, bool, Any]) -> None:
+def _put(settings: tuple[Any, ...]) -> None:
     matmul = torch.backends.cuda.matmul
     matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = settings[:2]
     if torch.backends.cuda.preferred_blas_library() != settings[2]:
         torch.backends.cuda.preferred_blas_library(settings[2])
+    for name, value in zip(WORKSPACES, settings[3:], strict=True):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def keep_plain_settings() -> None:
