@@ -13,13 +13,14 @@ attention (scaled_dot_product_attention) is not affected.
 so the sampler's next scoring is batch-invariant as before. Without vLLM loaded, or with the mode
 off, it does nothing.
 
-`plain_kernels()` goes further, for the trainer's scoring forwards (`hf.score_sequences`): the mode also turns
-off cuBLAS's reduced-precision reductions and prefers cuBLASLt, which PyTorch then asks for an algorithm on every
-matmul; a trainer forward of SmolLM2-135M (LoRA on seven projections, 630 matmuls) took 124.9 ms with the mode on
-against 41.7 ms without it (H100, `scripts/trainer-forward-batch-invariant.py`). Inside, the trainer computes as
-in a process of its own, as it does beside an engine over HTTP: PyTorch's kernels and the matmul settings as they
-were before the engine started (`keep_plain_settings`), the cuBLAS workspace sizes the mode sets in the
-environment (no split-K; 24 ms of the 83) among them.
+`plain_kernels()` goes further, for the trainer's scoring forwards (`hf.score_sequences`): it also puts back the
+matmul flags the mode turns off (cuBLAS's reduced-precision reductions, the preferred BLAS library) and the cuBLAS
+workspace variables it sets (`CUBLAS_WORKSPACE_CONFIG=:16:8`, `CUBLASLT_WORKSPACE_SIZE=1`: no split-K), which PyTorch
+reads as it calls cuBLAS, to what they were before the engine started (`keep_plain_settings`). On an H100 a
+SmolLM2-135M trainer forward (LoRA on seven projections) took 50.8 ms before the mode, 122.1 ms with it and 46.9 ms
+inside (`benchmarks/gpu-trainer-forward-plain-kernels-055b39a-h100.txt`): the workspace variables and the kernels
+were the cost, not the flags. Inside is close to a trainer in its own process (as beside an engine over HTTP), not
+equal bit for bit (max 0.016 there): something of the mode stays that this does not put back.
 """
 
 from __future__ import annotations
