@@ -125,7 +125,7 @@ def vllm_mode_on() -> Iterator[Any]:
         module._batch_invariant_LIB.impl("aten::softmax.int", softmax_outside_autograd, "CPU")
         torch.bmm = bmm_outside_autograd  # type: ignore[assignment]
         matmul = torch.backends.cuda.matmul  # as vLLM's: no reduced-precision reductions, no split-K on Hopper
-        matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+        matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = (False, False)
         os.environ.update(CUBLAS_WORKSPACE_CONFIG=":16:8", CUBLASLT_WORKSPACE_SIZE="1")
 
     module.enable_batch_invariant_mode = enable

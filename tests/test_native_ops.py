@@ -123,4 +123,17 @@ def test_the_vllm_sampler_keeps_the_settings_before_its_engine_starts(kept: list
 
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     vllm._batch_invariant_environment(True)
-    assert native_ops._plain == (True, True, "cublas", None, None)
+    assert native_ops._plain[2:] == ("cublas", None, None)
+    assert {native_ops._plain[0], native_ops._plain[1]} <= {True, (True, True)}  # with split-K's part on torch 2.10+
+
+
+def test_the_settings_go_back_whole_split_k_included(kept: list[Any]) -> None:
+    """The engine's (False, False) (no reduced precision, no split-K: vLLM's on torch 2.10+) comes back as it was,
+    not as (False, True), which setting the flag's bool alone would give."""
+    matmul = torch.backends.cuda.matmul
+    with vllm_mode_on():
+        engine = native_ops._settings()
+        matmul.allow_bf16_reduced_precision_reduction = True  # (True, True)
+        native_ops._put(engine)
+        assert (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction_split_k) \
+            == (False, False)

@@ -46,10 +46,17 @@ _plain: tuple[Any, ...] | None = None
 preferred BLAS library, then the workspace variables (None: unset) (`keep_plain_settings`)."""
 
 
-def _settings() -> tuple[Any, ...]:
+def _reduction(dtype: str) -> Any:
+    """A reduced-precision flag as the setter takes it back: with its split-K part where torch has one (2.10+)."""
     matmul = torch.backends.cuda.matmul
-    return (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction,
-            torch.backends.cuda.preferred_blas_library(), *(os.environ.get(name) for name in WORKSPACES))
+    allowed = getattr(matmul, f"allow_{dtype}_reduced_precision_reduction")
+    split_k = getattr(matmul, f"allow_{dtype}_reduced_precision_reduction_split_k", None)
+    return allowed if split_k is None else (allowed, split_k)
+
+
+def _settings() -> tuple[Any, ...]:
+    return (_reduction("bf16"), _reduction("fp16"), torch.backends.cuda.preferred_blas_library(),
+            *(os.environ.get(name) for name in WORKSPACES))
 
 
 def _put(settings: tuple[Any, ...]) -> None:
