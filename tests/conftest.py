@@ -144,7 +144,10 @@ def vllm_mode_on() -> Iterator[Any]:
         torch.bmm = original_bmm
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = flags
         for name, value in workspaces.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_fakes(tmp_path: Path, tag: str = "", **kw: Any) -> Any:
