@@ -111,7 +111,7 @@ def vllm_mode_on() -> Iterator[Any]:
 
     import torch
 
-    from lora_parity.backends.native_ops import MODULES
+    from lora_parity.backends.native_ops import MODULES, WORKSPACES
 
     module: Any = types.ModuleType(MODULES[0])
     module._batch_invariant_MODE = False
@@ -132,7 +132,7 @@ def vllm_mode_on() -> Iterator[Any]:
     original_bmm = torch.bmm
     matmul = torch.backends.cuda.matmul
     flags = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
-    workspaces = {name: os.environ.get(name) for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
+    workspaces = {name: os.environ.get(name) for name in WORKSPACES}
     sys.modules[MODULES[0]] = module
     enable()
     try:
