@@ -91,8 +91,8 @@ def test_a_mirror_that_misses_the_start_point_makes_no_check(mirrored: None, mon
                                                              tmp_path: Path) -> None:
     scorer = fake.FakeSampler.exact_scorer
 
-    def off_by_a_little(self):  # a mirror of another engine version: it differs already at the start point
-        score = scorer(self)
+    def off_by_a_little(self, base=None):  # a mirror of another engine version: it differs already at the start point
+        score = scorer(self, base)
         return lambda seqs, states: [[[x - 1e-6 for x in row] for row in s] for s in score(seqs, states)]
 
     monkeypatch.setattr(fake.FakeSampler, "exact_scorer", off_by_a_little)

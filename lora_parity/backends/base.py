@@ -360,9 +360,9 @@ PointScores = list[list[list[float]]]
 class MirroredSampler(Protocol):
     """A sampler whose arithmetic can be reproduced outside it, bit for bit (the exact reference, E)."""
 
-    def exact_scorer(self) -> Callable[[Sequences, list[Mapping[str, RawTensor]]], PointScores]:
-        """A scorer of the sampler's own model with each given set of LoRA tensors (PEFT's saved names), computed
-        as the sampler computes; raises `ConfigError` with the reason where it cannot be reproduced here."""
+    def exact_scorer(self, base: Any = None) -> Callable[[Sequences, list[Mapping[str, RawTensor]]], PointScores]:
+        """A scorer of the sampler's own model (from the run's fp32 load `base` where it may) with each given set of
+        LoRA tensors (PEFT's saved names), as the sampler computes; `ConfigError` with the reason where it cannot."""
         ...
 
 

@@ -89,13 +89,25 @@ def lora_group(modules: list[Any], rank: int) -> _Group:
     a slice the adapter does not carry), padded to `rank` (vLLM's max_lora_rank)."""
     parts = [lora_parts(m) for m in modules]
     weight = torch.cat([w for w, *_ in parts]).contiguous()
-    if all(a is None for _, a, _, _ in parts):
-        return _Group(weight, None, None, rank)
-    dtype, device = weight.dtype, weight.device
+    a, b = _slices([(w.shape[0], w.shape[1], a, b, scale) for w, a, b, scale in parts], rank, weight.dtype,
+                   weight.device)
+    return _Group(weight, a, b, rank)
+
+
+Slice = tuple[int, int, "torch.Tensor | None", "torch.Tensor | None", float]
+"""(out features, in features, A, B, alpha/r) of one linear of a group; A and B None where it has no LoRA."""
+
+
+def _slices(parts: list[Slice], rank: int, dtype: torch.dtype,
+            device: Any) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+    """A and B of each slice as vLLM stacks them ([1, 1, r, in], [1, 1, out, r] at `rank`, B pre-scaled in `dtype`);
+    (None, None) where no slice has LoRA."""
+    if all(a is None for _, _, a, _, _ in parts):
+        return None, None
     a_out, b_out = [], []
-    for w, a, b, scale in parts:
-        a_pad = torch.zeros(rank, w.shape[1], dtype=dtype, device=device)
-        b_pad = torch.zeros(w.shape[0], rank, dtype=dtype, device=device)
+    for rows, cols, a, b, scale in parts:
+        a_pad = torch.zeros(rank, cols, dtype=dtype, device=device)
+        b_pad = torch.zeros(rows, rank, dtype=dtype, device=device)
         if a is not None and b is not None:
             if a.shape[0] > rank:
                 raise ConfigError(f"adapter rank {a.shape[0]} above max_lora_rank {rank}")
@@ -104,7 +116,7 @@ def lora_group(modules: list[Any], rank: int) -> _Group:
             b_pad[:, :b.shape[1]] = b_half if scale == 1 else b_half * scale  # then folds alpha/r into B there
         a_out.append(a_pad[None, None].contiguous())
         b_out.append(b_pad[None, None].contiguous())
-    return _Group(weight, tuple(a_out), tuple(b_out), rank)
+    return tuple(a_out), tuple(b_out)
 
 
 def lora_parts(module: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
@@ -190,25 +202,70 @@ def lora_meta(n: int, device: Any) -> Any:
     return meta
 
 
+GROUPS = (("qkv", "self_attn", ("q_proj", "k_proj", "v_proj")), ("o", "self_attn", ("o_proj",)),
+          ("gate_up", "mlp", ("gate_proj", "up_proj")), ("down", "mlp", ("down_proj",)))
+"""A decoder layer's four LoRA linear layers as vLLM merges them: (name, parent module, members)."""
+
+
 def layer_groups(layer: Any, rank: int) -> dict[str, _Group]:
-    """A decoder layer's four LoRA linear layers as vLLM merges them."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return {"qkv": lora_group([attn.q_proj, attn.k_proj, attn.v_proj], rank), "o": lora_group([attn.o_proj], rank),
-            "gate_up": lora_group([mlp.gate_proj, mlp.up_proj], rank), "down": lora_group([mlp.down_proj], rank)}
+    """A decoder layer's four LoRA linear layers as vLLM merges them, from PEFT's modules."""
+    return {name: lora_group([getattr(getattr(layer, parent), m) for m in members], rank)
+            for name, parent, members in GROUPS}
+
+
+class StateGroups:
+    """A plain base model's layers as vLLM merges them (weights cast to `dtype` and concatenated once, for every
+    point) with one point's LoRA tensors (`pairs`: A and B by layer path, `reference_base.lora_pairs`)."""
+
+    def __init__(self, model: Any, rank: int, dtype: torch.dtype) -> None:
+        self.rank, self.dtype = rank, dtype
+        self.paths = {id(m): n for n, m in model.named_modules()}
+        self._weights: dict[tuple[int, str], torch.Tensor] = {}
+        self._cast: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` in the model's dtype (itself where it is; a cast made once)."""
+        if t.dtype == self.dtype:
+            return t
+        if id(t) not in self._cast:
+            self._cast[id(t)] = (t, t.to(self.dtype))
+        return self._cast[id(t)][1]
+
+    def of(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> Any:
+        """`exact_forward`'s `groups_of` for the point whose LoRA tensors are `pairs`."""
+
+        def groups(index: int, layer: Any) -> dict[str, _Group]:
+            out = {}
+            for name, parent, members in GROUPS:
+                modules = [getattr(getattr(layer, parent), m) for m in members]
+                if (index, name) not in self._weights:
+                    self._weights[index, name] = torch.cat([self.cast(m.weight) for m in modules]).contiguous()
+                weight = self._weights[index, name]
+                loras = [pairs.get(self.paths[id(m)], (None, None)) for m in modules]
+                parts: list[Slice] = [(m.out_features, m.in_features, a, b, scale)
+                                      for m, (a, b) in zip(modules, loras, strict=True)]
+                out[name] = _Group(weight, *_slices(parts, self.rank, self.dtype, weight.device), self.rank)
+            return out
+
+        return groups
 
 
 @torch.inference_mode()
-def exact_forward(model: Any, seqs: list[list[int]], rank: int) -> list[torch.Tensor]:
+def exact_forward(model: Any, seqs: list[list[int]], rank: int, state: StateGroups | None = None,
+                  groups_of: Any = None) -> list[torch.Tensor]:
     """The prompt logprobs (fp32, on the host) of each of `seqs`, packed into one forward of the PEFT
-    `model`'s weights through vLLM's operations (module docstring); `rank`: the sampler's max_lora_rank."""
+    `model`'s weights through vLLM's operations (module docstring); `rank`: the sampler's max_lora_rank. With
+    `state` and `groups_of` (`StateGroups.of`), a plain model's weights cast by `state` and a point's LoRA tensors."""
     import torch.nn.functional as F
     from vllm import _custom_ops as ops
     bi = batch_invariant_ops()
     linear_batch_invariant, rms_norm_batch_invariant = bi.linear_batch_invariant, bi.rms_norm_batch_invariant
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
-    causal = model.get_base_model()
+    causal = model.get_base_model() if state is None else model
     inner, cfg = causal.model, causal.config
+    cast = state.cast if state is not None else (lambda t: t)
+    groups_of = groups_of or (lambda index, layer: layer_groups(layer, rank))
     device = inner.embed_tokens.weight.device
     lens = [len(s) for s in seqs]
     n = sum(lens)
@@ -216,34 +273,34 @@ def exact_forward(model: Any, seqs: list[list[int]], rank: int) -> list[torch.Te
     positions = torch.cat([torch.arange(length, device=device, dtype=torch.int64) for length in lens])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    cos_sin = rope_cache(cfg, head_dim, device, inner.embed_tokens.weight.dtype)
+    cos_sin = rope_cache(cfg, head_dim, device, cast(inner.embed_tokens.weight).dtype)
     meta = lora_meta(n, device)
     eps = cfg.rms_norm_eps
 
-    h = F.embedding(tokens, inner.embed_tokens.weight)
+    h = F.embedding(tokens, cast(inner.embed_tokens.weight))
     residual = h  # the first layer normalizes the embeddings; each later one adds its input to the residual first
     for index, layer in enumerate(inner.layers):
-        groups = layer_groups(layer, rank)
+        groups = groups_of(index, layer)
         if index == 0:
-            h = rms_norm_batch_invariant(h, layer.input_layernorm.weight, eps)
+            h = rms_norm_batch_invariant(h, cast(layer.input_layernorm.weight), eps)
         else:
-            ops.fused_add_rms_norm(h, residual, layer.input_layernorm.weight, eps)
+            ops.fused_add_rms_norm(h, residual, cast(layer.input_layernorm.weight), eps)
         q, k, v = apply_group(h, groups["qkv"], meta).split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
         attn = layer.self_attn
         if getattr(attn, "q_norm", None) is not None:
-            q = rms_norm_batch_invariant(q.reshape(n, hq, head_dim), attn.q_norm.weight, eps).view(n, -1)
-            k = rms_norm_batch_invariant(k.reshape(n, hkv, head_dim), attn.k_norm.weight, eps).view(n, -1)
+            q = rms_norm_batch_invariant(q.reshape(n, hq, head_dim), cast(attn.q_norm.weight), eps).view(n, -1)
+            k = rms_norm_batch_invariant(k.reshape(n, hkv, head_dim), cast(attn.k_norm.weight), eps).view(n, -1)
         else:
             q, k = q.contiguous(), k.contiguous()
         ops.rotary_embedding(positions, q, k, head_dim, cos_sin, True)
         h = apply_group(paged_attention(q, k, v, hq, hkv, head_dim, lens), groups["o"], meta)
-        ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm.weight, eps)
+        ops.fused_add_rms_norm(h, residual, cast(layer.post_attention_layernorm.weight), eps)
         gate_up = apply_group(h, groups["gate_up"], meta)
         act = torch.empty(n, gate_up.shape[-1] // 2, dtype=h.dtype, device=device)
         torch.ops._C.silu_and_mul(act, gate_up)
         h = apply_group(act, groups["down"], meta)
-    ops.fused_add_rms_norm(h, residual, inner.norm.weight, eps)
-    head = causal.get_output_embeddings().weight
+    ops.fused_add_rms_norm(h, residual, cast(inner.norm.weight), eps)
+    head = cast(causal.get_output_embeddings().weight)
     out, start = [], 0
     for length in lens:  # row-wise kernels: each sequence's rows but its last, against the next tokens
         logits = linear_batch_invariant(h[start:start + length - 1], head)
@@ -298,21 +355,46 @@ class ExactTrainer(HFTrainer):
                                                      "update": "HF+PEFT (the hf trainer's)"})
 
 
-def exact_points(cfg: ModelConfig, model_dir: Path, batch_invariant: bool) -> Any:
+def exact_points(cfg: ModelConfig, model_dir: Path, batch_invariant: bool, base: Any = None) -> Any:
     """The exact reference (E): a scorer of the model with each given set of LoRA tensors through `exact_forward`,
-    packed as the `vllm` sampler packs, in one load (`fp32_points.with_states`); a `ConfigError` where the
-    forward cannot mirror the sampler (`unsupported`)."""
+    packed as the `vllm` sampler packs: the weights of the run's fp32 load cast to the model's dtype where `base` (a
+    `reference_base.ReferenceBase`) holds one, else a load of the checkpoint in that dtype, freed afterwards; the
+    LoRA tensors as given, without PEFT's modules (`StateGroups`), where the adapter is plain LoRA
+    (`fp32_points.with_states` otherwise). A `ConfigError` where the forward cannot mirror the sampler
+    (`unsupported`)."""
     from lora_parity.backends.fp32_points import with_states
+    from lora_parity.backends.hf import load_base
+    from lora_parity.backends.reference_base import lora_pairs, plain_targets, scaling
 
     why = unsupported(cfg, model_dir, torch.cuda.is_available(), batch_invariant)
     if why is not None:
         raise ConfigError(f"exact reference: {why}")
-    rank, pack = max_lora_rank(cfg.adapter.rank), packing(cfg, model_dir, invariant=True)
+    rank, pack, device = max_lora_rank(cfg.adapter.rank), packing(cfg, model_dir, invariant=True), torch.device("cuda")
 
-    def forward(model: Any, sequences: Sequences, device: Any) -> Scores:
+    def forward(model: Any, sequences: Sequences, device: Any, state: StateGroups | None = None,
+                groups_of: Any = None) -> Scores:
         out: Scores = []
         for part in groups(sequences, cfg.scoring.batch_size, pack):
-            out += [row.tolist() for row in exact_forward(model, sequences[part], rank)]
+            out += [row.tolist() for row in exact_forward(model, sequences[part], rank, state, groups_of)]
         return out
 
-    return with_states(cfg, model_dir, cfg.model.dtype, forward, "exact reference", torch.device("cuda"))
+    own = with_states(cfg, model_dir, cfg.model.dtype, forward, "exact reference", device)
+
+    def score(sequences: Sequences, states: Any, routes: Any = None) -> list[Scores]:
+        held = base is not None and base.held
+        model = base.model() if held else load_base(cfg, model_dir, device)
+        targets = plain_targets(cfg, model)
+        if targets is None:
+            del model
+            return own(sequences, states, routes)
+        mirror = StateGroups(model, rank, getattr(torch, cfg.model.dtype))
+        try:
+            return [forward(model, sequences, device, mirror,
+                            mirror.of(lora_pairs(state, targets, "exact reference", device, torch.float32),
+                                      scaling(cfg)))
+                    for state in states]
+        finally:
+            del mirror, model
+            torch.cuda.empty_cache()
+
+    return score

@@ -384,7 +384,7 @@ class FakeSampler(sleep_mode.SleepBookkeeping, SamplerBackend):
     def weight_version(self) -> str | None:
         return self.reported_weight_version
 
-    def exact_scorer(self) -> Callable[[Sequences, list[Mapping[str, RawTensor]]], list[Scores]]:
+    def exact_scorer(self, base: object = None) -> Callable[[Sequences, list[Mapping[str, RawTensor]]], list[Scores]]:
         """This sampler's arithmetic with each given set of tensors as they are in memory (where `mirrored`)."""
         if not self.mirrored:
             raise ConfigError("exact reference: the fake sampler is mirrored only where a unit test asks")

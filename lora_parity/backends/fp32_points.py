@@ -21,6 +21,7 @@ import torch
 from lora_parity.backends.base import RouteTable, Scores, Sequences
 from lora_parity.backends.hf import load_base, pack_tokens, pick_device, score_sequences
 from lora_parity.backends.moe import forced_routes
+from lora_parity.backends.reference_base import ReferenceBase, lora_pairs, plain_lora, plain_targets, scaling
 from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
@@ -52,14 +53,35 @@ def copy_raw(params: Mapping[str, torch.Tensor], state: Mapping[str, RawTensor],
                 params[name].copy_(value.view(params[name].shape))
 
 
-def fp32_points(cfg: ModelConfig, model_dir: Path) -> PointScorer:
-    """A scorer of the fp32 base model with each given set of LoRA tensors (PEFT's saved names), in one load
-    freed afterwards (`with_states`)."""
+def fp32_points(cfg: ModelConfig, model_dir: Path, base: ReferenceBase | None = None) -> PointScorer:
+    """A scorer of the fp32 base model with each given set of LoRA tensors (PEFT's saved names): the run's shared
+    load (`base`, plain LoRA by hooks: `reference_base`) where given and the adapter is plain LoRA, else one load
+    of its own, freed afterwards (`with_states`)."""
 
     def forward(model: torch.nn.Module, sequences: Sequences, device: torch.device) -> Scores:
         return score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model))
 
-    return with_states(cfg, model_dir, "float32", forward)
+    own = with_states(cfg, model_dir, "float32", forward)
+    if base is None:
+        return own
+
+    def score(sequences: Sequences, states: States,
+              routes: Sequence[RouteTable | None] | None = None) -> list[Scores]:
+        model = base.model()
+        targets = plain_targets(cfg, model)
+        if targets is None:
+            base.release()  # PEFT's wrap loads its own
+            return own(sequences, states, routes)
+        out = []
+        for i, state in enumerate(states):
+            pairs = lora_pairs(state, targets, "fp32 reference", base.device, torch.float32)
+            table = routes[i] if routes is not None else None
+            with plain_lora(targets, pairs, scaling(cfg)), \
+                    forced_routes(model, table) if table is not None else contextlib.nullcontext():
+                out.append(forward(model, sequences, base.device))
+        return out
+
+    return score
 
 
 Forward = Callable[[torch.nn.Module, Sequences, torch.device], Scores]
@@ -99,7 +121,7 @@ def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward,
     return score
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -121,4 +143,4 @@ def fp32_reference_memory(model_dir: Path) -> tuple[int, int]:
     if pick_device().type == "cuda":
         free, _ = torch.cuda.mem_get_info()
         return 4 * num_params, int(free)
-    return 4 * num_params, _available_host_bytes()
+    return 4 * num_params, available_host_bytes()

@@ -30,7 +30,8 @@ from lora_parity.backends.base import (
 from lora_parity.backends.grouping import forward_description
 from lora_parity.backends.moe import REPLAYED_WEIGHTS, Routes, forced_routes, hf_router_topk, recorded_routes, routers
 from lora_parity.backends.processed import processed_logprobs
-from lora_parity.backends.raw_tensors import to_raw_all
+from lora_parity.backends.raw_tensors import to_host_all, to_raw_all
+from lora_parity.backends.reference_base import ReferenceBase
 from lora_parity.evidence.receipt import BackendInfo, Perturbation, sha256_json
 from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
@@ -122,25 +123,24 @@ def generate_one(model: Any, prompt: list[int], max_tokens: int, seed: int, devi
     return seq, logprobs
 
 
-def fp32_reference(cfg: ModelConfig, model_dir: Path,
-                   adapter: Path | None = None) -> Callable[[Sequences, RouteTable | None], Scores]:
+def fp32_reference(cfg: ModelConfig, model_dir: Path, adapter: Path | None = None,
+                   base: ReferenceBase | None = None) -> Callable[[Sequences, RouteTable | None], Scores]:
     """A scorer of the start point in fp32: the base model (at zero-init both sides equal it), or the base
     model with the user's start adapter (`--adapter`, its safetensors loaded by PEFT), which both sides
-    then approximate; with routes, replaying them (`forced_routes`). Loaded when called and freed afterwards,
-    so it holds memory only while it scores."""
+    then approximate; with routes, replaying them (`forced_routes`). Without a start adapter, the run's shared
+    load (`base`), kept for the later points where it fits; else loaded when called and freed afterwards."""
 
     def score(sequences: Sequences, routes: RouteTable | None = None) -> Scores:
-        device = pick_device()
-        model = load_base(cfg, model_dir, device, dtype="float32")
+        held = base if base is not None and adapter is None else ReferenceBase(cfg, model_dir, pick_device())
+        model = held.model()
         if adapter is not None:
-            model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device).eval()
+            model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(held.device).eval()
         try:
             with forced_routes(model, routes) if routes is not None else contextlib.nullcontext():
-                return score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model))
+                return score_sequences(model, sequences, held.device, cfg.scoring.batch_size, pack_tokens(cfg, model))
         finally:
             del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            held.settle() if held is base else held.release()
 
     return score
 
@@ -296,10 +296,11 @@ class HFTrainer(TrainerBackend):
         return to_raw_all((n.replace(".default.weight", ".weight"), p) for n, p in self._named if "lora_" in n)
 
     def export_adapter(self, directory: Path) -> Path:
-        # PEFT's save without its README.md model card (no engine reads it): its Jinja template was compiled at every
-        # save, two thirds of the save (issue 47). The instance attribute shadows PEFT's method.
-        self.model.create_or_update_model_card = lambda output_dir: None
-        self.model.save_pretrained(str(directory), safe_serialization=True)
+        # PEFT's save without its README.md model card (no engine reads it; its template compiled at every save), given
+        # the LoRA tensors on the host in one copy (PEFT copied each alone: a GPU wait per tensor). Issue 47.
+        self.model.create_or_update_model_card = lambda output_dir: None  # shadows PEFT's method
+        state = to_host_all((n, p) for n, p in self._named if "lora_" in n)
+        self.model.save_pretrained(str(directory), safe_serialization=True, state_dict=state)
         return Path(directory)
 
     @torch.no_grad()
@@ -352,8 +353,7 @@ class HFSampler(SamplerBackend):
     def __init__(self, cfg: ModelConfig, model_dir: Path, timings: dict[str, float], lora: bool = True) -> None:
         self.cfg = cfg
         self.device = pick_device()
-        start = time.perf_counter()
-        self.model_dir = Path(model_dir)
+        start, self.model_dir = time.perf_counter(), Path(model_dir)
         self.model: Any = load_base(cfg, model_dir, self.device)
         self.names: dict[int, str] = {}
         timings["sampler.load"] = time.perf_counter() - start

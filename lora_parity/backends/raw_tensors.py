@@ -12,6 +12,21 @@ from lora_parity.models.fresh_adapter import RawTensor
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
+def to_host_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each tensor copied to the host (a tensor of its own, same dtype and shape) in one transfer per device and
+    dtype, as `to_raw_all`."""
+    items = [(name, t.detach()) for name, t in named]
+    out: dict[str, torch.Tensor] = {}
+    kinds: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, t in items:
+        kinds.setdefault((t.device, t.dtype), []).append((name, t))
+    for group in kinds.values():
+        flat = torch.cat([t.reshape(-1) for _, t in group]).to("cpu")
+        for (name, t), part in zip(group, flat.split([t.numel() for _, t in group]), strict=True):
+            out[name] = part.view(t.shape).clone()
+    return {name: out[name] for name, _ in items}
+
+
 def to_raw_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, RawTensor]:
     """Each tensor's values as they are (no cast), copied to the host in one transfer per device and dtype (one per
     tensor made a GPU wait once per tensor: hundreds of waits for an adapter's LoRA tensors, issue 47)."""

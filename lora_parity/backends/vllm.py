@@ -229,12 +229,12 @@ class VLLMSampler(SamplerBackend):
         except AttributeError:
             return None
 
-    def exact_scorer(self) -> Any:
+    def exact_scorer(self, base: Any = None) -> Any:
         """The exact reference (`exact.exact_points`): vLLM's own operations with the trainer's tensors, on CUDA
-        with batch-invariant kernels and the families `exact.unsupported` names."""
+        with batch-invariant kernels and the families `exact.unsupported` names; `base`: the run's fp32 load."""
         from lora_parity.backends.exact import exact_points
 
-        return exact_points(self.cfg, self.model_dir, self.cuda and self.batch_invariant.startswith("on"))
+        return exact_points(self.cfg, self.model_dir, self.cuda and self.batch_invariant.startswith("on"), base)
 
     def _request(self, handle: AdapterHandle | None, inplace: bool = False) -> Any:
         if handle is None:

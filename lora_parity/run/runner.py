@@ -294,14 +294,12 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
     replay = route_replay.start(route_replay.mode_of(plan.opts.route_replay, plan.cfg),
                                 route_replay.is_moe(plan.cfg, loaded.model_dir), loaded.trainer, loaded.sampler,
                                 loaded.sampler_info.backend, faults.routes)
+    refs = reference_scorers.Scorers.build(plan, loaded, workdir / WARM_FOLDER if warms(plan) else None)
     run = Run(cfg=plan.cfg, trainer=loaded.trainer, sampler=loaded.sampler, sequences=plan.probes.sequences,
               seed=plan.opts.seed, workdir=workdir, faults=faults, sync_mode=plan.sync,
               per_target=plan.opts.per_target is not False, per_target_only=plan.opts.per_target_only, progress=say,
-              per_layer=plan.opts.per_layer,
-              first_adapter_id=loaded.next_adapter_id,
-              reference=reference_scorers.start_scorer(plan, loaded, workdir / WARM_FOLDER if warms(plan) else None),
-              reference_points=reference_scorers.points_scorer(plan, loaded),
-              exact_points=reference_scorers.exact_scorer(plan, loaded),
+              per_layer=plan.opts.per_layer, first_adapter_id=loaded.next_adapter_id,
+              reference=refs.start, reference_points=refs.points, exact_points=refs.exact,
               sampled=plan.sampled, start_adapter=plan.opts.adapter is not None or warms(plan),
               warm_start=warms(plan) and plan.opts.adapter is None, replay=replay)
     try:
@@ -310,6 +308,8 @@ def _sequence(plan: Plan, loaded: Backends, faults: Faults, workdir: Path,
         pass
     except KeyboardInterrupt as e:
         loaded.interrupted = e
+    finally:
+        refs.release()
     loaded.next_adapter_id = run.next_adapter_id
     _stop_if_interrupted(run, loaded)
     if loaded.interrupted is None:

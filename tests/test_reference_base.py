@@ -1,0 +1,158 @@
+"""The references' one fp32 load per run and their LoRA without PEFT's modules (issue 47): the same scores as a
+PEFT wrap, bit for bit; one read of the checkpoint where the device holds it, two where it does not; the exact
+reference's layout from the tensors equal to the layout from PEFT's modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lora_parity.backends import reference_base  # noqa: E402
+from lora_parity.backends.fp32_points import fp32_points  # noqa: E402
+from lora_parity.backends.hf import HFTrainer, fp32_reference  # noqa: E402
+from lora_parity.backends.reference_base import ReferenceBase  # noqa: E402
+from lora_parity.models import config, synthetic  # noqa: E402
+from lora_parity.util.errors import ConfigError  # noqa: E402
+
+SEQS = [[1, 5, 9, 17, 33, 2, 8], [4, 4, 7, 100, 3], [7, 3, 3, 21, 9, 14]]
+
+
+def _bf16(tmp_path: Path) -> Any:
+    """tiny-qwen3 in bf16, alpha/r 1.5 (a power of two would scale exactly in any order)."""
+    text = (config.configs_dir() / "tiny-qwen3.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "tiny-qwen3-bf16.yaml"
+    path.write_text(text.replace("name: tiny-qwen3", "name: tiny-qwen3-bf16")
+                    .replace("dtype: float32", "dtype: bfloat16").replace("alpha: 16", "alpha: 12"), encoding="utf-8")
+    return config.load(str(path))
+
+
+def _points(trainer: HFTrainer) -> list[dict[str, Any]]:
+    """The trainer's tensors at three points: zero-init, one target kind moved (the others' B zero), all moved."""
+    zero = trainer.lora_tensors()
+    trainer.perturb(0.05, 3, only="q_proj")
+    one = trainer.lora_tensors()
+    trainer.zero_b()
+    trainer.perturb(0.05, 4)
+    every = trainer.lora_tensors()
+    trainer.zero_b()
+    return [zero, one, every]
+
+
+def test_plain_lora_on_the_shared_load_scores_as_a_peft_wrap_bit_for_bit(tmp_path: Path) -> None:
+    cfg = _bf16(tmp_path)
+    model_dir = synthetic.materialize(cfg)
+    states = _points(HFTrainer(cfg, model_dir, 0, {}))
+    own = fp32_points(cfg, model_dir)(SEQS, states)  # PEFT's wrap on a load of its own
+    base = ReferenceBase(cfg, model_dir, torch.device("cpu"))
+    start = fp32_reference(cfg, model_dir, base=base)(SEQS)
+    assert base.held and base.loads == 1  # kept for the later points: this machine holds it
+    shared = fp32_points(cfg, model_dir, base)(SEQS, states)
+    assert shared == own and base.loads == 1
+    assert start == own[0] and shared[1] != shared[0] != shared[2]  # each point its own, the start the base model
+    base.release()
+    assert not base.held
+
+
+def test_a_set_without_a_tensor_or_of_another_shape_is_refused_on_the_shared_load(tmp_path: Path) -> None:
+    cfg = _bf16(tmp_path)
+    model_dir = synthetic.materialize(cfg)
+    state = HFTrainer(cfg, model_dir, 0, {}).lora_tensors()
+    score = fp32_points(cfg, model_dir, ReferenceBase(cfg, model_dir, torch.device("cpu")))
+    name = next(n for n in state if ".lora_B." in n)
+    with pytest.raises(ConfigError, match=f"fp32 reference: the trainer's tensors have no {name}"):
+        score(SEQS, [{k: v for k, v in state.items() if k != name}])
+    dtype, shape, raw = state[name]
+    wider = {**state, name: (dtype, [shape[0], shape[1] + 1], raw + bytes(4 * shape[0]))}
+    with pytest.raises(ConfigError, match=f"fp32 reference: {name} is"):
+        score(SEQS, [wider])
+
+
+def test_the_load_is_not_kept_where_the_device_has_too_little_free(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _bf16(tmp_path)
+    model_dir = synthetic.materialize(cfg)
+    states = _points(HFTrainer(cfg, model_dir, 0, {}))
+    monkeypatch.setattr(reference_base, "free_bytes", lambda device: 0)
+    base = ReferenceBase(cfg, model_dir, torch.device("cpu"))
+    fp32_reference(cfg, model_dir, base=base)(SEQS)
+    assert not base.held
+    assert fp32_points(cfg, model_dir, base)(SEQS, states) == fp32_points(cfg, model_dir)(SEQS, states)
+    assert base.loads == 2
+
+
+def test_a_start_adapter_keeps_its_own_load(tmp_path: Path) -> None:
+    """The start point with the user's adapter wraps the base in PEFT: it is never the shared load."""
+    cfg = _bf16(tmp_path)
+    model_dir = synthetic.materialize(cfg)
+    trainer = HFTrainer(cfg, model_dir, 0, {})
+    trainer.perturb(0.05, 3)
+    adapter = trainer.export_adapter(tmp_path / "adapter")
+    base = ReferenceBase(cfg, model_dir, torch.device("cpu"))
+    with_adapter = fp32_reference(cfg, model_dir, adapter, base)(SEQS)
+    assert base.loads == 0 and with_adapter != fp32_reference(cfg, model_dir)(SEQS)
+
+
+def test_the_runner_releases_the_shared_load_at_the_runs_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm", reason="vLLM (the 'cpu' extra) is not installed")
+    from lora_parity.run.options import RunOptions
+    from lora_parity.run.runner import execute
+
+    cfg = _bf16(tmp_path)
+    released: list[bool] = []
+    release = ReferenceBase.release
+
+    def spy(self: ReferenceBase) -> None:
+        released.append(self.held)
+        release(self)
+
+    monkeypatch.setattr(ReferenceBase, "release", spy)
+    receipt = execute(RunOptions(model=str(tmp_path / "tiny-qwen3-bf16.yaml"), sampler="hf", per_target=False,
+                                 reference="fp32", out=tmp_path / "r.json")).receipt
+    assert cfg.model.dtype == "bfloat16" and "reference_fp32" in receipt.scores
+    assert "reference_fp32_updated" in receipt.scores and released and released[-1]  # held to the end, then freed
+
+
+def test_the_exact_layout_from_the_tensors_equals_the_layout_from_peft(tmp_path: Path) -> None:
+    """`exact.StateGroups` (the fp32 load cast to bf16, the point's tensors as given) against `exact.layer_groups`
+    (the trainer's PEFT modules in bf16): every base weight, A and B slice equal."""
+    from lora_parity.backends.exact import StateGroups, layer_groups
+    from lora_parity.backends.hf import load_base
+    from lora_parity.backends.reference_base import lora_pairs, plain_targets, scaling
+
+    cfg = _bf16(tmp_path)
+    model_dir = synthetic.materialize(cfg)
+    trainer = HFTrainer(cfg, model_dir, 0, {})
+    trainer.perturb(0.05, 3, only="v_proj")
+    plain = load_base(cfg, model_dir, torch.device("cpu"), dtype="float32")
+    targets = plain_targets(cfg, plain)
+    assert targets is not None and len(targets) == 7 * len(plain.model.layers)
+    state = StateGroups(plain, 16, torch.bfloat16)
+    pairs = lora_pairs(trainer.lora_tensors(), targets, "exact reference", torch.device("cpu"), torch.float32)
+    groups_of = state.of(pairs, scaling(cfg))
+    peft_layers = trainer.model.get_base_model().model.layers
+    for index, layer in enumerate(plain.model.layers):
+        ours, theirs = groups_of(index, layer), layer_groups(peft_layers[index], 16)
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(ours[name].weight, theirs[name].weight), name
+            assert ours[name].a is not None and theirs[name].a is not None and ours[name].b is not None
+            assert all(torch.equal(x, y) for x, y in zip(ours[name].a, theirs[name].a, strict=True))
+            assert all(torch.equal(x, y) for x, y in zip(ours[name].b, theirs[name].b, strict=True))  # type: ignore
+        assert ours["qkv"].b is not None and ours["qkv"].b[2].any() and not ours["o"].b[0].any()  # type: ignore
+    embed = trainer.model.get_base_model().model.embed_tokens.weight
+    assert torch.equal(state.cast(plain.model.embed_tokens.weight), embed)
+
+
+def test_the_export_writes_what_peft_writes_byte_for_byte(tmp_path: Path) -> None:
+    """The LoRA tensors handed to PEFT's save in one host copy (`raw_tensors.to_host_all`): the adapter folder's
+    files are those of PEFT's own save, byte for byte."""
+    cfg = _bf16(tmp_path)
+    trainer = HFTrainer(cfg, synthetic.materialize(cfg), 0, {})
+    trainer.perturb(0.05, 3)
+    ours = trainer.export_adapter(tmp_path / "ours")
+    trainer.model.save_pretrained(str(tmp_path / "peft"), safe_serialization=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (ours / name).read_bytes() == (tmp_path / "peft" / name).read_bytes(), name
