@@ -337,6 +337,7 @@ def bench_against(args: argparse.Namespace) -> int:
     sets = args.probes.split(",")
     codes = ("this", args.against)
     walls: dict[tuple[str, str], list[float]] = {(p, c): [] for p in sets for c in codes}
+    receipts: dict[tuple[str, str], list[dict[str, Any]]] = {(p, c): [] for p in sets for c in codes}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             for k, probes in enumerate(sets):
@@ -346,7 +347,10 @@ def bench_against(args: argparse.Namespace) -> int:
                     if result is None:
                         return 1
                     walls[probes, code].append(result[0])
+                    receipts[probes, code].append(result[1])
     for (probes, code), values in walls.items():
+        print(f"== {code}")  # each code's phases and ratios, from its own alternating runs
+        _report(args, probes, values, receipts[probes, code])
         print(f"lora-parity bench: run ({code}), probes {probes}: median {statistics.median(values):.2f} s "
               f"of {args.runs}; runs: {', '.join(f'{w:.2f}' for w in values)}")
     med = statistics.median
