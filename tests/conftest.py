@@ -79,7 +79,7 @@ def from_raw(raw: tuple[str, list[int], bytes]) -> Any:
     tensors the backends move in one transfer per dtype)."""
     import torch
 
-    from lora_parity.backends.fp32_points import TORCH_DTYPES
+    from lora_parity.backends.raw_tensors import TORCH_DTYPES
 
     dtype, shape, data = raw
     return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(shape)

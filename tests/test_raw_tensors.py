@@ -30,8 +30,7 @@ def test_to_raw_all_holds_each_tensor_s_own_bytes_in_order() -> None:
 
 
 def test_copy_raw_sets_each_parameter_cast_to_its_dtype() -> None:
-    from lora_parity.backends.fp32_points import copy_raw
-    from lora_parity.backends.raw_tensors import to_raw_all
+    from lora_parity.backends.raw_tensors import copy_raw, to_raw_all
 
     named = _tensors()
     state = to_raw_all(named)
@@ -42,8 +41,7 @@ def test_copy_raw_sets_each_parameter_cast_to_its_dtype() -> None:
 
 
 def test_copy_raw_refuses_a_buffer_that_does_not_fill_the_shapes() -> None:
-    from lora_parity.backends.fp32_points import copy_raw
-    from lora_parity.backends.raw_tensors import to_raw_all
+    from lora_parity.backends.raw_tensors import copy_raw, to_raw_all
     from lora_parity.util.errors import ConfigError
 
     named = _tensors()

@@ -116,7 +116,8 @@ def test_the_runner_releases_the_shared_load_at_the_runs_end(tmp_path: Path, mon
     assert "reference_fp32_updated" in receipt.scores and released and released[-1]  # held to the end, then freed
 
 
-def test_the_exact_layout_from_the_tensors_equals_the_layout_from_peft(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rank", [8, 16])  # the adapter's own rank, and padded to a larger max_lora_rank
+def test_the_exact_layout_from_the_tensors_equals_the_layout_from_peft(tmp_path: Path, rank: int) -> None:
     """`exact.StateGroups` (the fp32 load cast to bf16, the point's tensors as given) against `exact.layer_groups`
     (the trainer's PEFT modules in bf16): every base weight, A and B slice equal."""
     from lora_parity.backends.exact import StateGroups, layer_groups
@@ -130,12 +131,12 @@ def test_the_exact_layout_from_the_tensors_equals_the_layout_from_peft(tmp_path:
     plain = load_base(cfg, model_dir, torch.device("cpu"), dtype="float32")
     targets = plain_targets(cfg, plain)
     assert targets is not None and len(targets) == 7 * len(plain.model.layers)
-    state = StateGroups(plain, 16, torch.bfloat16)
-    pairs = lora_pairs(trainer.lora_tensors(), targets, "exact reference", torch.device("cpu"), torch.float32)
+    state = StateGroups(plain, rank, torch.bfloat16)
+    pairs = lora_pairs(trainer.lora_tensors(), targets, "exact reference", torch.device("cpu"), torch.bfloat16)
     groups_of = state.of(pairs, scaling(cfg))
     peft_layers = trainer.model.get_base_model().model.layers
     for index, layer in enumerate(plain.model.layers):
-        ours, theirs = groups_of(index, layer), layer_groups(peft_layers[index], 16)
+        ours, theirs = groups_of(index, layer), layer_groups(peft_layers[index], rank)
         for name in ("qkv", "o", "gate_up", "down"):
             assert torch.equal(ours[name].weight, theirs[name].weight), name
             assert ours[name].a is not None and theirs[name].a is not None and ours[name].b is not None
@@ -147,12 +148,17 @@ def test_the_exact_layout_from_the_tensors_equals_the_layout_from_peft(tmp_path:
 
 
 def test_the_export_writes_what_peft_writes_byte_for_byte(tmp_path: Path) -> None:
-    """The LoRA tensors handed to PEFT's save in one host copy (`raw_tensors.to_host_all`): the adapter folder's
-    files are those of PEFT's own save, byte for byte."""
+    """`adapter_export`: the first export is PEFT's save (the LoRA tensors given in one host copy), each later one
+    writes the same files itself; every one equals PEFT's own save of the same state, byte for byte."""
     cfg = _bf16(tmp_path)
     trainer = HFTrainer(cfg, synthetic.materialize(cfg), 0, {})
-    trainer.perturb(0.05, 3)
-    ours = trainer.export_adapter(tmp_path / "ours")
-    trainer.model.save_pretrained(str(tmp_path / "peft"), safe_serialization=True)
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
-        assert (ours / name).read_bytes() == (tmp_path / "peft" / name).read_bytes(), name
+    for i, (std, seed) in enumerate([(0.05, 3), (0.07, 5), (0.0, 0)]):
+        trainer.zero_b()
+        if std:
+            trainer.perturb(std, seed)
+        ours = trainer.export_adapter(tmp_path / f"ours-{i}")
+        trainer.model.save_pretrained(str(tmp_path / f"peft-{i}"), safe_serialization=True)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            assert (ours / name).read_bytes() == (tmp_path / f"peft-{i}" / name).read_bytes(), (i, name)
+        assert sorted(p.name for p in ours.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert trainer.writer._direct  # the later ones were written without PEFT

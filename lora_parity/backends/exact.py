@@ -106,16 +106,20 @@ def _slices(parts: list[Slice], rank: int, dtype: torch.dtype,
         return None, None
     a_out, b_out = [], []
     for rows, cols, a, b, scale in parts:
-        a_pad = torch.zeros(rank, cols, dtype=dtype, device=device)
-        b_pad = torch.zeros(rows, rank, dtype=dtype, device=device)
-        if a is not None and b is not None:
-            if a.shape[0] > rank:
-                raise ConfigError(f"adapter rank {a.shape[0]} above max_lora_rank {rank}")
-            a_pad[:a.shape[0]] = a.to(dtype)  # vLLM loads the adapter in the model's dtype,
-            b_half = b.to(dtype)
-            b_pad[:, :b.shape[1]] = b_half if scale == 1 else b_half * scale  # then folds alpha/r into B there
-        a_out.append(a_pad[None, None].contiguous())
-        b_out.append(b_pad[None, None].contiguous())
+        if a is None or b is None:
+            a_out.append(torch.zeros(1, 1, rank, cols, dtype=dtype, device=device))
+            b_out.append(torch.zeros(1, 1, rows, rank, dtype=dtype, device=device))
+            continue
+        r = a.shape[0]
+        if r > rank:
+            raise ConfigError(f"adapter rank {r} above max_lora_rank {rank}")
+        b_half = b.to(dtype)  # vLLM loads the adapter in the model's dtype, then folds alpha/r into B there
+        a_half, b_scaled = a.to(dtype), b_half if scale == 1 else b_half * scale
+        if r < rank:
+            a_half = torch.cat([a_half, a_half.new_zeros(rank - r, cols)])
+            b_scaled = torch.cat([b_scaled, b_scaled.new_zeros(rows, rank - r)], dim=1)
+        a_out.append(a_half[None, None].contiguous())
+        b_out.append(b_scaled[None, None].contiguous())
     return tuple(a_out), tuple(b_out)
 
 
@@ -390,7 +394,7 @@ def exact_points(cfg: ModelConfig, model_dir: Path, batch_invariant: bool, base:
         mirror = StateGroups(model, rank, getattr(torch, cfg.model.dtype))
         try:
             return [forward(model, sequences, device, mirror,
-                            mirror.of(lora_pairs(state, targets, "exact reference", device, torch.float32),
+                            mirror.of(lora_pairs(state, targets, "exact reference", device, mirror.dtype),
                                       scaling(cfg)))
                     for state in states]
         finally:

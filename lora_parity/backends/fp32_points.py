@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -21,36 +20,24 @@ import torch
 from lora_parity.backends.base import RouteTable, Scores, Sequences
 from lora_parity.backends.hf import load_base, pack_tokens, pick_device, score_sequences
 from lora_parity.backends.moe import forced_routes
-from lora_parity.backends.reference_base import ReferenceBase, lora_pairs, plain_lora, plain_targets, scaling
+from lora_parity.backends.raw_tensors import copy_raw
+from lora_parity.backends.reference_base import (
+    ReferenceBase,
+    available_host_bytes,
+    lora_pairs,
+    plain_lora,
+    plain_targets,
+    scaling,
+)
 from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.util.errors import ConfigError
 
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
 States = Sequence[Mapping[str, RawTensor]]
 PointScorer = Callable[..., list[Scores]]
 """(sequences, states[, routes]) -> one `Scores` per state; routes, where given, one `RouteTable` (or None) per
 state, replayed at that point (`moe.forced_routes`)."""
-
-
-def copy_raw(params: Mapping[str, torch.Tensor], state: Mapping[str, RawTensor], device: torch.device) -> None:
-    """Each parameter set to its tensor of `state` (same shape; cast to the parameter's dtype on `device`), with one
-    transfer to the device per stored dtype (per tensor, a GPU waited once per tensor: issue 47)."""
-    kinds: dict[str, list[str]] = {}
-    for name in params:
-        kinds.setdefault(state[name][0], []).append(name)
-    with torch.no_grad():
-        for dtype, names in kinds.items():
-            data = b"".join(state[n][2] for n in names)
-            flat = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]) if data else torch.empty(0)
-            if flat.numel() != sum(params[n].numel() for n in names):
-                raise ConfigError(f"the {dtype} tensors given hold {flat.numel()} values where their shapes need "
-                                  f"{sum(params[n].numel() for n in names)}")
-            values = flat.to(device).split([params[n].numel() for n in names])
-            for name, value in zip(names, values, strict=True):
-                params[name].copy_(value.view(params[name].shape))
 
 
 def fp32_points(cfg: ModelConfig, model_dir: Path, base: ReferenceBase | None = None) -> PointScorer:
@@ -119,16 +106,6 @@ def with_states(cfg: ModelConfig, model_dir: Path, dtype: str, forward: Forward,
                 torch.cuda.empty_cache()
 
     return score
-
-
-def available_host_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def fp32_reference_memory(model_dir: Path) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from lora_parity.backends import hf_step, layer_subset, native_ops, zero_lora
+from lora_parity.backends.adapter_export import AdapterWriter
 from lora_parity.backends.base import (
     AdapterHandle,
     BackendTraits,
@@ -30,13 +31,12 @@ from lora_parity.backends.base import (
 from lora_parity.backends.grouping import forward_description
 from lora_parity.backends.moe import REPLAYED_WEIGHTS, Routes, forced_routes, hf_router_topk, recorded_routes, routers
 from lora_parity.backends.processed import processed_logprobs
-from lora_parity.backends.raw_tensors import to_host_all, to_raw_all
-from lora_parity.backends.reference_base import ReferenceBase
+from lora_parity.backends.raw_tensors import to_raw_all
 from lora_parity.evidence.receipt import BackendInfo, Perturbation, sha256_json
 from lora_parity.models.adapter_spec import peft_config
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
-from lora_parity.models.perturb import add_noise, is_lora_b, noise_seed, target_kind
+from lora_parity.models.perturb import UnitNoise, add_noise, is_lora_b, target_kind
 from lora_parity.util.errors import PhaseError, ScoreError
 
 
@@ -124,23 +124,27 @@ def generate_one(model: Any, prompt: list[int], max_tokens: int, seed: int, devi
 
 
 def fp32_reference(cfg: ModelConfig, model_dir: Path, adapter: Path | None = None,
-                   base: ReferenceBase | None = None) -> Callable[[Sequences, RouteTable | None], Scores]:
-    """A scorer of the start point in fp32: the base model (at zero-init both sides equal it), or the base
-    model with the user's start adapter (`--adapter`, its safetensors loaded by PEFT), which both sides
-    then approximate; with routes, replaying them (`forced_routes`). Without a start adapter, the run's shared
-    load (`base`), kept for the later points where it fits; else loaded when called and freed afterwards."""
+                   base: Any = None) -> Callable[[Sequences, RouteTable | None], Scores]:
+    """A scorer of the start point in fp32: the base model (at zero-init both sides equal it), or the base model
+    with the user's start adapter (`--adapter`, its safetensors loaded by PEFT), which both sides then approximate;
+    with routes, replaying them (`forced_routes`). Without a start adapter, the run's shared load (`base`, a
+    `reference_base.ReferenceBase`, kept for the later points where it fits); else a load of its own, freed after."""
 
     def score(sequences: Sequences, routes: RouteTable | None = None) -> Scores:
-        held = base if base is not None and adapter is None else ReferenceBase(cfg, model_dir, pick_device())
-        model = held.model()
+        held = base if adapter is None else None
+        device = held.device if held is not None else pick_device()
+        model = held.model() if held is not None else load_base(cfg, model_dir, device, dtype="float32")
         if adapter is not None:
-            model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(held.device).eval()
+            model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False).to(device).eval()
         try:
             with forced_routes(model, routes) if routes is not None else contextlib.nullcontext():
-                return score_sequences(model, sequences, held.device, cfg.scoring.batch_size, pack_tokens(cfg, model))
+                return score_sequences(model, sequences, device, cfg.scoring.batch_size, pack_tokens(cfg, model))
         finally:
             del model
-            held.settle() if held is base else held.release()
+            if held is not None:
+                held.settle()
+            elif device.type == "cuda":
+                torch.cuda.empty_cache()
 
     return score
 
@@ -170,6 +174,7 @@ class HFTrainer(TrainerBackend):
         self.start_a = self._copy_a()
         """Every A at the start point (a step moves A; `zero_b` puts it back)."""
         self.gradients = hf_step.GradientCache()  # the loss's gradient at the start point, per sequences and kind
+        self.noise, self.writer = UnitNoise(), AdapterWriter()  # B's draws kept across a search's perturbs; exports
         timings["trainer.load"] = time.perf_counter() - start
 
     @torch.no_grad()
@@ -264,8 +269,7 @@ class HFTrainer(TrainerBackend):
             name = next(n for (n, _), m in zip(params, moved, strict=True) if bool(m))
             raise PhaseError(f"refusing to perturb: {name} is non-zero before the update "
                              "(relative to the starting adapter's B)")
-        add_noise([(p, torch.randn(p.shape, generator=torch.Generator().manual_seed(noise_seed(name, seed)),
-                                   dtype=torch.float32) * std) for name, p in params])
+        add_noise([(p, self.noise.scaled(name, p.shape, seed, std)) for name, p in params])
         return Perturbation(kind="lora_b_noise", seed=seed, std=std, num_tensors=len(params),
                             num_elements=sum(p.numel() for _, p in params), tensors=[n for n, _ in params])
 
@@ -296,12 +300,8 @@ class HFTrainer(TrainerBackend):
         return to_raw_all((n.replace(".default.weight", ".weight"), p) for n, p in self._named if "lora_" in n)
 
     def export_adapter(self, directory: Path) -> Path:
-        # PEFT's save without its README.md model card (no engine reads it; its template compiled at every save), given
-        # the LoRA tensors on the host in one copy (PEFT copied each alone: a GPU wait per tensor). Issue 47.
-        self.model.create_or_update_model_card = lambda output_dir: None  # shadows PEFT's method
-        state = to_host_all((n, p) for n, p in self._named if "lora_" in n)
-        self.model.save_pretrained(str(directory), safe_serialization=True, state_dict=state)
-        return Path(directory)
+        """PEFT's adapter folder, byte for byte (`adapter_export`: PEFT's save at the first, the same files after)."""
+        return self.writer.write(self.model, self._named, Path(directory))
 
     @torch.no_grad()
     def merged_tensors(self) -> dict[str, torch.Tensor]:

@@ -3,13 +3,15 @@ gives the exact sync check (`models.fresh_adapter`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from lora_parity.models.fresh_adapter import RawTensor
+from lora_parity.util.errors import ConfigError
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 
 def to_host_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -42,3 +44,21 @@ def to_raw_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, RawTensor
             out[name] = DTYPES[dtype], list(t.shape), data[at:at + t.numel() * size]
             at += t.numel() * size
     return {name: out[name] for name, _ in items}
+
+
+def copy_raw(params: Mapping[str, torch.Tensor], state: Mapping[str, RawTensor], device: torch.device) -> None:
+    """Each parameter set to its tensor of `state` (same shape; cast to the parameter's dtype on `device`), with one
+    transfer to the device per stored dtype (per tensor, a GPU waited once per tensor: issue 47)."""
+    kinds: dict[str, list[str]] = {}
+    for name in params:
+        kinds.setdefault(state[name][0], []).append(name)
+    with torch.no_grad():
+        for dtype, names in kinds.items():
+            data = b"".join(state[n][2] for n in names)
+            flat = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]) if data else torch.empty(0)
+            if flat.numel() != sum(params[n].numel() for n in names):
+                raise ConfigError(f"the {dtype} tensors given hold {flat.numel()} values where their shapes need "
+                                  f"{sum(params[n].numel() for n in names)}")
+            values = flat.to(device).split([params[n].numel() for n in names])
+            for name, value in zip(names, values, strict=True):
+                params[name].copy_(value.view(params[name].shape))

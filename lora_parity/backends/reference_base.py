@@ -16,6 +16,7 @@ LoRA on `nn.Linear` layers (expert parameters, `all-linear`) keep PEFT's wrap (`
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lora_parity.backends.raw_tensors import copy_raw
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.util.errors import ConfigError
@@ -75,9 +77,17 @@ def free_bytes(device: torch.device) -> int:
     """Free memory where `device` keeps tensors: the GPU's, or the host's available RAM."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    from lora_parity.backends.fp32_points import available_host_bytes
-
     return available_host_bytes()
+
+
+def available_host_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def plain_targets(cfg: ModelConfig, model: Any) -> dict[str, torch.nn.Linear] | None:
@@ -109,8 +119,6 @@ def lora_pairs(state: Mapping[str, RawTensor], targets: Mapping[str, torch.nn.Li
                device: torch.device, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(A, B) of each target layer from the trainer's tensors `state` (PEFT's saved names), on `device` in `dtype`,
     in one transfer per stored dtype; a missing tensor or one of another shape than the layer needs is refused."""
-    from lora_parity.backends.fp32_points import copy_raw
-
     names: dict[str, tuple[int, ...]] = {}
     for path, layer in targets.items():
         names[f"{PREFIX}{path}.lora_A.weight"] = (-1, layer.in_features)

@@ -75,6 +75,27 @@ def noise_seed(name: str, seed: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+class UnitNoise:
+    """Each tensor's N(0, 1) draw for one seed (`torch.randn` of a generator seeded with `noise_seed`), drawn once
+    and kept: a calibration's search perturbs the same tensors with the same seed at every std it tries, and the
+    draws were most of each perturb's time (issue 47). `scaled` is the draw times std, the very values of a fresh
+    draw times std. Only the latest seed's draws are kept."""
+
+    def __init__(self) -> None:
+        self.seed: int | None = None
+        self.draws: dict[str, Tensor] = {}
+
+    def scaled(self, name: str, shape: Sequence[int], seed: int, std: float) -> Tensor:
+        import torch
+
+        if seed != self.seed:
+            self.seed, self.draws = seed, {}
+        if name not in self.draws:
+            generator = torch.Generator().manual_seed(noise_seed(name, seed))
+            self.draws[name] = torch.randn(list(shape), generator=generator, dtype=torch.float32)
+        return self.draws[name] * std
+
+
 def add_noise(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
     """Add each (host) noise tensor to its tensor in place, with one copy per device and dtype rather than one
     per tensor: on a GPU shared with other processes every copy waits its turn."""
