@@ -264,7 +264,8 @@ class HFTrainer(TrainerBackend):
             raise PhaseError(f"no LoRA B tensors{' of ' + only if only else ''} to perturb")
         # One host sync for the check and one copy per device and dtype for the noise: on a GPU shared with
         # other processes every sync waits its turn (per tensor, a calibration's perturbs took 1.6 s each).
-        moved = [(p != self.start_b[name]).any() if self.start_b is not None else p.any() for name, p in params]
+        moved = ([(p != self.start_b[name]).any() for name, p in params] if self.start_b is not None else
+                 list(torch.stack(torch._foreach_norm([p for _, p in params], float("inf"))).ne(0)))  # fused: issue 47
         if bool(torch.stack(moved).any()):
             name = next(n for (n, _), m in zip(params, moved, strict=True) if bool(m))
             raise PhaseError(f"refusing to perturb: {name} is non-zero before the update "
@@ -286,14 +287,13 @@ class HFTrainer(TrainerBackend):
     def zero_b(self) -> None:
         """Every LoRA tensor back to the start point: B to the starting adapter's (zero at zero-init),
         A as initialized or loaded (a step moves it)."""
-        for name, p in self._lora_b():
-            if self.start_b is None:
-                p.zero_()
-            else:
-                p.copy_(self.start_b[name])
-        for name, p in self._named:
-            if name in self.start_a:
-                p.copy_(self.start_a[name])
+        b = self._lora_b()  # each kind of write as one fused call (issue 47: a search's perturbs zero B each time)
+        if self.start_b is None:
+            torch._foreach_zero_([p for _, p in b])
+        else:
+            torch._foreach_copy_([p for _, p in b], [self.start_b[name] for name, _ in b])
+        a = [(p, self.start_a[name]) for name, p in self._named if name in self.start_a]
+        torch._foreach_copy_([p for p, _ in a], [start for _, start in a])
 
     def lora_tensors(self) -> dict[str, RawTensor]:
         """Every lora_A and lora_B parameter as the model holds it, under PEFT's saved name."""

@@ -106,6 +106,7 @@ def add_noise(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
         groups.setdefault((target.device, target.dtype), []).append((target, noise))
     for (device, dtype), group in groups.items():
         flat = torch.cat([noise.reshape(-1) for _, noise in group]).to(device=device, dtype=dtype)
-        for (target, noise), part in zip(group, flat.split([noise.numel() for _, noise in group]), strict=True):
-            target.add_(part.view(noise.shape))
+        parts = flat.split([noise.numel() for _, noise in group])
+        torch._foreach_add_([target for target, _ in group],  # one fused call, not one per tensor (issue 47)
+                            [part.view(noise.shape) for (_, noise), part in zip(group, parts, strict=True)])
 
