@@ -361,3 +361,16 @@ def test_the_command_line_asks_for_sleep_levels_and_refuses_a_bad_one_in_one_lin
     caught = cli("selftest", "--trainer", "fake", "--sampler", "fake", "--sleep-levels", "1", "--faults",
                  "wake-drops-adapter", "--quiet")
     assert caught.returncode == 0, caught.stdout + caught.stderr
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_the_vllm_samplers_retire_resets_the_prefix_cache_only_where_it_caches(tmp_path: Path, caching: bool) -> None:
+    """Without prefix caching nothing is cached: the retire removes the adapter and leaves the reset (which walks
+    every block of the engine's cache) out (issue 47); with it, the retire clears what the old adapter cached."""
+    r = vllm_run(tmp_path)
+    engine: Any = r.sampler
+    engine.cfg = engine.cfg.model_copy(update={"sampler": engine.cfg.sampler.model_copy(
+        update={"enable_prefix_caching": caching})})
+    engine.retire(AdapterHandle("lora-parity-1-v0", 1, tmp_path / "adapter-v0"))
+    resets = [("reset_prefix_cache",)] if caching else []
+    assert engine.llm.calls == [("remove_lora", 1), *resets]

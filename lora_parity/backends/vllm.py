@@ -1,14 +1,13 @@
 """The `vllm` sampler: the offline `vllm.LLM` engine with LoRA, the same code for the GPU and CPU builds.
 
-Scoring is one request per sequence with `max_tokens=1` and `prompt_logprobs=0`, which returns
-the logprob of each given prompt token, aligned by the rule in backends/base.py (the engine's
-entry 0, None, is dropped). Batching several prompt_logprobs requests changes numbers
-on the GPU (every phase scores the same way, so comparisons never mix groupings): on CUDA with
-batch-invariant kernels (the repeat is then exact) one generate call takes up to `scoring.pack_tokens`
-tokens of requests, else `scoring.batch_size` requests (default 1). vLLM's CPU build crashed on batched
-prompt_logprobs with LoRA enabled for all modules; with `lora_target_modules` restricted to the adapter's
-own targets, as here, it does not. With prefix caching on, `VLLMCachedSampler` also scores through the cache, by
-blocks of it where this vLLM lets a prompt_logprobs request read it (`backends.vllm_cached`).
+Scoring is one request per sequence with `max_tokens=1` and `prompt_logprobs=0`, which returns the logprob of each given
+prompt token, aligned by the rule in backends/base.py (the engine's entry 0, None, is dropped). Batching several
+prompt_logprobs requests changes numbers on the GPU (every phase scores the same way, so comparisons never mix
+groupings): on CUDA with batch-invariant kernels (the repeat is then exact) one generate call takes up to
+`scoring.pack_tokens` tokens of requests, else `scoring.batch_size` requests (default 1). vLLM's CPU build crashed on
+batched prompt_logprobs with LoRA enabled for all modules; with `lora_target_modules` restricted to the adapter's own
+targets, as here, it does not. With prefix caching on, `VLLMCachedSampler` also scores through the cache, by blocks of
+it where this vLLM lets a prompt_logprobs request read it (`backends.vllm_cached`).
 """
 
 from __future__ import annotations
@@ -375,7 +374,8 @@ class VLLMSampler(SamplerBackend):
 
     def retire(self, handle: AdapterHandle) -> None:
         self.llm.llm_engine.remove_lora(handle.adapter_id)
-        self.reset_prefix_cache()
+        if prefix_caching(self.cfg):  # else nothing is cached, and the reset walks every block (issue 47)
+            self.reset_prefix_cache()
 
     def info(self) -> BackendInfo:
         import torch
