@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lora_parity.backends.raw_tensors import to_host_all
+from lora_parity.util import safe_read
 
 ADAPTER_NAME = "default"
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -37,7 +38,6 @@ class AdapterWriter:
 
     def write(self, model: Any, named: Sequence[tuple[str, torch.nn.Parameter]], directory: Path) -> Path:
         """Write the adapter of PEFT model `model` (its parameters `named`) to `directory`, created here."""
-        from safetensors import safe_open
         from safetensors.torch import save_file
 
         lora = [(n, p) for n, p in named if "lora_" in n]
@@ -49,8 +49,8 @@ class AdapterWriter:
             return directory
         model.create_or_update_model_card = lambda output_dir: None  # shadows PEFT's method: no README.md
         model.save_pretrained(str(directory), safe_serialization=True, state_dict=to_host_all(lora))
-        if self._config is None:
-            self._config = (directory / CONFIG).read_bytes()
-            with safe_open(str(directory / WEIGHTS), "pt") as f:
-                self._direct = set(f.keys()) == {saved_name(n) for n, _ in lora}
+        if self._config is None:  # PEFT's files, read back bounded as any
+            self._config = safe_read.read_bytes(directory / CONFIG, safe_read.MAX_CONFIG_BYTES)
+            saved = set(safe_read.safetensors_header(directory / WEIGHTS)) - {"__metadata__"}
+            self._direct = saved == {saved_name(n) for n, _ in lora}
         return directory
