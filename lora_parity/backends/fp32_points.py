@@ -23,7 +23,7 @@ from lora_parity.backends.moe import forced_routes
 from lora_parity.backends.raw_tensors import copy_raw
 from lora_parity.backends.reference_base import (
     ReferenceBase,
-    available_host_bytes,
+    free_bytes,
     lora_pairs,
     plain_lora,
     plain_targets,
@@ -117,7 +117,4 @@ def fp32_reference_memory(model_dir: Path) -> tuple[int, int]:
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             num_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    if pick_device().type == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return 4 * num_params, int(free)
-    return 4 * num_params, available_host_bytes()
+    return 4 * num_params, free_bytes(pick_device())

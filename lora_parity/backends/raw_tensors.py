@@ -14,36 +14,38 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 
-def to_host_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each tensor copied to the host (a tensor of its own, same dtype and shape) in one transfer per device and
-    dtype, as `to_raw_all`."""
+def _on_host(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[tuple[list[tuple[str, torch.Tensor]],
+                                                                                 torch.Tensor]]]:
+    """The names in order, and each (device, dtype) group of the tensors with all its values copied to the host in one
+    transfer (flattened in the group's order): one transfer per tensor made a GPU wait once per tensor, hundreds of
+    waits for an adapter's LoRA tensors (issue 47)."""
     items = [(name, t.detach()) for name, t in named]
-    out: dict[str, torch.Tensor] = {}
     kinds: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, t in items:
         kinds.setdefault((t.device, t.dtype), []).append((name, t))
-    for group in kinds.values():
-        flat = torch.cat([t.reshape(-1) for _, t in group]).to("cpu")
+    return [n for n, _ in items], [(g, torch.cat([t.reshape(-1) for _, t in g]).to("cpu")) for g in kinds.values()]
+
+
+def to_host_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each tensor copied to the host (a tensor of its own, same dtype and shape), as `to_raw_all`."""
+    names, groups = _on_host(named)
+    out: dict[str, torch.Tensor] = {}
+    for group, flat in groups:
         for (name, t), part in zip(group, flat.split([t.numel() for _, t in group]), strict=True):
             out[name] = part.view(t.shape).clone()
-    return {name: out[name] for name, _ in items}
+    return {name: out[name] for name in names}
 
 
 def to_raw_all(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, RawTensor]:
-    """Each tensor's values as they are (no cast), copied to the host in one transfer per device and dtype (one per
-    tensor made a GPU wait once per tensor: hundreds of waits for an adapter's LoRA tensors, issue 47)."""
-    items = [(name, t.detach()) for name, t in named]
+    """Each tensor's values as they are (no cast), copied to the host in one transfer per device and dtype."""
+    names, groups = _on_host(named)
     out: dict[str, RawTensor] = {}
-    kinds: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, t in items:
-        kinds.setdefault((t.device, t.dtype), []).append((name, t))
-    for (_, dtype), group in kinds.items():
-        flat = torch.cat([t.reshape(-1) for _, t in group]).to("cpu")
+    for group, flat in groups:
         data, at, size = flat.view(torch.uint8).numpy().tobytes(), 0, flat.element_size()
         for name, t in group:
-            out[name] = DTYPES[dtype], list(t.shape), data[at:at + t.numel() * size]
+            out[name] = DTYPES[flat.dtype], list(t.shape), data[at:at + t.numel() * size]
             at += t.numel() * size
-    return {name: out[name] for name, _ in items}
+    return {name: out[name] for name in names}
 
 
 def copy_raw(params: Mapping[str, torch.Tensor], state: Mapping[str, RawTensor], device: torch.device) -> None:
