@@ -129,14 +129,36 @@ def test_adapter_changed_on_disk_after_publish_is_caught(tmp_path: Path) -> None
     assert generation.prompt_length(65) == 32 and generation.prompt_length(3) == 2
 
 
-def test_check_unchanged_passes_an_untouched_folder(tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "f").write_bytes(b"x")
-    digests = {tmp_path / "a": generation.folder_digest(tmp_path / "a")}
-    generation.check_unchanged(tmp_path / "a", digests)
-    (tmp_path / "a" / "f").write_bytes(b"y")
+@pytest.mark.parametrize("kept", [1 << 20, 0])  # the bytes kept; past the run's budget, a sha256
+@pytest.mark.parametrize("change", ["same size", "longer", "new file", "renamed"])
+def test_check_unchanged_passes_an_untouched_folder_and_catches_each_change(tmp_path: Path, kept: int, change: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generation, "KEPT_BYTES", kept)
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "f").write_bytes(b"xyz")
+    published: dict[Path, generation.FolderState] = {}
+    generation.remember(published, folder)
+    assert (published[folder].contents is None) == (kept == 0) and (published[folder].digest is None) == (kept > 0)
+    generation.check_unchanged(folder, published)
+    {"same size": lambda: (folder / "f").write_bytes(b"xyZ"), "longer": lambda: (folder / "f").write_bytes(b"xyzw"),
+     "new file": lambda: (folder / "g").write_bytes(b""),
+     "renamed": lambda: (folder / "f").rename(folder / "e")}[change]()
     with pytest.raises(PhaseError, match="changed on disk"):
-        generation.check_unchanged(tmp_path / "a", digests)
+        generation.check_unchanged(folder, published)
+
+
+def test_a_run_keeps_bytes_up_to_its_budget_then_digests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generation, "KEPT_BYTES", 10)
+    published: dict[Path, generation.FolderState] = {}
+    for name in "abc":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"1234")
+        generation.remember(published, tmp_path / name)
+    assert [published[tmp_path / n].contents is not None for n in "abc"] == [True, True, False]
+    assert published[tmp_path / "c"].digest == generation.folder_digest(tmp_path / "c")
+    generation.remember(published, tmp_path / "a")  # published again: its own bytes no longer count against it
+    assert published[tmp_path / "a"].contents == (b"1234",)
 
 
 # --- --adapter -------------------------------------------------------------------------------

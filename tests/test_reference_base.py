@@ -15,6 +15,7 @@ from lora_parity.backends import reference_base  # noqa: E402
 from lora_parity.backends.fp32_points import fp32_points  # noqa: E402
 from lora_parity.backends.hf import HFTrainer, fp32_reference  # noqa: E402
 from lora_parity.backends.reference_base import ReferenceBase  # noqa: E402
+from lora_parity.backends.zero_lora import zero_layers  # noqa: E402
 from lora_parity.models import config, synthetic  # noqa: E402
 from lora_parity.util.errors import ConfigError  # noqa: E402
 
@@ -127,24 +128,75 @@ def test_the_exact_layout_from_the_tensors_equals_the_layout_from_peft(tmp_path:
     cfg = _bf16(tmp_path)
     model_dir = synthetic.materialize(cfg)
     trainer = HFTrainer(cfg, model_dir, 0, {})
-    trainer.perturb(0.05, 3, only="v_proj")
     plain = load_base(cfg, model_dir, torch.device("cpu"), dtype="float32")
     targets = plain_targets(cfg, plain)
     assert targets is not None and len(targets) == 7 * len(plain.model.layers)
     state = StateGroups(plain, rank, torch.bfloat16)
-    pairs = lora_pairs(trainer.lora_tensors(), targets, "exact reference", torch.device("cpu"), torch.bfloat16)
-    groups_of = state.of(pairs, scaling(cfg))
     peft_layers = trainer.model.get_base_model().model.layers
-    for index, layer in enumerate(plain.model.layers):
-        ours, theirs = groups_of(index, layer), layer_groups(peft_layers[index], rank)
-        for name in ("qkv", "o", "gate_up", "down"):
-            assert torch.equal(ours[name].weight, theirs[name].weight), name
-            assert ours[name].a is not None and theirs[name].a is not None and ours[name].b is not None
-            assert all(torch.equal(x, y) for x, y in zip(ours[name].a, theirs[name].a, strict=True))
-            assert all(torch.equal(x, y) for x, y in zip(ours[name].b, theirs[name].b, strict=True))  # type: ignore
-        assert ours["qkv"].b is not None and ours["qkv"].b[2].any() and not ours["o"].b[0].any()  # type: ignore
+    for only in (None, "v_proj"):  # every B non-zero; one target kind's alone (the others' B exactly zero)
+        trainer.zero_b()
+        trainer.perturb(0.05, 3, only=only)
+        zero = frozenset(map(id, zero_layers(trainer.model)))
+        pairs = lora_pairs(trainer.lora_tensors(), targets, "exact reference", torch.device("cpu"), torch.bfloat16)
+        groups_of = state.of(pairs, scaling(cfg))
+        for index, layer in enumerate(plain.model.layers):
+            ours, theirs = groups_of(index, layer), layer_groups(peft_layers[index], rank, zero)
+            for name in ("qkv", "o", "gate_up", "down"):
+                assert torch.equal(ours[name].weight, theirs[name].weight), name
+                assert (ours[name].a is None) == (theirs[name].a is None) == (only is not None and name != "qkv")
+                for x, y in zip(ours[name].a or (), theirs[name].a or (), strict=True):
+                    assert torch.equal(x, y)
+                for x, y in zip(ours[name].b or (), theirs[name].b or (), strict=True):
+                    assert torch.equal(x, y)
+            assert ours["qkv"].b is not None and ours["qkv"].b[2].any()
+            assert ours["qkv"].b[0].any() == (only is None)  # q_proj's slice: zero (its A too) where B is zero
     embed = trainer.model.get_base_model().model.embed_tokens.weight
     assert torch.equal(state.cast(plain.model.embed_tokens.weight), embed)
+
+
+def test_a_zero_b_slice_adds_what_the_engine_adds_and_a_written_b_is_seen(tmp_path: Path) -> None:
+    """A layer whose B is exactly zero is laid out without its A (`StateGroups.of`, `layer_groups` with
+    `zero_lora.zero_layers`): the LoRA term of the slices (x A^T, then B^T, as the shrink and expand kernels) is the
+    same zero either way; and one subnormal written into such a B (no square to underflow) brings the layer back."""
+    from lora_parity.backends.exact import StateGroups, layer_groups
+    from lora_parity.backends.hf import load_base
+    from lora_parity.backends.reference_base import lora_pairs, plain_targets, scaling
+
+    cfg = _bf16(tmp_path)
+    model_dir = synthetic.materialize(cfg)
+    trainer = HFTrainer(cfg, model_dir, 0, {})
+    trainer.perturb(0.05, 3, only="q_proj")
+    plain = load_base(cfg, model_dir, torch.device("cpu"), dtype="float32")
+    targets = plain_targets(cfg, plain)
+    assert targets is not None
+    layer = trainer.model.get_base_model().model.layers[1]
+    skipped = layer_groups(layer, 8, frozenset(map(id, zero_layers(trainer.model))))["qkv"]
+    full = layer_groups(layer, 8)["qkv"]
+    x = torch.randn(5, full.weight.shape[1], dtype=torch.bfloat16)
+    assert skipped.a is not None and skipped.b is not None and full.a is not None and full.b is not None
+    for ours, theirs in zip(zip(skipped.a, skipped.b, strict=True), zip(full.a, full.b, strict=True), strict=True):
+        term = [(x.float() @ a[0, 0].float().T) @ b[0, 0].float().T for a, b in (ours, theirs)]
+        assert torch.equal(term[0], term[1])
+    assert not skipped.a[1].any() and full.a[1].any()  # k_proj: B zero, so its A is left out
+    with torch.no_grad():
+        layer.self_attn.o_proj.lora_B["default"].weight[0, 0] = 1e-40  # a subnormal: its square underflows
+    assert layer_groups(layer, 8, frozenset(map(id, zero_layers(trainer.model))))["o"].a is not None
+    pairs = lora_pairs(trainer.lora_tensors(), targets, "exact reference", torch.device("cpu"), torch.bfloat16)
+    groups = StateGroups(plain, 8, torch.bfloat16).of(pairs, scaling(cfg))
+    assert groups(1, plain.model.layers[1])["o"].a is not None and groups(0, plain.model.layers[0])["o"].a is None
+
+
+def test_the_page_layout_is_made_once_as_vllm_lays_out_a_prefill() -> None:
+    """`exact.Pages`: blocks of 16 in sequence order, each sequence's slots from its first block, the starts and
+    lengths as FlashAttention's varlen arguments take them."""
+    from lora_parity.backends.exact import Pages
+
+    pages = Pages([5, 20, 16], torch.device("cpu"))
+    assert pages.blocks == 4 and pages.table.tolist() == [[0, 0], [1, 2], [3, 0]]
+    assert pages.slots.tolist() == [*range(5), *range(16, 36), *range(48, 64)]
+    assert pages.starts.tolist() == [0, 5, 25, 41] and pages.used.tolist() == [5, 20, 16]
+    assert pages.table.dtype == pages.starts.dtype == pages.used.dtype == torch.int32
+    assert pages.slots.dtype == torch.int64
 
 
 def test_the_export_writes_what_peft_writes_byte_for_byte(tmp_path: Path) -> None:

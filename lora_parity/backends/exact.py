@@ -84,10 +84,11 @@ class _Group:
     rank: int
 
 
-def lora_group(modules: list[Any], rank: int) -> _Group:
+def lora_group(modules: list[Any], rank: int, zero: frozenset[int] = frozenset()) -> _Group:
     """The vLLM layout of PEFT linears `modules` (a module without LoRA is a zero slice, as vLLM resets
-    a slice the adapter does not carry), padded to `rank` (vLLM's max_lora_rank)."""
-    parts = [lora_parts(m) for m in modules]
+    a slice the adapter does not carry), padded to `rank` (vLLM's max_lora_rank). A module in `zero` (ids of
+    `zero_lora.zero_layers`: every B exactly zero) is taken as one without LoRA: it adds exactly zero either way."""
+    parts = [lora_parts(m) if id(m) not in zero else (m.base_layer.weight, None, None, 1.0) for m in modules]
     weight = torch.cat([w for w, *_ in parts]).contiguous()
     a, b = _slices([(w.shape[0], w.shape[1], a, b, scale) for w, a, b, scale in parts], rank, weight.dtype,
                    weight.device)
@@ -166,33 +167,47 @@ def rope_cache(cfg: Any, head_dim: int, device: Any, dtype: torch.dtype) -> torc
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
-def paged_attention(q: Any, k: Any, v: Any, hq: int, hkv: int, head_dim: int, lens: list[int] | None = None) -> Any:
-    """Causal attention of packed sequences (`lens`, default one) as vLLM's FLASH_ATTN backend runs a prefill:
-    K and V written to a paged cache (blocks of 16, K and V side by side in the last dimension) by
-    `reshape_and_cache_flash`, then FlashAttention 3 over each sequence's block table with one split."""
+class Pages:
+    """The paged KV layout of packed sequences (`lens`) as vLLM's FLASH_ATTN backend reads a prefill: blocks of 16,
+    each sequence's in order, its block table, slots, cumulative starts and lengths. Every layer's is the same, so
+    a forward makes it once, on the host, and sends it in one copy per tensor (a copy from pageable host memory
+    waits for the device: made per layer, it held the host back twice a layer)."""
+
+    def __init__(self, lens: list[int], device: Any, block: int = 16) -> None:
+        per_seq = [(length + block - 1) // block for length in lens]
+        table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+        slots, first = [], 0
+        for row, (length, count) in enumerate(zip(lens, per_seq, strict=True)):
+            table[row, :count] = torch.arange(first, first + count, dtype=torch.int32)
+            slots.append(first * block + torch.arange(length, dtype=torch.int64))
+            first += count
+        self.lens, self.block, self.blocks = lens, block, first
+        self.table, self.slots = table.to(device), torch.cat(slots).to(device)
+        self.starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
+        self.used = torch.tensor(lens, dtype=torch.int32).to(device)
+        self.one = torch.ones((), dtype=torch.float32, device=device)
+
+
+def paged_attention(q: Any, k: Any, v: Any, hq: int, hkv: int, head_dim: int, lens: list[int] | None = None,
+                    pages: Pages | None = None) -> Any:
+    """Causal attention of packed sequences (`lens`, default one; or `pages`, their layout made once) as vLLM's
+    FLASH_ATTN backend runs a prefill: K and V written to a paged cache (blocks of 16, K and V side by side in the
+    last dimension, zeros before) by `reshape_and_cache_flash`, then FlashAttention 3 over each sequence's block
+    table with one split."""
     from vllm import _custom_ops as ops
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    n, device, block = q.shape[0], q.device, 16
-    lens = lens or [n]
-    per_seq = [(length + block - 1) // block for length in lens]
-    kv = torch.zeros(sum(per_seq), block, hkv, 2 * head_dim, dtype=q.dtype, device=device)
+    n = q.shape[0]
+    pages = pages or Pages(lens or [n], q.device)
+    kv = torch.zeros(pages.blocks, pages.block, hkv, 2 * head_dim, dtype=q.dtype, device=q.device)
     key_cache, value_cache = kv[..., :head_dim], kv[..., head_dim:]
-    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=device)
-    slots, first = [], 0
-    for row, (length, count) in enumerate(zip(lens, per_seq, strict=True)):
-        table[row, :count] = torch.arange(first, first + count, dtype=torch.int32, device=device)
-        slots.append(first * block + torch.arange(length, dtype=torch.int64, device=device))
-        first += count
-    one = torch.ones((), dtype=torch.float32, device=device)
     ops.reshape_and_cache_flash(k.reshape(n, hkv, head_dim), v.reshape(n, hkv, head_dim), key_cache, value_cache,
-                                torch.cat(slots), "auto", one, one)
-    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    out = torch.empty(n, hq * head_dim, dtype=q.dtype, device=device)
+                                pages.slots, "auto", pages.one, pages.one)
+    out = torch.empty(n, hq * head_dim, dtype=q.dtype, device=q.device)
     flash_attn_varlen_func(q=q.reshape(n, hq, head_dim), k=key_cache, v=value_cache, out=out.view(n, hq, head_dim),
-                           cu_seqlens_q=starts, max_seqlen_q=max(lens),
-                           seqused_k=torch.tensor(lens, dtype=torch.int32, device=device), max_seqlen_k=max(lens),
-                           softmax_scale=head_dim ** -0.5, causal=True, window_size=[-1, -1], block_table=table,
+                           cu_seqlens_q=pages.starts, max_seqlen_q=max(pages.lens),
+                           seqused_k=pages.used, max_seqlen_k=max(pages.lens),
+                           softmax_scale=head_dim ** -0.5, causal=True, window_size=[-1, -1], block_table=pages.table,
                            softcap=0, fa_version=3, num_splits=1)
     return out
 
@@ -211,9 +226,9 @@ GROUPS = (("qkv", "self_attn", ("q_proj", "k_proj", "v_proj")), ("o", "self_attn
 """A decoder layer's four LoRA linear layers as vLLM merges them: (name, parent module, members)."""
 
 
-def layer_groups(layer: Any, rank: int) -> dict[str, _Group]:
-    """A decoder layer's four LoRA linear layers as vLLM merges them, from PEFT's modules."""
-    return {name: lora_group([getattr(getattr(layer, parent), m) for m in members], rank)
+def layer_groups(layer: Any, rank: int, zero: frozenset[int] = frozenset()) -> dict[str, _Group]:
+    """A decoder layer's four LoRA linear layers as vLLM merges them, from PEFT's modules (`zero`: `lora_group`'s)."""
+    return {name: lora_group([getattr(getattr(layer, parent), m) for m in members], rank, zero)
             for name, parent, members in GROUPS}
 
 
@@ -236,7 +251,13 @@ class StateGroups:
         return self._cast[id(t)][1]
 
     def of(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> Any:
-        """`exact_forward`'s `groups_of` for the point whose LoRA tensors are `pairs`."""
+        """`exact_forward`'s `groups_of` for the point whose LoRA tensors are `pairs`. A layer whose B is exactly
+        zero (every element: one host sync for the point) is a slice without LoRA, as `zero_lora` skips PEFT's:
+        it adds exactly zero either way, and a group none of whose slices carries one runs no LoRA kernel."""
+        paths = list(pairs)
+        norms = torch._foreach_norm([pairs[p][1] for p in paths], float("inf")) if paths else []
+        live = {p for p, keep in zip(paths, torch.stack(list(norms)).ne(0).tolist() if paths else [], strict=True)
+                if keep}
 
         def groups(index: int, layer: Any) -> dict[str, _Group]:
             out = {}
@@ -245,7 +266,7 @@ class StateGroups:
                 if (index, name) not in self._weights:
                     self._weights[index, name] = torch.cat([self.cast(m.weight) for m in modules]).contiguous()
                 weight = self._weights[index, name]
-                loras = [pairs.get(self.paths[id(m)], (None, None)) for m in modules]
+                loras = [pairs[path] if (path := self.paths[id(m)]) in live else (None, None) for m in modules]
                 parts: list[Slice] = [(m.out_features, m.in_features, a, b, scale)
                                       for m, (a, b) in zip(modules, loras, strict=True)]
                 out[name] = _Group(weight, *_slices(parts, self.rank, self.dtype, weight.device), self.rank)
@@ -269,7 +290,13 @@ def exact_forward(model: Any, seqs: list[list[int]], rank: int, state: StateGrou
     causal = model.get_base_model() if state is None else model
     inner, cfg = causal.model, causal.config
     cast = state.cast if state is not None else (lambda t: t)
-    groups_of = groups_of or (lambda index, layer: layer_groups(layer, rank))
+    if groups_of is None:
+        from lora_parity.backends.zero_lora import zero_layers
+
+        zero = frozenset(map(id, zero_layers(model)))
+
+        def groups_of(index: int, layer: Any) -> dict[str, _Group]:
+            return layer_groups(layer, rank, zero)
     device = inner.embed_tokens.weight.device
     lens = [len(s) for s in seqs]
     n = sum(lens)
@@ -278,7 +305,7 @@ def exact_forward(model: Any, seqs: list[list[int]], rank: int, state: StateGrou
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     cos_sin = rope_cache(cfg, head_dim, device, cast(inner.embed_tokens.weight).dtype)
-    meta = lora_meta(n, device)
+    meta, pages = lora_meta(n, device), Pages(lens, device)
     eps = cfg.rms_norm_eps
 
     h = F.embedding(tokens, cast(inner.embed_tokens.weight))
@@ -297,7 +324,7 @@ def exact_forward(model: Any, seqs: list[list[int]], rank: int, state: StateGrou
         else:
             q, k = q.contiguous(), k.contiguous()
         ops.rotary_embedding(positions, q, k, head_dim, cos_sin, True)
-        h = apply_group(paged_attention(q, k, v, hq, hkv, head_dim, lens), groups["o"], meta)
+        h = apply_group(paged_attention(q, k, v, hq, hkv, head_dim, pages=pages), groups["o"], meta)
         ops.fused_add_rms_norm(h, residual, cast(layer.post_attention_layernorm.weight), eps)
         gate_up = apply_group(h, groups["gate_up"], meta)
         act = torch.empty(n, gate_up.shape[-1] // 2, dtype=h.dtype, device=device)

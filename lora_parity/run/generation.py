@@ -1,5 +1,5 @@
 """Sampled tokens: prompts, seeded generation through a `GeneratingSampler`, and the published-folder
-digests that catch an adapter changed on disk after it was handed to the sampler.
+folders' states that catch an adapter changed on disk after it was handed to the sampler.
 
 `--probes sampled` takes the text probes' windows, keeps each one's first `prompt_length(n)` tokens (half)
 as a prompt, and has the sampler generate the rest (temperature 1, or the user's `--sampling` where the sampler
@@ -10,6 +10,7 @@ the same prompts again with the synced adapter. See docs/probes-and-adapters.md.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,20 +75,68 @@ def generate(sampler: object, prompt_ids: Sequences, lengths: list[int], seed: i
     return sequences, logprobs
 
 
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in Path(folder).rglob("*") if p.is_file())
+
+
 def folder_digest(folder: Path) -> str:
-    """sha256 over the names and bytes of a folder's files, in name order."""
+    """sha256 over the names and bytes of a folder's files, in name order (read in chunks)."""
     h = hashlib.sha256()
-    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+    for path in _files(folder):
         h.update(path.relative_to(folder).as_posix().encode() + b"\0")
-        h.update(path.read_bytes())
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
     return h.hexdigest()
 
 
-def check_unchanged(folder: Path, digests: dict[Path, str]) -> None:
+KEPT_BYTES = 256 << 20
+"""A run keeps the published folders' bytes up to this much in all, to compare byte for byte at each check (a read
+and a compare: about a tenth of a sha256's time); a folder past it is kept as its sha256 (`folder_digest`)."""
+
+
+@dataclass(frozen=True)
+class FolderState:
+    """What a published folder held: its files' names and sizes, and their bytes or their sha256."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    contents: tuple[bytes, ...] | None
+    digest: str | None
+
+    @classmethod
+    def of(cls, folder: Path, keep: int) -> FolderState:
+        """The folder's state now: its bytes where they come to at most `keep`, else its sha256."""
+        files = _files(folder)
+        names, sizes = tuple(p.relative_to(folder).as_posix() for p in files), tuple(p.stat().st_size for p in files)
+        if sum(sizes) <= keep:
+            return cls(names, sizes, tuple(p.read_bytes() for p in files), None)
+        return cls(names, sizes, None, folder_digest(folder))
+
+    def held_by(self, folder: Path) -> bool:
+        """Whether `folder` holds the same files, byte for byte (or by sha256), as it did."""
+        files = _files(folder)
+        if tuple(p.relative_to(folder).as_posix() for p in files) != self.names:
+            return False
+        if tuple(p.stat().st_size for p in files) != self.sizes:
+            return False
+        if self.contents is not None:
+            return all(p.read_bytes() == kept for p, kept in zip(files, self.contents, strict=True))
+        return folder_digest(folder) == self.digest
+
+
+def remember(published: dict[Path, FolderState], folder: Path) -> None:
+    """Keep `folder`'s state now in `published` (its bytes while the run's kept bytes stay within `KEPT_BYTES`)."""
+    published.pop(Path(folder), None)
+    kept = sum(len(b) for state in published.values() for b in state.contents or ())
+    published[Path(folder)] = FolderState.of(folder, KEPT_BYTES - kept)
+
+
+def check_unchanged(folder: Path, published: dict[Path, FolderState]) -> None:
     """Raise `PhaseError` if the adapter folder the sampler was handed changed on disk since (an
     engine may read it again: vLLM reloads an evicted adapter from its path)."""
-    expected = digests.get(Path(folder))
-    if expected is not None and folder_digest(folder) != expected:
+    expected = published.get(Path(folder))
+    if expected is not None and not expected.held_by(folder):
         raise PhaseError(f"the published adapter {Path(folder).name} changed on disk after it was published")
 
 

@@ -190,8 +190,8 @@ class Run:
     prompts: list[list[int]] = field(default_factory=list)  # the prompts the sampler generated from (sampled)
     generated: list[list[int]] = field(default_factory=list)
     """What the sampler generated from `prompts` with the synced adapter (`sampled` runs)."""
-    published_digests: dict[Path, str] = field(default_factory=dict)
-    """sha256 of each adapter folder the sampler was handed, checked again before it scores with it."""
+    published: dict[Path, generation.FolderState] = field(default_factory=dict)
+    """What each adapter folder the sampler was handed held (`generation.remember`), checked before it scores."""
     warm_start: bool = False
     """`--update step` from zero-init: the seeded warm adapter (`update_step`) is the start point (version 0)."""
     replay: Replay = field(default_factory=Replay)
@@ -300,7 +300,7 @@ class Run:
         """Sampler scores under `handle` (None: base model), twice with `repeat`."""
         if handle is not None:
             self.faults.before_scoring(handle.path)
-            generation.check_unchanged(handle.path, self.published_digests)
+            generation.check_unchanged(handle.path, self.published)
         for k in (key, f"{key}_repeat") if repeat else (key,):
             raw = self._timed(k, functools.partial(self.replay.score, self.sampler, k, self.sequences, handle))
             self._record(k, self.faults.sampler_scores(raw))
@@ -335,7 +335,7 @@ class Run:
     def exported(self, version: int, folder: Path) -> None:
         """Adapter-file faults rewrite each exported folder before the sampler loads it."""
         self.faults.after_export(version, folder)
-        self.published_digests[folder] = generation.folder_digest(folder)
+        generation.remember(self.published, folder)
 
     def publish_zero(self) -> None:
         """Publish the zero-init adapter (version 0)."""
@@ -414,7 +414,7 @@ class Run:
         self.mode.sync(self)
         after_loop_sync(self)
         if self.handle is not None and self.handle.path.is_dir():
-            self.published_digests[self.handle.path] = generation.folder_digest(self.handle.path)
+            generation.remember(self.published, self.handle.path)
 
     def retire(self) -> None:
         """Leave the sampler as the run found it (`engine_state.retire`)."""
