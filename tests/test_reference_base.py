@@ -58,6 +58,25 @@ def test_plain_lora_on_the_shared_load_scores_as_a_peft_wrap_bit_for_bit(tmp_pat
     assert not base.held
 
 
+@pytest.mark.parametrize(("pack", "forwards"), [(2048, 1), (42, 2), (20, 6)])
+def test_points_share_forwards_up_to_the_pack_and_each_keeps_its_own_rows(tmp_path: Path, pack: int,
+                                                                          forwards: int) -> None:
+    """`fp32_points` on the shared load packs points into a forward up to `scoring.pack_tokens` padded tokens: all
+    three (3 sequences right-padded to 7: 21 tokens), two then one (42), or one a forward where the sequences
+    themselves take two groups (20). On this CPU every way scores as a PEFT wrap per point does, bit for bit."""
+    cfg = _bf16(tmp_path)
+    cfg = cfg.model_copy(update={"scoring": cfg.scoring.model_copy(update={"pack_tokens": pack})})
+    model_dir = synthetic.materialize(cfg)
+    states = _points(HFTrainer(cfg, model_dir, 0, {}))
+    base = ReferenceBase(cfg, model_dir, torch.device("cpu"))
+    calls: list[int] = []
+    base.model().register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0] if args else 0))
+    shared = fp32_points(cfg, model_dir, base)(SEQS, states)
+    assert len(calls) == forwards
+    assert shared == fp32_points(cfg, model_dir)(SEQS, states)
+    assert shared[1] != shared[0] != shared[2] != shared[1]  # no point took another's rows
+
+
 def test_a_set_without_a_tensor_or_of_another_shape_is_refused_on_the_shared_load(tmp_path: Path) -> None:
     cfg = _bf16(tmp_path)
     model_dir = synthetic.materialize(cfg)

@@ -17,7 +17,7 @@ from pathlib import Path
 import peft
 import torch
 
-from lora_parity.backends.base import RouteTable, Scores, Sequences
+from lora_parity.backends.base import RouteTable, Scores, Sequences, groups
 from lora_parity.backends.hf import load_base, pack_tokens, pick_device, score_sequences
 from lora_parity.backends.moe import forced_routes
 from lora_parity.backends.raw_tensors import copy_raw
@@ -59,16 +59,42 @@ def fp32_points(cfg: ModelConfig, model_dir: Path, base: ReferenceBase | None = 
         if targets is None:
             base.release()  # PEFT's wrap loads its own
             return own(sequences, states, routes)
+        if routes is None:
+            return packed_points(cfg, model, targets, sequences, states, base.device)
         out = []
-        for i, state in enumerate(states):
+        for state, table in zip(states, routes, strict=True):  # each point with its own routes: a forward each
             pairs = lora_pairs(state, targets, "fp32 reference", base.device, torch.float32)
-            table = routes[i] if routes is not None else None
-            with plain_lora(targets, pairs, scaling(cfg)), \
+            with plain_lora(targets, [pairs], scaling(cfg)), \
                     forced_routes(model, table) if table is not None else contextlib.nullcontext():
                 out.append(forward(model, sequences, base.device))
         return out
 
     return score
+
+
+def packed_points(cfg: ModelConfig, model: torch.nn.Module, targets: Mapping[str, torch.nn.Linear],
+                  sequences: Sequences, states: States, device: torch.device) -> list[Scores]:
+    """The fp32 model's scores with each of `states` (plain LoRA by hooks), as many points in one forward as fit in
+    the trainer's `scoring.pack_tokens` padded tokens (each point's copy of a group of sequences its own rows,
+    `plain_lora`): one forward per group and point cost about the same on a GPU, its launches. Where a group alone
+    fills the pack (or the config packs by sequences), one point per forward, as one point alone is scored."""
+    pack = pack_tokens(cfg, model)
+    parts = groups(sequences, cfg.scoring.batch_size, pack)
+    per_forward = min((max(1, pack // (len(sequences[p]) * max(map(len, sequences[p])))) for p in parts),
+                      default=1) if pack else 1
+    out: list[Scores] = []
+    for first in range(0, len(states), per_forward):
+        chunk = [lora_pairs(state, targets, "fp32 reference", device, torch.float32)
+                 for state in states[first:first + per_forward]]
+        scores: list[Scores] = [[] for _ in chunk]
+        for part in parts:
+            group = list(sequences[part])
+            with plain_lora(targets, chunk, scaling(cfg), rows=len(group)):
+                got = score_sequences(model, group * len(chunk), device, len(group) * len(chunk))
+            for i, point in enumerate(scores):
+                point += got[i * len(group):(i + 1) * len(group)]
+        out += scores
+    return out
 
 
 Forward = Callable[[torch.nn.Module, Sequences, torch.device], Scores]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,10 @@ def scaling(cfg: ModelConfig) -> float:
     return cfg.adapter.alpha / cfg.adapter.rank
 
 
+Pairs = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+"""One point's LoRA tensors: (A, B) by target layer path (`lora_pairs`)."""
+
+
 def lora_pairs(state: Mapping[str, RawTensor], targets: Mapping[str, torch.nn.Linear], what: str,
                device: torch.device, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(A, B) of each target layer from the trainer's tensors `state` (PEFT's saved names), on `device` in `dtype`,
@@ -139,30 +143,39 @@ def lora_pairs(state: Mapping[str, RawTensor], targets: Mapping[str, torch.nn.Li
 
 
 @contextlib.contextmanager
-def plain_lora(targets: Mapping[str, torch.nn.Linear], pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-               scale: float) -> Iterator[int]:
-    """Within: each target layer adds `lora_B(lora_A(x)) * scale` to its output, as PEFT's LoRA linear does, except
-    where B is all zero (checked in one host sync); yields how many layers carry one. The hooks go on exit."""
+def plain_lora(targets: Mapping[str, torch.nn.Linear], points: Sequence[Pairs], scale: float,
+               rows: int = 0) -> Iterator[int]:
+    """Within: each target layer adds `lora_B(lora_A(x)) * scale` to its output, as PEFT's LoRA linear does, for each
+    of `points` (sets of LoRA tensors): one point to the whole batch, several each to its own `rows` rows of it, in
+    order. Not where B is all zero (every point's checked in one host sync); yields how many (layer, point) pairs
+    carry one. The hooks go on exit."""
     paths = list(targets)
-    if not paths:
+    if not paths or not points:
         yield 0
         return
-    norms = torch._foreach_norm([pairs[p][1] for p in paths], float("inf"))
+    norms = torch._foreach_norm([point[p][1] for point in points for p in paths], float("inf"))
     nonzero = torch.stack(list(norms)).ne(0).tolist()
-    handles = []
+    handles, count = [], 0
     try:
-        for path, keep in zip(paths, nonzero, strict=True):
-            if keep:
-                a, b = pairs[path]
-                handles.append(targets[path].register_forward_hook(_adds(a, b, scale)))
-        yield len(handles)
+        for j, path in enumerate(paths):
+            live = [(i, *point[path]) for i, point in enumerate(points) if nonzero[i * len(paths) + j]]
+            if live:
+                count += len(live)
+                handles.append(targets[path].register_forward_hook(_adds(live, scale, rows if len(points) > 1 else 0)))
+        yield count
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _adds(a: torch.Tensor, b: torch.Tensor, scale: float) -> Any:
+def _adds(live: list[tuple[int, torch.Tensor, torch.Tensor]], scale: float, rows: int) -> Any:
     def hook(module: Any, args: tuple[Any, ...], result: torch.Tensor) -> torch.Tensor:
-        return result + F.linear(F.linear(args[0], a), b) * scale
+        if not rows:
+            ((_, a, b),) = live
+            return result + F.linear(F.linear(args[0], a), b) * scale
+        for i, a, b in live:  # each point's rows alone: its LoRA's matmuls as one point's forward makes them
+            part = slice(i * rows, (i + 1) * rows)
+            result[part] = result[part] + F.linear(F.linear(args[0][part], a), b) * scale
+        return result
 
     return hook
