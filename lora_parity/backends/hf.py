@@ -79,11 +79,11 @@ def score_sequences(model: Any, sequences: Sequences, device: torch.device, batc
     for part in groups(sequences, batch_size, pack):
         group = sequences[part]
         width = max(len(seq) for seq in group)
-        ids = torch.zeros((len(group), width), dtype=torch.long, device=device)
-        mask = torch.zeros((len(group), width), dtype=torch.long, device=device)
+        ids, mask = torch.zeros((2, len(group), width), dtype=torch.long)  # on the host, then one copy each
         for i, seq in enumerate(group):
-            ids[i, :len(seq)] = torch.tensor(seq, device=device)
+            ids[i, :len(seq)] = torch.tensor(seq)
             mask[i, :len(seq)] = 1
+        ids, mask = ids.to(device), mask.to(device)
         kwargs = {"attention_mask": mask} if len(group) > 1 else {}
         logits = model(input_ids=ids, **kwargs).logits
         for i, seq in enumerate(group):
