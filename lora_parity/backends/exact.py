@@ -254,10 +254,10 @@ class StateGroups:
         """`exact_forward`'s `groups_of` for the point whose LoRA tensors are `pairs`. A layer whose B is exactly
         zero (every element: one host sync for the point) is a slice without LoRA, as `zero_lora` skips PEFT's:
         it adds exactly zero either way, and a group none of whose slices carries one runs no LoRA kernel."""
+        from lora_parity.backends.reference_base import nonzero_b
+
         paths = list(pairs)
-        norms = torch._foreach_norm([pairs[p][1] for p in paths], float("inf")) if paths else []
-        live = {p for p, keep in zip(paths, torch.stack(list(norms)).ne(0).tolist() if paths else [], strict=True)
-                if keep}
+        live = {path for path, keep in zip(paths, nonzero_b([pairs], paths)[0], strict=True) if keep}
 
         def groups(index: int, layer: Any) -> dict[str, _Group]:
             out = {}

@@ -142,6 +142,16 @@ def lora_pairs(state: Mapping[str, RawTensor], targets: Mapping[str, torch.nn.Li
             for path in targets}
 
 
+def nonzero_b(points: Sequence[Pairs], paths: list[str]) -> list[list[bool]]:
+    """For each point, whether each layer's B (of `paths`) holds a non-zero: each tensor's max |x| (no squares to
+    underflow; a NaN is not zero), all points' in one host sync."""
+    if not paths or not points:
+        return [[] for _ in points]
+    norms = torch._foreach_norm([point[p][1] for point in points for p in paths], float("inf"))
+    flat = torch.stack(list(norms)).ne(0).tolist()
+    return [flat[i * len(paths):(i + 1) * len(paths)] for i in range(len(points))]
+
+
 @contextlib.contextmanager
 def plain_lora(targets: Mapping[str, torch.nn.Linear], points: Sequence[Pairs], scale: float,
                rows: int = 0) -> Iterator[int]:
@@ -153,12 +163,11 @@ def plain_lora(targets: Mapping[str, torch.nn.Linear], points: Sequence[Pairs], 
     if not paths or not points:
         yield 0
         return
-    norms = torch._foreach_norm([point[p][1] for point in points for p in paths], float("inf"))
-    nonzero = torch.stack(list(norms)).ne(0).tolist()
+    nonzero = nonzero_b(points, paths)
     handles, count = [], 0
     try:
         for j, path in enumerate(paths):
-            live = [(i, *point[path]) for i, point in enumerate(points) if nonzero[i * len(paths) + j]]
+            live = [(i, *point[path]) for i, point in enumerate(points) if nonzero[i][j]]
             if live:
                 count += len(live)
                 handles.append(targets[path].register_forward_hook(_adds(live, scale, rows if len(points) > 1 else 0)))
