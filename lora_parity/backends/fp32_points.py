@@ -80,8 +80,8 @@ def packed_points(cfg: ModelConfig, model: torch.nn.Module, targets: Mapping[str
     fills the pack (or the config packs by sequences), one point per forward, as one point alone is scored."""
     pack = pack_tokens(cfg, model)
     parts = groups(sequences, cfg.scoring.batch_size, pack)
-    per_forward = min((max(1, pack // (len(sequences[p]) * max(map(len, sequences[p])))) for p in parts),
-                      default=1) if pack else 1
+    padded = [len(sequences[p]) * max(map(len, sequences[p])) for p in parts]  # each group's tokens, right-padded
+    per_forward = max(1, pack // max(padded, default=1)) if pack else 1
     out: list[Scores] = []
     for first in range(0, len(states), per_forward):
         chunk = [lora_pairs(state, targets, "fp32 reference", device, torch.float32)

@@ -104,21 +104,24 @@ class FolderState:
     contents: tuple[bytes, ...] | None
     digest: str | None
 
+    @staticmethod
+    def _listing(folder: Path) -> tuple[list[Path], tuple[str, ...], tuple[int, ...]]:
+        files = _files(folder)
+        return files, tuple(p.relative_to(folder).as_posix() for p in files), tuple(p.stat().st_size for p in files)
+
     @classmethod
     def of(cls, folder: Path, keep: int) -> FolderState:
         """The folder's state now: its bytes where they come to at most `keep`, else its sha256."""
-        files = _files(folder)
-        names, sizes = tuple(p.relative_to(folder).as_posix() for p in files), tuple(p.stat().st_size for p in files)
+        files, names, sizes = cls._listing(folder)
         if sum(sizes) <= keep:
             return cls(names, sizes, tuple(p.read_bytes() for p in files), None)
         return cls(names, sizes, None, folder_digest(folder))
 
     def held_by(self, folder: Path) -> bool:
-        """Whether `folder` holds the same files, byte for byte (or by sha256), as it did."""
-        files = _files(folder)
-        if tuple(p.relative_to(folder).as_posix() for p in files) != self.names:
-            return False
-        if tuple(p.stat().st_size for p in files) != self.sizes:
+        """Whether `folder` holds the same files, byte for byte (or by sha256), as it did (names and sizes first:
+        a file that grew is not read)."""
+        files, names, sizes = self._listing(folder)
+        if (names, sizes) != (self.names, self.sizes):
             return False
         if self.contents is not None:
             return all(p.read_bytes() == kept for p, kept in zip(files, self.contents, strict=True))
