@@ -40,7 +40,7 @@ def _whole(trainer: Any) -> Any:
 def _layers(trainer: Any) -> list[Any]:
     from lora_parity.backends import zero_lora
 
-    return zero_lora._lora_linears(trainer.model)
+    return zero_lora.lora_linears(trainer.model)
 
 
 def _kinds(layers: list[Any], trainer: Any) -> set[str]:

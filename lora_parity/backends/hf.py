@@ -15,7 +15,7 @@ import peft
 import torch
 import transformers
 
-from lora_parity.backends import hf_step, layer_subset, native_ops, zero_lora
+from lora_parity.backends import hf_graphs, hf_step, layer_subset, native_ops
 from lora_parity.backends.adapter_export import AdapterWriter
 from lora_parity.backends.base import (
     AdapterHandle,
@@ -29,6 +29,7 @@ from lora_parity.backends.base import (
     routes_experts,
 )
 from lora_parity.backends.grouping import forward_description
+from lora_parity.backends.hf_generate import generate_one
 from lora_parity.backends.moe import REPLAYED_WEIGHTS, Routes, forced_routes, hf_router_topk, recorded_routes, routers
 from lora_parity.backends.processed import processed_logprobs
 from lora_parity.backends.raw_tensors import to_raw_all
@@ -66,33 +67,34 @@ def pack_tokens(cfg: ModelConfig, model: Any) -> int:
 
 
 @torch.inference_mode()
-@zero_lora.skipping  # LoRA layers adding exactly zero run their base alone: the same values, bit for bit
 @native_ops.plain_kernels()  # beside an in-process engine: PyTorch's kernels and settings, not the engine's mode
-def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1,
-                    pack: int = 0, tempered: tuple[list[int], float, int, float] | None = None) -> Scores:
-    """One forward per group (`groups`: `batch_size` sequences, or `pack` tokens), right-padded (causal
-    attention never looks at the padding); log-softmax in fp32; aligned by the rule in backends/base.py.
-    The token logprobs stay on the device until every forward is done, then come to the host in one
-    transfer (a GPU waits once, not per row). `tempered` (prompt lengths, T, top-k, top-p): the positions that
-    predict a drawn token as vLLM's processed logprobs (`processed.processed_logprobs`; `tempering`)."""
+def score_sequences(model: Any, sequences: Sequences, device: torch.device, batch_size: int = 1, pack: int = 0,
+                    tempered: tuple[list[int], float, int, float] | None = None,
+                    graphs: hf_graphs.Graphs | None = None) -> Scores:
+    """One forward per group (`groups`: `batch_size` sequences, or `pack` tokens), right-padded (causal attention never
+    looks at the padding), eager with LoRA layers adding exactly zero left out (`zero_lora`: the same values) or
+    replayed from `graphs`; log-softmax in fp32; aligned by the rule in backends/base.py. The token logprobs stay on
+    the device until every forward is done, then come to the host in one transfer (a GPU waits once, not per row).
+    `tempered` (prompt lengths, T, top-k, top-p): the positions that predict a drawn token as vLLM's processed
+    logprobs (`processed.processed_logprobs`; `tempering`)."""
     gathered: list[torch.Tensor] = []
-    for part in groups(sequences, batch_size, pack):
-        group = sequences[part]
-        width = max(len(seq) for seq in group)
-        ids, mask = torch.zeros((2, len(group), width), dtype=torch.long)  # on the host, then one copy each
-        for i, seq in enumerate(group):
-            ids[i, :len(seq)] = torch.tensor(seq)
-            mask[i, :len(seq)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        kwargs = {"attention_mask": mask} if len(group) > 1 else {}
-        logits = model(input_ids=ids, **kwargs).logits
-        for i, seq in enumerate(group):
-            n, logprobs = len(seq), torch.log_softmax(logits[i, :len(seq) - 1].float(), dim=-1)
-            if tempered is not None:
-                drawn = tempered[0][part.start + i] - 1
-                logprobs[drawn:] = processed_logprobs(logits[i, drawn:n - 1], *tempered[1:], keep=ids[i, drawn + 1:n])
-            gathered.append(logprobs.gather(1, ids[i, 1:n, None])[:, 0])
-        del logits
+    with hf_graphs.forwards(model, graphs) as forward:
+        for part in groups(sequences, batch_size, pack):
+            group = sequences[part]
+            width = max(len(seq) for seq in group)
+            ids, mask = torch.zeros((2, len(group), width), dtype=torch.long)  # on the host, then one copy each
+            for i, seq in enumerate(group):
+                ids[i, :len(seq)] = torch.tensor(seq)
+                mask[i, :len(seq)] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            logits = forward(ids, mask if len(group) > 1 else None)
+            for i, seq in enumerate(group):
+                n, row = len(seq), torch.log_softmax(logits[i, :len(seq) - 1].float(), dim=-1)
+                if tempered is not None:
+                    drawn = tempered[0][part.start + i] - 1
+                    row[drawn:] = processed_logprobs(logits[i, drawn:n - 1], *tempered[1:], keep=ids[i, drawn + 1:n])
+                gathered.append(row.gather(1, ids[i, 1:n, None])[:, 0])
+            del logits
     flat = torch.cat(gathered).cpu().tolist() if gathered else []
     out: Scores = []
     at = 0
@@ -100,27 +102,6 @@ def score_sequences(model: Any, sequences: Sequences, device: torch.device, batc
         out.append(flat[at:at + len(seq) - 1])
         at += len(seq) - 1
     return out
-
-
-@torch.inference_mode()
-def generate_one(model: Any, prompt: list[int], max_tokens: int, seed: int, device: torch.device) -> tuple[
-        list[int], list[float]]:
-    """Sample `max_tokens` tokens after `prompt` at temperature 1 (a CPU generator seeded with `seed`,
-    KV cache, no stop token); the prompt + completion and its logprobs as `GeneratingSampler` states."""
-    generator = torch.Generator().manual_seed(seed)
-    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    logits = out.logits[0].float()
-    target = torch.tensor(prompt[1:], device=device)
-    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, target[:, None])[:, 0].cpu().tolist()
-    seq, last, past = list(prompt), logits[-1], out.past_key_values
-    for _ in range(max_tokens):
-        dist = torch.log_softmax(last, dim=-1)
-        token = int(torch.multinomial(dist.exp().cpu(), 1, generator=generator).item())
-        seq.append(token)
-        logprobs.append(float(dist[token].item()))
-        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
-        last, past = out.logits[0, -1].float(), out.past_key_values
-    return seq, logprobs
 
 
 def fp32_reference(cfg: ModelConfig, model_dir: Path, adapter: Path | None = None,
@@ -169,6 +150,7 @@ class HFTrainer(TrainerBackend):
         torch.manual_seed(seed)
         self.model = peft.get_peft_model(base, peft_config(cfg.adapter)).to(self.device).eval()
         self.pack = pack_tokens(cfg, base)  # tokens per scoring forward (0: `scoring.batch_size` sequences)
+        self.graphs = hf_graphs.Graphs(self.model, self.device, dense=not routes_experts(base.config.to_dict()))
         self.start_b: dict[str, torch.Tensor] | None = None
         """The starting adapter's B tensors (`load_start_adapter`); None: zero-init."""
         self.start_a = self._copy_a()
@@ -208,7 +190,13 @@ class HFTrainer(TrainerBackend):
         return {n: p.detach().clone() for n, p in self._named if "lora_A" in n}
 
     def score(self, sequences: Sequences) -> Scores:
-        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack)
+        return score_sequences(self.model, sequences, self.device, self.cfg.scoring.batch_size, self.pack,
+                               graphs=self.graphs)
+
+    def settled_settings(self) -> dict[str, str]:
+        """`served.SettlingTrainer`: on a GPU, how the scoring forwards ran (`hf_graphs.Graphs.describe`)."""
+        used = self.device.type == "cuda" and any(self.graphs.counts.values())
+        return {"forward_graphs": self.graphs.describe()} if used else {}
 
     def score_tempered(self, sequences: Sequences, temperature: float, prompt_lengths: list[int], top_k: int = 0,
                        top_p: float = 1.0) -> Scores:

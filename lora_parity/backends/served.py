@@ -67,11 +67,24 @@ class SettlingSampler(Protocol):
         ...
 
 
-def settled(sampler: object, info: BackendInfo) -> BackendInfo:
-    """`info` with what a `SettlingSampler` settled while it scored (its `cached_scoring()`); others' as it is."""
-    if not isinstance(sampler, SettlingSampler) or "cached_scoring" not in info.settings:
+@runtime_checkable
+class SettlingTrainer(Protocol):
+    """A trainer whose way of running its forwards is settled while it runs, after its `info` was taken: the HF
+    trainer's forwards replayed from CUDA graphs or not (`hf_graphs`)."""
+
+    def settled_settings(self) -> dict[str, str]:
+        """Settings to add to (or replace in) the receipt's `trainer.settings`, as they stand now."""
+        ...
+
+
+def settled(backend: object, info: BackendInfo) -> BackendInfo:
+    """`info` with what a `SettlingSampler` settled while it scored (its `cached_scoring()`), or a `SettlingTrainer`
+    while it ran; others' as it is."""
+    if isinstance(backend, SettlingTrainer):
+        return info.model_copy(update={"settings": {**info.settings, **backend.settled_settings()}})
+    if not isinstance(backend, SettlingSampler) or "cached_scoring" not in info.settings:
         return info
-    return info.model_copy(update={"settings": {**info.settings, "cached_scoring": sampler.cached_scoring()}})
+    return info.model_copy(update={"settings": {**info.settings, "cached_scoring": backend.cached_scoring()}})
 
 
 def check_options(opts: PreflightOptions) -> None:

@@ -30,7 +30,8 @@ _LAYERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 """Each model's LoRA linear layers, found once (a walk of every module per forward costs)."""
 
 
-def _lora_linears(model: Any) -> list[Any]:
+def lora_linears(model: Any) -> list[Any]:
+    """The model's PEFT LoRA linear layers, in module order."""
     layers = _LAYERS.get(model)
     if layers is None:
         layers = _LAYERS[model] = [m for m in model.modules() if type(m) is LoraLinear]
@@ -53,7 +54,7 @@ def _b_parameters(layer: Any) -> list[torch.Tensor] | None:
 
 def zero_layers(model: Any) -> list[Any]:
     """The model's LoRA linear layers whose every active B parameter is exactly zero now (one host sync)."""
-    candidates = [(layer, params) for layer in _lora_linears(model) if (params := _b_parameters(layer)) is not None]
+    candidates = [(layer, params) for layer in lora_linears(model) if (params := _b_parameters(layer)) is not None]
     if not candidates:
         return []
     # each tensor's max |x| (one fused kernel on a GPU): zero exactly when every element is (no squares to
@@ -72,9 +73,10 @@ def zero_layers(model: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def skipped(model: Any) -> Iterator[int]:
-    """Within: the layers of `zero_layers` run their base layer alone; yields how many."""
-    layers = zero_layers(model)
+def skipped(model: Any, layers: list[Any] | None = None) -> Iterator[int]:
+    """Within: the layers of `zero_layers` (or `layers`, found by it just before) run their base layer alone;
+    yields how many."""
+    layers = zero_layers(model) if layers is None else layers
     for layer in layers:
         layer._disable_adapters = True
     try:

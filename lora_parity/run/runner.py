@@ -388,7 +388,7 @@ def _receipt(plan: Plan, loaded: Backends, run: Run | None, router: RouterAgreem
         "revision": plan.revision,
         "model": loaded.model_info,
         # A server's error body may echo the API key it was sent: never into the receipt.
-        "trainer": scrub_secrets(loaded.trainer_info),
+        "trainer": scrub_secrets(served.settled(loaded.trainer, loaded.trainer_info)),
         "sampler": sampler,
         "environment": environment(loaded.device),
         "budgets": cfg.budgets,

@@ -1,0 +1,182 @@
+"""The HF trainer's scoring forward replayed from a CUDA graph (issue 47).
+
+On a GPU a small model's HF + PEFT forward costs its kernel launches, not its arithmetic: SmolLM2-135M with LoRA
+on seven projections takes about 45 ms a forward on an H100, nearly all of it Python
+(`benchmarks/gpu-trainer-forward-plain-kernels-055b39a-h100.txt`), and a default run makes about 40. A CUDA
+graph records one forward's kernels and replays them with the inputs copied into the tensors it recorded: the
+same kernels on the same shapes and the same weights' storage, in a fraction of the time.
+
+What keeps it the trainer's forward:
+- Recorded with every LoRA layer on (not `zero_lora`'s skip), so the graph runs each adapter's kernels whatever B
+  holds; a layer the eager forward skips adds exactly zero there.
+- Checked, never assumed: a graph is kept only once its replay equals the eager forward (`zero_lora`'s skip on)
+  bit for bit, and forwards run eager and are compared again until each LoRA layer has been checked while its B
+  is non-zero (then its adapter's kernels carry values: at zero-init they add zeros whatever they compute). One
+  difference turns graphs off for the model for good; the eager logits are the ones returned, and the trainer's
+  receipt says how its forwards ran (`describe`).
+- Recorded again when a parameter's or buffer's storage moved, or a LoRA layer was switched (merged, disabled,
+  another adapter active); at most `MAX_GRAPHS` shapes (a new one past them runs eager).
+- Only where it can hold: a CUDA device, a dense model (an MoE's routing reads values on the host), the plain
+  scoring forward (not the tempered one), and not with `LORA_PARITY_TRAINER_GRAPHS=0`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lora_parity.backends import zero_lora
+
+MAX_GRAPHS = 4
+"""Input shapes recorded per model (a run's probes are packed into one or two; each graph holds its activations)."""
+
+ENV = "LORA_PARITY_TRAINER_GRAPHS"
+"""Set to 0 to run every trainer forward eager."""
+
+Forward = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""(ids, mask or None) on the device → logits."""
+
+
+def call(model: Any) -> Forward:
+    """The model's plain forward: mask given only where a group has more than one sequence (as `score_sequences`)."""
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return model(input_ids=ids, **({"attention_mask": mask} if mask is not None else {})).logits
+
+    return forward
+
+
+@dataclasses.dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    logits: torch.Tensor
+    state: tuple[Any, ...]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@contextlib.contextmanager
+def forwards(model: Any, graphs: Graphs | None = None) -> Iterator[Forward]:
+    """One scoring call's forward: `graphs.forward` where graphs are on, else eager with `zero_lora`'s skip (the
+    zero layers found once for the call)."""
+    if graphs is not None and graphs.on:
+        yield graphs.forward
+        return
+    with zero_lora.skipped(model):
+        yield call(model) if graphs is None else graphs.eager
+
+
+class Graphs:
+    """One model's recorded forwards (`forwards(model, graphs)` gives a scoring call its forward)."""
+
+    def __init__(self, model: Any, device: torch.device, dense: bool,
+                 capture: Callable[[Forward, torch.Tensor, torch.Tensor | None], _Graph] | None = None) -> None:
+        self.model = model
+        self.on = dense and device.type == "cuda" and os.environ.get(ENV, "1") != "0"
+        self.why_off = ("" if self.on else f"{ENV}=0" if os.environ.get(ENV) == "0" else
+                        "not a CUDA device" if device.type != "cuda" else "an MoE (its routing reads values)")
+        self.counts = {"eager": 0, "replayed": 0, "recorded": 0}
+        self._capture = capture or self._cuda_capture
+        self._graphs: dict[tuple[Any, ...], _Graph] = {}
+        self._checked: set[int] = set()
+        """The LoRA layers (by index in `zero_lora`'s list) compared while their B was non-zero."""
+        self._stream: Any = None
+
+    def describe(self) -> str:
+        """For the trainer's receipt: how its scoring forwards ran."""
+        c = self.counts
+        if not self.on and not c["recorded"]:
+            return f"eager ({self.why_off})"
+        how = f"{c['replayed']} replayed from {c['recorded']} CUDA graph(s), {c['eager']} eager"
+        rule = "each graph kept once equal to the eager forward bit for bit, every LoRA layer checked at a non-zero B"
+        return f"{how} ({rule})" + (f"; then off: {self.why_off}" if not self.on else "")
+
+    def eager(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        self.counts["eager"] += 1
+        return call(self.model)(ids, mask)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Replayed where a checked graph serves, else eager with `zero_lora`'s skip (and a graph recorded and
+        compared where one may be)."""
+        layers = zero_lora.lora_linears(self.model)
+        key = (tuple(ids.shape), mask is None)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.state != self._state(layers):
+            del self._graphs[key]  # a parameter moved or a layer was switched: record again
+            graph = None
+        zero, live = None, None
+        if len(self._checked) < len(layers):
+            zero = zero_lora.zero_layers(self.model)
+            skipped = {id(layer) for layer in zero}
+            live = {i for i, layer in enumerate(layers) if id(layer) not in skipped}
+        if graph is not None and (live is None or live <= self._checked):
+            self.counts["replayed"] += 1
+            return self._replay(graph, ids, mask)
+        with zero_lora.skipped(self.model, zero):
+            logits = self.eager(ids, mask)
+        if graph is None and len(self._graphs) >= MAX_GRAPHS:
+            return logits
+        try:
+            if graph is None:
+                graph = self._capture(call(self.model), ids, mask)
+                graph.state = self._state(layers)
+                self.counts["recorded"] += 1
+            same = torch.equal(_bits(self._replay(graph, ids, mask)), _bits(logits))
+        except Exception as e:  # a forward that cannot be recorded (a host sync inside, no memory): eager from now
+            self._off(f"recording failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            return logits
+        if not same:
+            self._off("a replay differed from the eager forward")
+            return logits
+        self._graphs[key] = graph
+        self._checked |= live if live is not None else set()
+        return logits
+
+    def _off(self, why: str) -> None:
+        self.on, self.why_off = False, why
+        self._graphs.clear()
+
+    def _state(self, layers: list[Any]) -> tuple[Any, ...]:
+        """What a recorded graph depends on beyond its inputs: each parameter's and buffer's storage, each LoRA
+        layer's switches."""
+        m = self.model
+        return (tuple(t.data_ptr() for t in (*m.parameters(), *m.buffers())), m.training,
+                tuple((layer.disable_adapters, layer.merged, tuple(layer.active_adapters)) for layer in layers))
+
+    @staticmethod
+    def _replay(graph: _Graph, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        graph.ids.copy_(ids)
+        if mask is not None and graph.mask is not None:
+            graph.mask.copy_(mask)
+        graph.graph.replay()
+        return graph.logits
+
+    def _cuda_capture(self, forward: Forward, ids: torch.Tensor, mask: torch.Tensor | None) -> _Graph:
+        """Record `forward` on a side stream (warmed once: its cuBLAS handle and workspace are made outside any
+        graph); no device-wide sync and no cache flush (`torch.cuda.graph` does both)."""
+        ids, mask = ids.clone(), mask.clone() if mask is not None else None
+        current = torch.cuda.current_stream(ids.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(ids.device)
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                forward(ids, mask)
+        self._stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                logits = forward(ids, mask)
+            finally:
+                graph.capture_end()
+        current.wait_stream(self._stream)
+        return _Graph(graph, ids, mask, logits, ())
