@@ -10,10 +10,12 @@ What keeps it the trainer's forward:
 - Recorded with every LoRA layer on (not `zero_lora`'s skip), so the graph runs each adapter's kernels whatever B
   holds; a layer the eager forward skips adds exactly zero there.
 - Checked, never assumed: a graph is kept only once its replay equals the eager forward (`zero_lora`'s skip on)
-  bit for bit, and forwards run eager and are compared again until each LoRA layer has been checked while its B
-  is non-zero (then its adapter's kernels carry values: at zero-init they add zeros whatever they compute). One
-  difference turns graphs off for the model for good; the eager logits are the ones returned, and the trainer's
-  receipt says how its forwards ran (`describe`).
+  bit for bit, and that shape's forwards run eager and are compared again until each LoRA layer has been checked
+  while its B is non-zero (then its adapter's kernels carry values: at zero-init they add zeros whatever they
+  compute). A difference, or a forward that cannot be recorded, leaves that shape eager for good (transformers
+  5.17 builds an explicit causal mask while a graph records a one-sequence forward, which the eager forward leaves
+  to the kernel); the eager logits are the ones returned, and the trainer's receipt says how its forwards ran
+  (`describe`).
 - Recorded again when a parameter's or buffer's storage moved, or a LoRA layer was switched (merged, disabled,
   another adapter active); at most `MAX_GRAPHS` shapes (a new one past them runs eager).
 - Only where it can hold: a CUDA device, a dense model (an MoE's routing reads values on the host), the plain
@@ -37,6 +39,9 @@ MAX_GRAPHS = 4
 
 ENV = "LORA_PARITY_TRAINER_GRAPHS"
 """Set to 0 to run every trainer forward eager."""
+
+Key = tuple[tuple[int, ...], bool]
+"""A recorded forward's inputs: the ids' shape, and whether it has no mask (one sequence)."""
 
 Forward = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """(ids, mask or None) on the device → logits."""
@@ -76,7 +81,8 @@ def forwards(model: Any, graphs: Graphs | None = None) -> Iterator[Forward]:
 
 
 class Graphs:
-    """One model's recorded forwards (`forwards(model, graphs)` gives a scoring call its forward)."""
+    """One model's recorded forwards, one per input shape (`forwards(model, graphs)` gives a scoring call its
+    forward)."""
 
     def __init__(self, model: Any, device: torch.device, dense: bool,
                  capture: Callable[[Forward, torch.Tensor, torch.Tensor | None], _Graph] | None = None) -> None:
@@ -86,26 +92,29 @@ class Graphs:
                         "not a CUDA device" if device.type != "cuda" else "an MoE (its routing reads values)")
         self.counts = {"eager": 0, "replayed": 0, "recorded": 0}
         self._capture = capture or self._cuda_capture
-        self._graphs: dict[tuple[Any, ...], _Graph] = {}
-        self._checked: set[int] = set()
-        """The LoRA layers (by index in `zero_lora`'s list) compared while their B was non-zero."""
+        self._graphs: dict[Key, _Graph] = {}
+        self._checked: dict[Key, set[int]] = {}
+        """Per graph, the LoRA layers (by index in `zero_lora.lora_linears`) compared while their B was non-zero."""
+        self.eager_only: dict[Key, str] = {}
+        """Shapes whose replay differed from the eager forward or that could not be recorded: why."""
         self._stream: Any = None
 
     def describe(self) -> str:
         """For the trainer's receipt: how its scoring forwards ran."""
         c = self.counts
-        if not self.on and not c["recorded"]:
+        if not self.on:
             return f"eager ({self.why_off})"
-        how = f"{c['replayed']} replayed from {c['recorded']} CUDA graph(s), {c['eager']} eager"
-        rule = "each graph kept once equal to the eager forward bit for bit, every LoRA layer checked at a non-zero B"
-        return f"{how} ({rule})" + (f"; then off: {self.why_off}" if not self.on else "")
+        how = (f"{c['replayed']} replayed from {c['recorded']} CUDA graph(s), {c['eager']} eager (a graph serves once "
+               "its replays equal the eager forward bit for bit with every LoRA layer's B non-zero at some check)")
+        refused = "; ".join(f"shape {list(key[0])}: {why}" for key, why in self.eager_only.items())
+        return how + (f"; eager only: {refused}" if refused else "")
 
     def eager(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.counts["eager"] += 1
         return call(self.model)(ids, mask)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Replayed where a checked graph serves, else eager with `zero_lora`'s skip (and a graph recorded and
+        """Replayed where a checked graph serves, else eager with `zero_lora`'s skip (and a graph recorded or
         compared where one may be)."""
         layers = zero_lora.lora_linears(self.model)
         key = (tuple(ids.shape), mask is None)
@@ -113,17 +122,18 @@ class Graphs:
         if graph is not None and graph.state != self._state(layers):
             del self._graphs[key]  # a parameter moved or a layer was switched: record again
             graph = None
+        checked = self._checked.get(key, set()) if graph is not None else set()
         zero, live = None, None
-        if len(self._checked) < len(layers):
+        if len(checked) < len(layers):
             zero = zero_lora.zero_layers(self.model)
             skipped = {id(layer) for layer in zero}
             live = {i for i, layer in enumerate(layers) if id(layer) not in skipped}
-        if graph is not None and (live is None or live <= self._checked):
+        if graph is not None and (live is None or live <= checked):
             self.counts["replayed"] += 1
             return self._replay(graph, ids, mask)
         with zero_lora.skipped(self.model, zero):
             logits = self.eager(ids, mask)
-        if graph is None and len(self._graphs) >= MAX_GRAPHS:
+        if graph is None and (key in self.eager_only or len(self._graphs) + len(self.eager_only) >= MAX_GRAPHS):
             return logits
         try:
             if graph is None:
@@ -131,19 +141,20 @@ class Graphs:
                 graph.state = self._state(layers)
                 self.counts["recorded"] += 1
             same = torch.equal(_bits(self._replay(graph, ids, mask)), _bits(logits))
-        except Exception as e:  # a forward that cannot be recorded (a host sync inside, no memory): eager from now
-            self._off(f"recording failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        except Exception as e:  # a forward that cannot be recorded (a host sync inside, no memory): eager
+            self._refuse(key, f"recording failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             return logits
         if not same:
-            self._off("a replay differed from the eager forward")
+            self._refuse(key, "a replay differed from the eager forward")
             return logits
         self._graphs[key] = graph
-        self._checked |= live if live is not None else set()
+        self._checked[key] = checked | (live or set())
         return logits
 
-    def _off(self, why: str) -> None:
-        self.on, self.why_off = False, why
-        self._graphs.clear()
+    def _refuse(self, key: Key, why: str) -> None:
+        self._graphs.pop(key, None)
+        self._checked.pop(key, None)
+        self.eager_only[key] = why
 
     def _state(self, layers: list[Any]) -> tuple[Any, ...]:
         """What a recorded graph depends on beyond its inputs: each parameter's and buffer's storage, each LoRA
