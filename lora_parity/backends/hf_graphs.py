@@ -98,6 +98,7 @@ class Graphs:
         self.eager_only: dict[Key, str] = {}
         """Shapes whose replay differed from the eager forward or that could not be recorded: why."""
         self._stream: Any = None
+        self._tensors: list[torch.Tensor] | None = None
 
     def describe(self) -> str:
         """For the trainer's receipt: how its scoring forwards ran."""
@@ -157,10 +158,12 @@ class Graphs:
         self.eager_only[key] = why
 
     def _state(self, layers: list[Any]) -> tuple[Any, ...]:
-        """What a recorded graph depends on beyond its inputs: each parameter's and buffer's storage, each LoRA
+        """What a recorded graph depends on beyond its inputs: each parameter's and buffer's storage (the tensors
+        listed once: fixed after the load, as `HFTrainer._named`; a `.data` swapped in moves the address), each LoRA
         layer's switches."""
-        m = self.model
-        return (tuple(t.data_ptr() for t in (*m.parameters(), *m.buffers())), m.training,
+        if self._tensors is None:
+            self._tensors = [*self.model.parameters(), *self.model.buffers()]
+        return (tuple(t.data_ptr() for t in self._tensors), self.model.training,
                 tuple((layer.disable_adapters, layer.merged, tuple(layer.active_adapters)) for layer in layers))
 
     @staticmethod
