@@ -16,8 +16,9 @@ What keeps it the trainer's forward:
   5.17 builds an explicit causal mask while a graph records a one-sequence forward, which the eager forward leaves
   to the kernel); the eager logits are the ones returned, and the trainer's receipt says how its forwards ran
   (`describe`).
-- Recorded again when a parameter's or buffer's storage moved, or a LoRA layer was switched (merged, disabled,
-  another adapter active); at most `MAX_GRAPHS` shapes (a new one past them runs eager).
+- Recorded at a shape's second forward (a shape scored once, as `trainer_updated_alt`'s one sequence a forward,
+  costs no recording), again when a parameter's or buffer's storage moved or a LoRA layer was switched (merged,
+  disabled, another adapter active); at most `MAX_GRAPHS` shapes (a new one past them runs eager).
 - Only where it can hold: a CUDA device, a dense model (an MoE's routing reads values on the host), the plain
   scoring forward (not the tempered one), and not with `LORA_PARITY_TRAINER_GRAPHS=0`.
 """
@@ -95,6 +96,7 @@ class Graphs:
         self._graphs: dict[Key, _Graph] = {}
         self._checked: dict[Key, set[int]] = {}
         """Per graph, the LoRA layers (by index in `zero_lora.lora_linears`) compared while their B was non-zero."""
+        self._seen: set[Key] = set()
         self.eager_only: dict[Key, str] = {}
         """Shapes whose replay differed from the eager forward or that could not be recorded: why."""
         self._stream: Any = None
@@ -134,7 +136,9 @@ class Graphs:
             return self._replay(graph, ids, mask)
         with zero_lora.skipped(self.model, zero):
             logits = self.eager(ids, mask)
-        if graph is None and (key in self.eager_only or len(self._graphs) + len(self.eager_only) >= MAX_GRAPHS):
+        if graph is None and (key not in self._seen or key in self.eager_only
+                              or len(self._graphs) + len(self.eager_only) >= MAX_GRAPHS):
+            self._seen.add(key)  # a shape is recorded at its second forward: one scored once costs no recording
             return logits
         try:
             if graph is None:
