@@ -153,16 +153,26 @@ def test_past_max_graphs_a_new_shape_runs_eager(trainer: Any) -> None:
 
 
 @pytest.mark.parametrize(("device", "dense", "env", "why"), [
-    ("cpu", True, None, "not a CUDA device"), ("cuda", False, None, "an MoE"),
-    ("cuda", True, "0", "LORA_PARITY_TRAINER_GRAPHS=0")])
+    ("cpu", True, "1", "not a CUDA device"), ("cuda", False, "1", "an MoE"),
+    ("cuda", True, None, "off by default (LORA_PARITY_TRAINER_GRAPHS=1 turns them on)"),
+    ("cuda", True, "0", "off by default")])
 def test_where_graphs_are_off(trainer: Any, monkeypatch: Any, device: str, dense: bool, env: str | None,
                               why: str) -> None:
     from lora_parity.backends import hf_graphs
 
     if env is not None:
         monkeypatch.setenv(hf_graphs.ENV, env)
+    else:
+        monkeypatch.delenv(hf_graphs.ENV, raising=False)
     graphs = hf_graphs.Graphs(trainer.model, torch.device(device), dense=dense)
     assert not graphs.on and why in graphs.describe()
+
+
+def test_on_where_asked_on_a_dense_model_on_a_cuda_device(trainer: Any, monkeypatch: Any) -> None:
+    from lora_parity.backends import hf_graphs
+
+    monkeypatch.setenv(hf_graphs.ENV, "1")
+    assert hf_graphs.Graphs(trainer.model, torch.device("cuda"), dense=True).on
 
 
 def test_the_cpu_trainer_runs_eager_and_its_receipt_settings_stay_as_they_were(trainer: Any) -> None:

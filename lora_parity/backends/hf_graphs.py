@@ -1,4 +1,4 @@
-"""The HF trainer's scoring forward replayed from a CUDA graph (issue 47).
+"""The HF trainer's scoring forward replayed from a CUDA graph (issue 47), with `LORA_PARITY_TRAINER_GRAPHS=1`.
 
 On a GPU a small model's HF + PEFT forward costs its kernel launches, not its arithmetic: SmolLM2-135M with LoRA
 on seven projections takes about 45 ms a forward on an H100, nearly all of it Python
@@ -20,7 +20,7 @@ What keeps it the trainer's forward:
   costs no recording), again when a parameter's or buffer's storage moved or a LoRA layer was switched (merged,
   disabled, another adapter active); at most `MAX_GRAPHS` shapes (a new one past them runs eager).
 - Only where it can hold: a CUDA device, a dense model (an MoE's routing reads values on the host), the plain
-  scoring forward (not the tempered one), and not with `LORA_PARITY_TRAINER_GRAPHS=0`.
+  scoring forward (not the tempered one); and only with `LORA_PARITY_TRAINER_GRAPHS=1` (`ENV`: off by default).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ MAX_GRAPHS = 4
 """Input shapes recorded per model (a run's probes are packed into one or two; each graph holds its activations)."""
 
 ENV = "LORA_PARITY_TRAINER_GRAPHS"
-"""Set to 0 to run every trainer forward eager."""
+"""Set to 1 to replay the trainer's forwards from graphs. Off by default: on one H100 of two a run with them was no
+faster, the engine's passes after the first recording slower
+(`benchmarks/gpu-bench-smollm2-d5a64c5-graphs-h100.txt`)."""
 
 Key = tuple[tuple[int, ...], bool]
 """A recorded forward's inputs: the ids' shape, and whether it has no mask (one sequence)."""
@@ -88,9 +90,9 @@ class Graphs:
     def __init__(self, model: Any, device: torch.device, dense: bool,
                  capture: Callable[[Forward, torch.Tensor, torch.Tensor | None], _Graph] | None = None) -> None:
         self.model = model
-        self.on = dense and device.type == "cuda" and os.environ.get(ENV, "1") != "0"
-        self.why_off = ("" if self.on else f"{ENV}=0" if os.environ.get(ENV) == "0" else
-                        "not a CUDA device" if device.type != "cuda" else "an MoE (its routing reads values)")
+        self.on = dense and device.type == "cuda" and os.environ.get(ENV) == "1"
+        self.why_off = ("" if self.on else "not a CUDA device" if device.type != "cuda" else
+                        "an MoE (its routing reads values)" if not dense else f"off by default ({ENV}=1 turns them on)")
         self.counts = {"eager": 0, "replayed": 0, "recorded": 0}
         self._capture = capture or self._cuda_capture
         self._graphs: dict[Key, _Graph] = {}
