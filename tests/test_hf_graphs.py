@@ -92,7 +92,7 @@ def test_a_replay_that_differs_leaves_its_shape_eager_and_the_eager_scores_stand
     assert _score(trainer, graphs) == eager and graphs.counts["recorded"] == 1
     assert _score(trainer, graphs) == eager  # that shape eager from now on: neither recorded nor replayed again
     assert graphs.counts == {"eager": 3, "replayed": 0, "recorded": 1}
-    assert "eager only: shape [2, 7]: a replay differed from the eager forward" in graphs.describe()
+    assert "eager only: shape [2, 7], lengths [7, 4]: a replay differed from the eager forward" in graphs.describe()
 
 
 def test_a_graph_wrong_only_where_b_is_live_is_caught_before_any_replay_counts(trainer: Any) -> None:
@@ -154,7 +154,7 @@ def test_past_max_graphs_a_new_shape_runs_eager(trainer: Any) -> None:
 
 @pytest.mark.parametrize(("device", "dense", "env", "why"), [
     ("cpu", True, "1", "not a CUDA device"), ("cuda", False, "1", "an MoE"),
-    ("cuda", True, None, "off by default (LORA_PARITY_TRAINER_GRAPHS=1 turns them on)"),
+    ("cuda", True, None, "off by default: LORA_PARITY_TRAINER_GRAPHS=1 turns them on"),
     ("cuda", True, "0", "off by default")])
 def test_where_graphs_are_off(trainer: Any, monkeypatch: Any, device: str, dense: bool, env: str | None,
                               why: str) -> None:
@@ -194,3 +194,19 @@ def test_a_settling_trainer_s_settings_reach_the_receipt_as_they_stand_at_the_en
     assert served.settled(Trainer(), info).settings == {
         "dtype": "bfloat16", "forward_graphs": "12 replayed from 1 CUDA graph(s), 3 eager"}
     assert served.settled(object(), info) is info
+
+
+def test_the_same_shape_with_another_padding_gets_its_own_graph(trainer: Any) -> None:
+    """Two sequences padded to 7 tokens, and two of 7 (no padding): the same ids' shape, another mask, which an eager
+    forward may take another path for; each is recorded and checked on its own."""
+    from lora_parity.backends.hf import score_sequences
+
+    graphs = _graphs(trainer)
+    trainer.zero_b()
+    trainer.perturb(0.02, 4)
+    unpadded = [SEQUENCES[0], SEQUENCES[0][::-1]]
+    for seqs in (SEQUENCES, unpadded) * 3:
+        assert score_sequences(trainer.model, seqs, trainer.device, pack=64, graphs=graphs) == score_sequences(
+            trainer.model, seqs, trainer.device, pack=64)
+    assert graphs.counts == {"eager": 4, "replayed": 2, "recorded": 2}
+    trainer.zero_b()

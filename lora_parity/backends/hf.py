@@ -87,7 +87,7 @@ def score_sequences(model: Any, sequences: Sequences, device: torch.device, batc
                 ids[i, :len(seq)] = torch.tensor(seq)
                 mask[i, :len(seq)] = 1
             ids, mask = ids.to(device), mask.to(device)
-            logits = forward(ids, mask if len(group) > 1 else None)
+            logits = forward(ids, mask if len(group) > 1 else None, tuple(len(seq) for seq in group))
             for i, seq in enumerate(group):
                 n, row = len(seq), torch.log_softmax(logits[i, :len(seq) - 1].float(), dim=-1)
                 if tempered is not None:

@@ -43,17 +43,21 @@ ENV = "LORA_PARITY_TRAINER_GRAPHS"
 faster, the engine's passes after the first recording slower
 (`benchmarks/gpu-bench-smollm2-d5a64c5-graphs-h100.txt`)."""
 
-Key = tuple[tuple[int, ...], bool]
-"""A recorded forward's inputs: the ids' shape, and whether it has no mask (one sequence)."""
+Key = tuple[tuple[int, ...], bool, tuple[int, ...]]
+"""A recorded forward's inputs: the ids' shape, whether it has no mask (one sequence), and each sequence's length
+(the mask's pattern: an eager forward may take another path where no sequence is padded)."""
 
-Forward = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-"""(ids, mask or None) on the device → logits."""
+Forward = Callable[[torch.Tensor, "torch.Tensor | None", tuple[int, ...]], torch.Tensor]
+"""A scoring call's forward: (ids, mask or None, the sequences' lengths) on the device → logits."""
+
+Recorded = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""What a graph records: (ids, mask or None) → logits."""
 
 
 def call(model: Any) -> Forward:
     """The model's plain forward: mask given only where a group has more than one sequence (as `score_sequences`)."""
 
-    def forward(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(ids: torch.Tensor, mask: torch.Tensor | None, lengths: tuple[int, ...] = ()) -> torch.Tensor:
         return model(input_ids=ids, **({"attention_mask": mask} if mask is not None else {})).logits
 
     return forward
@@ -84,15 +88,15 @@ def forwards(model: Any, graphs: Graphs | None = None) -> Iterator[Forward]:
 
 
 class Graphs:
-    """One model's recorded forwards, one per input shape (`forwards(model, graphs)` gives a scoring call its
-    forward)."""
+    """One model's recorded forwards, one per input shape and padding (`Key`; `forwards(model, graphs)` gives a
+    scoring call its forward)."""
 
     def __init__(self, model: Any, device: torch.device, dense: bool,
-                 capture: Callable[[Forward, torch.Tensor, torch.Tensor | None], _Graph] | None = None) -> None:
+                 capture: Callable[[Recorded, torch.Tensor, torch.Tensor | None], _Graph] | None = None) -> None:
         self.model = model
         self.on = dense and device.type == "cuda" and os.environ.get(ENV) == "1"
         self.why_off = ("" if self.on else "not a CUDA device" if device.type != "cuda" else
-                        "an MoE (its routing reads values)" if not dense else f"off by default ({ENV}=1 turns them on)")
+                        "an MoE (its routing reads values)" if not dense else f"off by default: {ENV}=1 turns them on")
         self.counts = {"eager": 0, "replayed": 0, "recorded": 0}
         self._capture = capture or self._cuda_capture
         self._graphs: dict[Key, _Graph] = {}
@@ -111,18 +115,19 @@ class Graphs:
             return f"eager ({self.why_off})"
         how = (f"{c['replayed']} replayed from {c['recorded']} CUDA graph(s), {c['eager']} eager (a graph serves once "
                "its replays equal the eager forward bit for bit with every LoRA layer's B non-zero at some check)")
-        refused = "; ".join(f"shape {list(key[0])}: {why}" for key, why in self.eager_only.items())
+        refused = "; ".join(f"shape {list(shape)}, lengths {list(lengths)}: {why}"
+                            for (shape, _, lengths), why in self.eager_only.items())
         return how + (f"; eager only: {refused}" if refused else "")
 
-    def eager(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def eager(self, ids: torch.Tensor, mask: torch.Tensor | None, lengths: tuple[int, ...] = ()) -> torch.Tensor:
         self.counts["eager"] += 1
-        return call(self.model)(ids, mask)
+        return call(self.model)(ids, mask, lengths)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, lengths: tuple[int, ...]) -> torch.Tensor:
         """Replayed where a checked graph serves, else eager with `zero_lora`'s skip (and a graph recorded or
         compared where one may be)."""
         layers = zero_lora.lora_linears(self.model)
-        key = (tuple(ids.shape), mask is None)
+        key = (tuple(ids.shape), mask is None, lengths)
         graph = self._graphs.get(key)
         if graph is not None and graph.state != self._state(layers):
             del self._graphs[key]  # a parameter moved or a layer was switched: record again
@@ -144,7 +149,7 @@ class Graphs:
             return logits
         try:
             if graph is None:
-                graph = self._capture(call(self.model), ids, mask)
+                graph = self._capture(lambda i, m: call(self.model)(i, m, lengths), ids, mask)
                 graph.state = self._state(layers)
                 self.counts["recorded"] += 1
             same = torch.equal(_bits(self._replay(graph, ids, mask)), _bits(logits))
@@ -180,7 +185,7 @@ class Graphs:
         graph.graph.replay()
         return graph.logits
 
-    def _cuda_capture(self, forward: Forward, ids: torch.Tensor, mask: torch.Tensor | None) -> _Graph:
+    def _cuda_capture(self, forward: Recorded, ids: torch.Tensor, mask: torch.Tensor | None) -> _Graph:
         """Record `forward` on a side stream (warmed once: its cuBLAS handle and workspace are made outside any
         graph); no device-wide sync and no cache flush (`torch.cuda.graph` does both)."""
         ids, mask = ids.clone(), mask.clone() if mask is not None else None
