@@ -233,3 +233,24 @@ def test_the_export_writes_what_peft_writes_byte_for_byte(tmp_path: Path) -> Non
             assert (ours / name).read_bytes() == (tmp_path / f"peft-{i}" / name).read_bytes(), (i, name)
         assert sorted(p.name for p in ours.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert trainer.writer._direct  # the later ones were written without PEFT
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_write_safetensors_is_save_file_byte_for_byte(tmp_path: Path, dtype: str) -> None:
+    """`adapter_export.write_safetensors`: the data ordered by name, the header's entries in that order after the
+    metadata, compact and padded to 8 bytes, as `save_file`; tensors of several dtypes or an odd name are left to it."""
+    from safetensors.torch import save_file
+
+    from lora_parity.backends.adapter_export import write_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    named = [(name, torch.randn(shape, generator=gen).to(getattr(torch, dtype)))
+             for name, shape in [("b.lora_B.weight", (6, 2)), ("a.lora_A.weight", (2, 6)), ("a.lora_B.weight", (3, 2)),
+                                 ("a.b.c", (5,)), ("z", (1, 1, 3))]]
+    for count in (1, 2, 5):
+        assert write_safetensors(tmp_path / "ours", named[:count], {"format": "pt"})
+        save_file(dict(named[:count]), str(tmp_path / "theirs"), metadata={"format": "pt"})
+        assert (tmp_path / "ours").read_bytes() == (tmp_path / "theirs").read_bytes(), count
+    mixed = [*named[:2], ("c", torch.zeros(2, dtype=torch.int32 if dtype != "int32" else torch.float32))]
+    assert not write_safetensors(tmp_path / "mixed", mixed, {"format": "pt"}) and not (tmp_path / "mixed").exists()
+    assert not write_safetensors(tmp_path / "odd", [('a"b', named[0][1])], {"format": "pt"})
