@@ -254,3 +254,25 @@ def test_write_safetensors_is_save_file_byte_for_byte(tmp_path: Path, dtype: str
     mixed = [*named[:2], ("c", torch.zeros(2, dtype=torch.int32 if dtype != "int32" else torch.float32))]
     assert not write_safetensors(tmp_path / "mixed", mixed, {"format": "pt"}) and not (tmp_path / "mixed").exists()
     assert not write_safetensors(tmp_path / "odd", [('a"b', named[0][1])], {"format": "pt"})
+
+
+@pytest.mark.parametrize(("stored", "wanted"),
+                         [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float16")])
+def test_views_on_gives_copy_raw_s_values(stored: str, wanted: str) -> None:
+    """`raw_tensors.views_on` (one transfer and one cast per stored dtype, views of it) gives the values `copy_raw`
+    writes into tensors of their own, bit for bit; a state whose bytes do not fill the shapes is refused."""
+    from lora_parity.backends.raw_tensors import copy_raw, to_raw_all, views_on
+    from lora_parity.util.errors import ConfigError
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": (torch.randn(shape, generator=gen) * 3).to(getattr(torch, stored))
+               for i, shape in enumerate([(4, 3), (2,), (3, 1, 2)])}
+    state = to_raw_all(tensors.items())
+    views = views_on(state, list(state), torch.device("cpu"), getattr(torch, wanted))
+    params = {n: torch.empty(list(state[n][1]), dtype=getattr(torch, wanted)) for n in state}
+    copy_raw(params, state, torch.device("cpu"))
+    assert all(torch.equal(views[n].view(torch.uint8), params[n].view(torch.uint8)) for n in state)
+    assert [list(v.shape) for v in views.values()] == [[4, 3], [2], [3, 1, 2]]
+    short = {**state, "t1": (state["t1"][0], [3], state["t1"][2])}
+    with pytest.raises(ConfigError, match="hold 20 values where their shapes need 21"):
+        views_on(short, list(short), torch.device("cpu"), torch.float32)

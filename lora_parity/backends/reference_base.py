@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lora_parity.backends.raw_tensors import copy_raw
+from lora_parity.backends.raw_tensors import views_on
 from lora_parity.models.config import ModelConfig
 from lora_parity.models.fresh_adapter import RawTensor
 from lora_parity.util.errors import ConfigError
@@ -122,7 +122,8 @@ Pairs = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 def lora_pairs(state: Mapping[str, RawTensor], targets: Mapping[str, torch.nn.Linear], what: str,
                device: torch.device, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(A, B) of each target layer from the trainer's tensors `state` (PEFT's saved names), on `device` in `dtype`,
-    in one transfer per stored dtype; a missing tensor or one of another shape than the layer needs is refused."""
+    in one transfer and one cast per stored dtype (views of it); a missing tensor or one of another shape than the
+    layer needs is refused."""
     names: dict[str, tuple[int, ...]] = {}
     for path, layer in targets.items():
         names[f"{PREFIX}{path}.lora_A.weight"] = (-1, layer.in_features)
@@ -136,8 +137,7 @@ def lora_pairs(state: Mapping[str, RawTensor], targets: Mapping[str, torch.nn.Li
         want = [rank, cols] if rows == -1 else [rows, rank]
         if shape != want:
             raise ConfigError(f"{what}: {name} is {shape}, expected {want}")
-    params = {name: torch.empty(list(state[name][1]), dtype=dtype, device=device) for name in names}
-    copy_raw(params, state, device)
+    params = views_on(state, list(names), device, dtype)
     return {path: (params[f"{PREFIX}{path}.lora_A.weight"], params[f"{PREFIX}{path}.lora_B.weight"])
             for path in targets}
 
