@@ -140,3 +140,27 @@ def test_dora_and_merged_layers_are_never_skipped() -> None:
     assert len(zero_lora.zero_layers(plain)) == 2  # PEFT's own init: B zero
     plain.base_model.model[0].merge()
     assert len(zero_lora.zero_layers(plain)) == 1
+
+
+def test_perturb_reaches_the_kind_and_layers_asked_for_each_time(trainer: Any) -> None:
+    """The HF trainer's B lists are found once per (kind, layers): a perturb inside `restricted_to` moves only those
+    layers' B of that kind, one outside it the kind's B in every layer, and one of all kinds every B."""
+    from lora_parity.backends.layer_subset import layer_of
+    from lora_parity.models.perturb import is_lora_b, target_kind
+
+    def moved() -> set[tuple[str, int]]:
+        return {(target_kind(n), layer_of(n)) for n, p in trainer.model.named_parameters() if is_lora_b(n) and p.any()}
+
+    layers = trainer.layers()
+    for _ in range(2):  # the second time from the kept lists
+        trainer.zero_b()
+        with trainer.restricted_to(layers[:1]):
+            trainer.perturb(0.02, 1, only="q_proj")
+        assert moved() == {("q_proj", layers[0])}
+        trainer.zero_b()
+        trainer.perturb(0.02, 1, only="q_proj")
+        assert moved() == {("q_proj", layer) for layer in layers}
+        trainer.zero_b()
+        trainer.perturb(0.02, 1)
+        assert {kind for kind, _ in moved()} == set(trainer.cfg.adapter.targets) and len(layers) > 1
+    trainer.zero_b()

@@ -157,6 +157,7 @@ class HFTrainer(TrainerBackend):
         """Every A at the start point (a step moves A; `zero_b` puts it back)."""
         self.gradients = hf_step.GradientCache()  # the loss's gradient at the start point, per sequences and kind
         self.noise, self.writer = UnitNoise(), AdapterWriter()  # B's draws kept across a search's perturbs; exports
+        self._b_lists: dict[tuple[str | None, frozenset[int] | None], list[tuple[str, torch.nn.Parameter]]] = {}
         timings["trainer.load"] = time.perf_counter() - start
 
     @torch.no_grad()
@@ -238,9 +239,13 @@ class HFTrainer(TrainerBackend):
         return layer_subset.restricted(self, layers)
 
     def _lora_b(self, only: str | None = None) -> list[tuple[str, torch.nn.Parameter]]:
-        """Every LoRA B, or target kind `only`'s (in the layers of `restricted_to` where one is in force)."""
-        return [(n, p) for n, p in self._named if is_lora_b(n) and (
-            only is None or (target_kind(n) == only and layer_subset.keeps(self.layers_only, n)))]
+        """Every LoRA B, or target kind `only`'s (in the layers of `restricted_to` where one is in force); each list
+        found once (the parameters are fixed after the load, as `_named`: a search's perturbs walked them each)."""
+        key = (only, self.layers_only if only is not None else None)
+        if key not in self._b_lists:
+            self._b_lists[key] = [(n, p) for n, p in self._named if is_lora_b(n) and (
+                only is None or (target_kind(n) == only and layer_subset.keeps(self.layers_only, n)))]
+        return self._b_lists[key]
 
     @torch.no_grad()
     def perturb(self, std: float, seed: int, only: str | None = None) -> Perturbation:
