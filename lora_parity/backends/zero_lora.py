@@ -16,15 +16,12 @@ overflowing in its base path meets.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
-
-R = TypeVar("R")
 
 _LAYERS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 """Each model's LoRA linear layers, found once (a walk of every module per forward costs)."""
@@ -84,14 +81,3 @@ def skipped(model: Any, layers: list[Any] | None = None) -> Iterator[int]:
     finally:
         for layer in layers:
             layer._disable_adapters = False
-
-
-def skipping(score: Callable[..., R]) -> Callable[..., R]:
-    """`score(model, ...)` with `skipped(model)` around it."""
-
-    @functools.wraps(score)
-    def wrapper(model: Any, *args: Any, **kwargs: Any) -> R:
-        with skipped(model):
-            return score(model, *args, **kwargs)
-
-    return wrapper
