@@ -77,8 +77,8 @@ def views_on(state: Mapping[str, RawTensor], names: Sequence[str], device: torch
         kinds.setdefault(state[name][0], []).append(name)
     out: dict[str, torch.Tensor] = {}
     for stored, group in kinds.items():
-        data = b"".join(state[n][2] for n in group)
-        flat = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[stored]) if data else torch.empty(0)
+        data = bytearray().join(state[n][2] for n in group)  # one copy of the bytes, writable as frombuffer wants
+        flat = torch.frombuffer(data, dtype=TORCH_DTYPES[stored]) if data else torch.empty(0)
         sizes = [math.prod(state[n][1]) for n in group]
         if flat.numel() != sum(sizes):
             raise ConfigError(f"the {stored} tensors given hold {flat.numel()} values where their shapes need "
