@@ -80,7 +80,7 @@ def test_replays_equal_eager_and_start_once_every_layer_was_checked_live(trainer
     assert seen[:3] == [("zero", 0), ("q_proj", 0), ("all", 0)]
     assert all(n == 1 for _, n in seen[3:])
     assert graphs.counts["recorded"] == 1 and not graphs.eager_only
-    assert graphs.describe().startswith("6 replayed from 1 CUDA graph(s), 3 eager")
+    assert graphs.describe().startswith("since the trainer loaded, 6 replayed from 1 CUDA graph(s), 3 eager")
     trainer.zero_b()
 
 
@@ -154,8 +154,7 @@ def test_past_max_graphs_a_new_shape_runs_eager(trainer: Any) -> None:
 
 @pytest.mark.parametrize(("device", "dense", "env", "why"), [
     ("cpu", True, "1", "not a CUDA device"), ("cuda", False, "1", "an MoE"),
-    ("cuda", True, None, "off by default: LORA_PARITY_TRAINER_GRAPHS=1 turns them on"),
-    ("cuda", True, "0", "off by default")])
+    ("cuda", True, "0", "turned off: LORA_PARITY_TRAINER_GRAPHS=0")])
 def test_where_graphs_are_off(trainer: Any, monkeypatch: Any, device: str, dense: bool, env: str | None,
                               why: str) -> None:
     from lora_parity.backends import hf_graphs
@@ -168,10 +167,14 @@ def test_where_graphs_are_off(trainer: Any, monkeypatch: Any, device: str, dense
     assert not graphs.on and why in graphs.describe()
 
 
-def test_on_where_asked_on_a_dense_model_on_a_cuda_device(trainer: Any, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("env", [None, "1"])
+def test_on_by_default_on_a_dense_model_on_a_cuda_device(trainer: Any, monkeypatch: Any, env: str | None) -> None:
     from lora_parity.backends import hf_graphs
 
-    monkeypatch.setenv(hf_graphs.ENV, "1")
+    if env is not None:
+        monkeypatch.setenv(hf_graphs.ENV, env)
+    else:
+        monkeypatch.delenv(hf_graphs.ENV, raising=False)
     assert hf_graphs.Graphs(trainer.model, torch.device("cuda"), dense=True).on
 
 

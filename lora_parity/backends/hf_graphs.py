@@ -1,4 +1,4 @@
-"""The HF trainer's scoring forward replayed from a CUDA graph (issue 47), with `LORA_PARITY_TRAINER_GRAPHS=1`.
+"""The HF trainer's scoring forward replayed from a CUDA graph (issue 47); `LORA_PARITY_TRAINER_GRAPHS=0` turns it off.
 
 On a GPU a small model's HF + PEFT forward costs its kernel launches, not its arithmetic: SmolLM2-135M with LoRA
 on seven projections takes about 45 ms a forward on an H100, nearly all of it Python
@@ -20,7 +20,11 @@ What keeps it the trainer's forward:
   costs no recording), again when a parameter's or buffer's storage moved or a LoRA layer was switched (merged,
   disabled, another adapter active); at most `MAX_GRAPHS` shapes (a new one past them runs eager).
 - Only where it can hold: a CUDA device, a dense model (an MoE's routing reads values on the host), the plain
-  scoring forward (not the tempered one); and only with `LORA_PARITY_TRAINER_GRAPHS=1` (`ENV`: off by default).
+  scoring forward (not the tempered one); and not with `LORA_PARITY_TRAINER_GRAPHS=0` (`ENV`).
+
+On by default: on an H100 the run's score lists and every selftest fault's equal those of the eager forwards bit for
+bit, the engine's passes are no slower after a recording in its process, and a default run is 2-3 % shorter
+(BENCHMARKS.md, thirty-fifth session).
 """
 
 from __future__ import annotations
@@ -94,9 +98,9 @@ class Graphs:
     def __init__(self, model: Any, device: torch.device, dense: bool,
                  capture: Callable[[Recorded, torch.Tensor, torch.Tensor | None], _Graph] | None = None) -> None:
         self.model = model
-        self.on = dense and device.type == "cuda" and os.environ.get(ENV) == "1"
+        self.on = dense and device.type == "cuda" and os.environ.get(ENV) != "0"
         self.why_off = ("" if self.on else "not a CUDA device" if device.type != "cuda" else
-                        "an MoE (its routing reads values)" if not dense else f"off by default: {ENV}=1 turns them on")
+                        "an MoE (its routing reads values)" if not dense else f"turned off: {ENV}=0")
         self.counts = {"eager": 0, "replayed": 0, "recorded": 0}
         self._capture = capture or self._cuda_capture
         self._graphs: dict[Key, _Graph] = {}
@@ -113,8 +117,9 @@ class Graphs:
         c = self.counts
         if not self.on:
             return f"eager ({self.why_off})"
-        how = (f"{c['replayed']} replayed from {c['recorded']} CUDA graph(s), {c['eager']} eager (a graph serves once "
-               "its replays equal the eager forward bit for bit with every LoRA layer's B non-zero at some check)")
+        how = (f"since the trainer loaded, {c['replayed']} replayed from {c['recorded']} CUDA graph(s), {c['eager']} "
+               "eager (a graph serves once its replays equal the eager forward bit for bit with every LoRA layer's B "
+               "non-zero at some check)")
         refused = "; ".join(f"shape {list(shape)}, lengths {list(lengths)}: {why}"
                             for (shape, _, lengths), why in self.eager_only.items())
         return how + (f"; eager only: {refused}" if refused else "")
