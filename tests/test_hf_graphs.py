@@ -37,7 +37,8 @@ class _Replay:
         self.logits.copy_(self.fault(self.forward(self.ids, self.mask), self.model))
 
 
-def _graphs(trainer: Any, fault: Any = lambda logits, model: logits, raises: Exception | None = None) -> Any:
+def _graphs(trainer: Any, fault: Any = lambda logits, model: logits, raises: Exception | None = None,
+            free: int = 1 << 40) -> Any:
     from lora_parity.backends import hf_graphs
 
     def capture(forward: Any, ids: Any, mask: Any) -> Any:
@@ -48,7 +49,8 @@ def _graphs(trainer: Any, fault: Any = lambda logits, model: logits, raises: Exc
         replay = _Replay(forward, ids, mask, logits, fault, trainer.model)
         return hf_graphs._Graph(replay, ids, mask, logits, ())
 
-    graphs = hf_graphs.Graphs(trainer.model, torch.device("cpu"), dense=True, capture=capture)
+    graphs = hf_graphs.Graphs(trainer.model, torch.device("cpu"), dense=True, capture=capture,
+                              free_memory=lambda device: free)
     graphs.on, graphs.why_off = True, ""  # the CPU stands in for a CUDA device here
     return graphs
 
@@ -137,6 +139,26 @@ def test_a_forward_that_cannot_be_recorded_runs_eager(trainer: Any) -> None:
     assert all(_score(trainer, graphs) == eager for _ in range(3))
     assert graphs.counts == {"eager": 3, "replayed": 0, "recorded": 0}  # tried once (the second), not again
     assert "recording failed: RuntimeError: operation not permitted" in graphs.describe()
+
+
+@pytest.mark.parametrize("short", [1, 0])
+def test_a_shape_is_recorded_only_where_the_device_has_room(trainer: Any, short: int) -> None:
+    from lora_parity.backends import hf_graphs
+
+    trainer.zero_b()
+    logits = hf_graphs.call(trainer.model)(torch.tensor([SEQUENCES[0]]), None)
+    need = hf_graphs.ROOM * logits.numel() * logits.element_size() + hf_graphs.RESERVE
+    graphs = _graphs(trainer, free=need - short)
+    seqs = [SEQUENCES[0]]
+    from lora_parity.backends.hf import score_sequences
+
+    eager = score_sequences(trainer.model, seqs, trainer.device)
+    assert all(score_sequences(trainer.model, seqs, trainer.device, graphs=graphs) == eager for _ in range(3))
+    if short:  # one byte short: eager for good, and the receipt says why
+        assert graphs.counts == {"eager": 3, "replayed": 0, "recorded": 0}
+        assert "too little free device memory to record" in graphs.describe()
+    else:
+        assert graphs.counts["recorded"] == 1 and not graphs.eager_only
 
 
 def test_past_max_graphs_a_new_shape_runs_eager(trainer: Any) -> None:

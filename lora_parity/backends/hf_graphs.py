@@ -19,6 +19,8 @@ What keeps it the trainer's forward:
 - Recorded at a shape's second forward (a shape scored once, as `trainer_updated_alt`'s one sequence a forward,
   costs no recording), again when a parameter's or buffer's storage moved or a LoRA layer was switched (merged,
   disabled, another adapter active); at most `MAX_GRAPHS` shapes (a new one past them runs eager).
+- Only where there is room: a shape is recorded only while the device's free memory (the driver's, and the cache's
+  unused part) is at least `ROOM` times its logits plus `RESERVE`; else it stays eager, and the receipt says why.
 - Only where it can hold: a CUDA device, a dense model (an MoE's routing reads values on the host), the plain
   scoring forward (not the tempered one); and not with `LORA_PARITY_TRAINER_GRAPHS=0` (`ENV`).
 
@@ -43,9 +45,13 @@ MAX_GRAPHS = 4
 """Input shapes recorded per model (a run's probes are packed into one or two; each graph holds its activations)."""
 
 ENV = "LORA_PARITY_TRAINER_GRAPHS"
-"""Set to 1 to replay the trainer's forwards from graphs. Off by default: on one H100 of two a run with them was no
-faster, the engine's passes after the first recording slower
-(`benchmarks/gpu-bench-smollm2-d5a64c5-graphs-h100.txt`)."""
+"""Set to 0 to run the trainer's forwards eager (the graphs are on by default where they can hold)."""
+
+ROOM = 4
+"""A shape is recorded only while the device has free at least ROOM times its eager forward's logits, plus
+`RESERVE`: the graph's own memory (its output and the forward's transient tensors, about one to two times the logits)
+is held for the run, beside the eager forwards that still compare it and the trainer's other work."""
+RESERVE = 1 << 30
 
 Key = tuple[tuple[int, ...], bool, tuple[int, ...]]
 """A recorded forward's inputs: the ids' shape, whether it has no mask (one sequence), and each sequence's length
@@ -96,13 +102,15 @@ class Graphs:
     scoring call its forward)."""
 
     def __init__(self, model: Any, device: torch.device, dense: bool,
-                 capture: Callable[[Recorded, torch.Tensor, torch.Tensor | None], _Graph] | None = None) -> None:
+                 capture: Callable[[Recorded, torch.Tensor, torch.Tensor | None], _Graph] | None = None,
+                 free_memory: Callable[[torch.device], int] | None = None) -> None:
         self.model = model
         self.on = dense and device.type == "cuda" and os.environ.get(ENV) != "0"
         self.why_off = ("" if self.on else "not a CUDA device" if device.type != "cuda" else
                         "an MoE (its routing reads values)" if not dense else f"turned off: {ENV}=0")
         self.counts = {"eager": 0, "replayed": 0, "recorded": 0}
         self._capture = capture or self._cuda_capture
+        self._free_memory = free_memory or _cuda_free
         self._graphs: dict[Key, _Graph] = {}
         self._checked: dict[Key, set[int]] = {}
         """Per graph, the LoRA layers (by index in `zero_lora.lora_linears`) compared while their B was non-zero."""
@@ -152,6 +160,9 @@ class Graphs:
                               or len(self._graphs) + len(self.eager_only) >= MAX_GRAPHS):
             self._seen.add(key)  # a shape is recorded at its second forward: one scored once costs no recording
             return logits
+        if graph is None and not self._room(logits):
+            self._refuse(key, f"too little free device memory to record ({ROOM} x its logits + {RESERVE >> 30} GiB)")
+            return logits
         try:
             if graph is None:
                 graph = self._capture(lambda i, m: call(self.model)(i, m, lengths), ids, mask)
@@ -167,6 +178,9 @@ class Graphs:
         self._graphs[key] = graph
         self._checked[key] = checked | (live or set())
         return logits
+
+    def _room(self, logits: torch.Tensor) -> bool:
+        return self._free_memory(logits.device) >= ROOM * logits.numel() * logits.element_size() + RESERVE
 
     def _refuse(self, key: Key, why: str) -> None:
         self._graphs.pop(key, None)
@@ -210,3 +224,9 @@ class Graphs:
                 graph.capture_end()
         current.wait_stream(self._stream)
         return _Graph(graph, ids, mask, logits, ())
+
+
+def _cuda_free(device: torch.device) -> int:
+    """Bytes the device can still give this process: the driver's free memory and what torch's cache holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
