@@ -161,6 +161,23 @@ def test_a_shape_is_recorded_only_where_the_device_has_room(trainer: Any, short:
         assert graphs.counts["recorded"] == 1 and not graphs.eager_only
 
 
+def test_free_memory_that_cannot_be_read_leaves_the_shape_eager(trainer: Any) -> None:
+    from lora_parity.backends import hf_graphs
+    from lora_parity.backends.hf import score_sequences
+
+    def unreadable(device: Any) -> int:
+        raise RuntimeError("CUDA driver error: unknown")
+
+    graphs = hf_graphs.Graphs(trainer.model, torch.device("cpu"), dense=True, capture=lambda *a: None,
+                              free_memory=unreadable)
+    graphs.on = True
+    trainer.zero_b()
+    seqs = [SEQUENCES[0]]
+    eager = score_sequences(trainer.model, seqs, trainer.device)
+    assert all(score_sequences(trainer.model, seqs, trainer.device, graphs=graphs) == eager for _ in range(3))
+    assert "recording failed: RuntimeError: CUDA driver error: unknown" in graphs.describe()
+
+
 def test_past_max_graphs_a_new_shape_runs_eager(trainer: Any) -> None:
     from lora_parity.backends import hf_graphs
     from lora_parity.backends.hf import score_sequences

@@ -160,11 +160,12 @@ class Graphs:
                               or len(self._graphs) + len(self.eager_only) >= MAX_GRAPHS):
             self._seen.add(key)  # a shape is recorded at its second forward: one scored once costs no recording
             return logits
-        if graph is None and not self._room(logits):
-            self._refuse(key, f"too little free device memory to record ({ROOM} x its logits + {RESERVE >> 30} GiB)")
-            return logits
         try:
             if graph is None:
+                if not self._room(logits):
+                    self._refuse(key, f"too little free device memory to record ({ROOM} x its logits + "
+                                      f"{RESERVE >> 30} GiB)")
+                    return logits
                 graph = self._capture(lambda i, m: call(self.model)(i, m, lengths), ids, mask)
                 graph.state = self._state(layers)
                 self.counts["recorded"] += 1
