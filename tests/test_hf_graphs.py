@@ -144,14 +144,13 @@ def test_a_forward_that_cannot_be_recorded_runs_eager(trainer: Any) -> None:
 @pytest.mark.parametrize("short", [1, 0])
 def test_a_shape_is_recorded_only_where_the_device_has_room(trainer: Any, short: int) -> None:
     from lora_parity.backends import hf_graphs
+    from lora_parity.backends.hf import score_sequences
 
     trainer.zero_b()
     logits = hf_graphs.call(trainer.model)(torch.tensor([SEQUENCES[0]]), None)
     need = hf_graphs.ROOM * logits.numel() * logits.element_size() + hf_graphs.RESERVE
     graphs = _graphs(trainer, free=need - short)
     seqs = [SEQUENCES[0]]
-    from lora_parity.backends.hf import score_sequences
-
     eager = score_sequences(trainer.model, seqs, trainer.device)
     assert all(score_sequences(trainer.model, seqs, trainer.device, graphs=graphs) == eager for _ in range(3))
     if short:  # one byte short: eager for good, and the receipt says why
